@@ -1,0 +1,20 @@
+"""Versioned, validated bus events (standard library and orjson only)."""
+from schemas.base import SCHEMA_VERSION, Event, SchemaError, decode, encode, event_types, utc_now
+from schemas.call import CallCompleted, CallTokens, SamplingParams
+from schemas.cell import CellSwitch, CellSwitched, Route, RouteUpdated
+from schemas.execution import (
+    ExecutionDispatched,
+    ExecutionFinished,
+    ExecutionInfo,
+    ExecutionScored,
+    ExecutionStarted,
+)
+from schemas.step import MicrostepExecution, MicrostepReady, StepCompleted, StepSealed, WeightsPublished
+
+__all__ = [
+    "SCHEMA_VERSION", "Event", "SchemaError", "decode", "encode", "event_types", "utc_now",
+    "CallCompleted", "CallTokens", "SamplingParams",
+    "CellSwitch", "CellSwitched", "Route", "RouteUpdated",
+    "ExecutionDispatched", "ExecutionFinished", "ExecutionInfo", "ExecutionScored", "ExecutionStarted",
+    "MicrostepExecution", "MicrostepReady", "StepCompleted", "StepSealed", "WeightsPublished",
+]

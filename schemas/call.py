@@ -1,0 +1,101 @@
+"""`call.completed`: one model call of a harness, token-in/token-out.
+
+Id: `<run>:<execution>:call:<seq>`. Arrays of tokens may be moved to the run's object
+store when the encoded event would exceed a threshold; then `tokens_ref` holds the
+key and the three arrays are empty (see `CallTokens`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Literal
+
+from schemas.base import Event, fail, register
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+Role = Literal["main", "main-summary", "sub-agent", "sub-agent-summary", "auxiliary"]
+CallStatus = Literal["ok", "aborted", "error"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """Sampling parameters the engine used for this call.
+
+    temperature: softmax temperature (> 0); behaviour log-probs are of logits / temperature.
+    top_p: nucleus mass in (0, 1]; 1 = off. top_k: -1 = off. max_tokens: completion cap.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 256
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CallTokens:
+    """The token arrays of a call (inline or in the object store under `tokens_ref`).
+
+    prompt_ids: (P,) int, the prompt ids *after* the reused prefix of the parent call.
+    completion_ids: (C,) int, sampled ids, stop token included when finish_reason is `stop`.
+    logprobs: (C,) float, behaviour log-probs (natural log) of completion_ids under the
+      temperature-scaled distribution before top-p/top-k truncation.
+    """
+
+    prompt_ids: tuple[int, ...] = ()
+    completion_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+
+
+@register
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CallCompleted(Event):
+    """Proxy: a model call was answered (or aborted) and recorded.
+
+    call: call id `<execution>:<seq>`. seq: 0-based order of calls in the execution.
+    parent_call: call whose prompt+completion this call's prompt extends (branch point),
+      None for a root. prefix_len: number of leading ids of the parent's full sequence
+      (its prompt + completion) that this call's prompt reuses verbatim.
+    tokens: see CallTokens (empty when tokens_ref is set).
+    versions: policy-version spans over the completion: ((start, end, version), ...),
+      half-open token index ranges covering [0, C).
+    role: `main`, `main-summary`, `sub-agent`, `sub-agent-summary`, `auxiliary` (never trained).
+    api: `chat`, `responses`, `messages`. cell: id of the cell that served it.
+    timings: seconds — `queue_s`, `engine_s`, `total_s`.
+    drift: number of ids where re-rendered and recorded prompt ids disagreed.
+    """
+
+    NAME: ClassVar[str] = "call.completed"
+    call: str
+    execution: str
+    seq: int
+    parent_call: str | None
+    prefix_len: int
+    tokens: CallTokens
+    tokens_ref: str | None = None
+    sampling: SamplingParams
+    finish_reason: FinishReason
+    versions: tuple[tuple[int, int, int], ...]
+    cell: str
+    role: Role = "main"
+    api: str = "chat"
+    status: CallStatus = "ok"
+    timings: dict = dataclasses.field(default_factory=dict)
+    drift: int = 0
+
+    def check(self) -> None:
+        if self.seq < 0:
+            fail(self, "seq", "must be >= 0")
+        if self.prefix_len < 0:
+            fail(self, "prefix_len", "must be >= 0")
+        if self.parent_call is None and self.prefix_len != 0:
+            fail(self, "prefix_len", "a root call reuses no prefix")
+        t = self.tokens
+        if len(t.completion_ids) != len(t.logprobs):
+            fail(self, "tokens", f"completion_ids ({len(t.completion_ids)}) and logprobs ({len(t.logprobs)}) differ in length")
+        if self.tokens_ref is None:
+            covered = 0
+            for start, end, _version in self.versions:
+                if start != covered or end < start:
+                    fail(self, "versions", "spans must be contiguous half-open ranges from 0")
+                covered = end
+            if covered != len(t.completion_ids):
+                fail(self, "versions", f"spans cover {covered} tokens, completion has {len(t.completion_ids)}")
