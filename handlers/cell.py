@@ -1,0 +1,220 @@
+"""Cell daemon: one long-lived process that holds an engine or a trainer replica.
+
+A switch changes what the process holds, never the process (DESIGN.md "Cells and
+engines"): the engine's HTTP server stays bound; while the cell trains it answers 503,
+so the proxy waits or reroutes. The core cell (`cell0`) owns the optimizer state.
+
+Consumes `cell.switch` (its own durable `cell-<id>-v1`), `microstep.ready` (work queue,
+only while training) and `step.sealed` (replayed); publishes `cell.switched` with
+measured durations, `weights.published` and `step.completed`.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from pathlib import Path
+
+import structlog
+
+import schemas
+from bus import Bus, Retry
+from bus.subjects import ConsumerSpec
+from gyre.engine import Engine, EngineConfig
+from gyre.microstep import from_bytes
+from gyre.trainer import Trainer, TrainerConfig
+from handlers import engine_server
+from handlers.daemon import RunContext, daemon_main
+from schemas import ids
+
+log = structlog.get_logger()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Config:
+    """cell: cell id; the core cell is `cell0`. weights_dir: where new versions are
+    written (`v<k>/`). host/port: engine listener (port 0 = free port)."""
+
+    run: str
+    nats_url: str
+    nats_token: str | None
+    cell: str
+    model_dir: Path
+    weights_dir: Path
+    engine: EngineConfig
+    trainer: TrainerConfig
+    host: str = "127.0.0.1"
+    port: int = 0
+
+    @property
+    def core(self) -> bool:
+        return self.cell == "cell0"
+
+
+def config_from_context(ctx: RunContext, args) -> Config:
+    r = ctx.recipe
+    return Config(run=ctx.run, nats_url=ctx.nats_url, nats_token=ctx.nats_token, cell=args.cell,
+                  model_dir=ctx.model_dir, weights_dir=ctx.run_dir / "weights",
+                  engine=EngineConfig(model_dir=str(ctx.model_dir), max_context_tokens=r.engine.max_context_tokens,
+                                      max_completion_tokens=r.sampling.max_tokens, seed=r.run.seed),
+                  trainer=TrainerConfig(lr=r.train.lr, weight_decay=r.train.weight_decay, grad_clip=r.train.grad_clip,
+                                        eps_low=r.train.eps_low, eps_high=r.train.eps_high, seed=r.run.seed))
+
+
+class Cell:
+    def __init__(self, cfg: Config, bus: Bus) -> None:
+        self.cfg = cfg
+        self.bus = bus
+        self.role = "idle"
+        self.version = 0
+        self.engine = Engine(cfg.engine)
+        self.trainer: Trainer | None = None
+        self.app = None
+        self.url = ""
+        self.sealed: dict[int, schemas.StepSealed] = {}
+        self.claimed: dict[int, int] = {}
+        self.step_started: dict[int, float] = {}
+        self.training_stop: asyncio.Event | None = None
+        self.training_task: asyncio.Task | None = None
+        self.step_lock = asyncio.Lock()
+        self.latest_weights: schemas.WeightsPublished | None = None
+
+    async def start(self) -> None:
+        self.app, self.runner, self.url = await engine_server.serve(self.engine, host=self.cfg.host, port=self.cfg.port)
+        await self._switched(-1, "idle", "rollout", {"total_s": 0.0})
+        self.role = "rollout"
+        log.info("cell.started", cell=self.cfg.cell, engine_url=self.url)
+
+    async def stop(self) -> None:
+        if self.training_stop:
+            self.training_stop.set()
+        if self.training_task:
+            await asyncio.wait([self.training_task], timeout=30)
+        await self.runner.cleanup()
+
+    async def _switched(self, seq: int, from_role: str, to_role: str, durations: dict) -> None:
+        event_seq = seq if seq >= 0 else 0
+        event_id = ids.switched(self.cfg.run, self.cfg.cell, seq) if seq >= 0 else f"{self.cfg.run}:cell:{self.cfg.cell}:announce:{int(time.time() * 1e6)}"
+        await self.bus.publish(schemas.CellSwitched(
+            event_id=event_id, cell=self.cfg.cell, seq=event_seq, from_role=from_role, to_role=to_role,
+            durations=durations, engine_url=self.url if to_role == "rollout" else "", policy_version=self.version))
+
+    # --- switches -------------------------------------------------------------------
+    async def handle_switch(self, event: schemas.CellSwitch) -> None:
+        if event.cell != self.cfg.cell:
+            return
+        if event.to_role == self.role:
+            return  # redelivered: already there
+        t0 = time.perf_counter()
+        durations: dict[str, float] = {}
+        if event.to_role == "training":
+            engine_server.set_serving(self.app, False)
+            await asyncio.to_thread(self.engine.flush_cache)
+            durations["release_s"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            if self.trainer is None and self.cfg.core:
+                self.trainer = await asyncio.to_thread(Trainer, str(self.cfg.model_dir), self.cfg.trainer)
+            durations["load_s"] = time.perf_counter() - t1
+            self.role = "training"
+            self._start_training()
+        elif event.to_role == "rollout":
+            await self._stop_training()
+            durations["release_s"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            weights = self.latest_weights
+            if weights is not None and weights.policy_version > self.engine.version:
+                await asyncio.to_thread(self.engine.load_weights, weights.path, weights.policy_version)
+                self.version = weights.policy_version
+            durations["load_s"] = time.perf_counter() - t1
+            engine_server.set_serving(self.app, True)
+            self.role = "rollout"
+        durations["total_s"] = time.perf_counter() - t0
+        await self._switched(event.seq, event.from_role, event.to_role, durations)
+        log.info("cell.switched", cell=self.cfg.cell, to_role=event.to_role, policy_version=self.version, **durations)
+
+    # --- training -------------------------------------------------------------------
+    def _start_training(self) -> None:
+        if not self.cfg.core:
+            return  # satellites join later (elastic issue); the core trains alone here
+        self.training_stop = asyncio.Event()
+        self.training_task = asyncio.create_task(
+            self.bus.consume("trainer-v1", self.handle_microstep, stop=self.training_stop))
+
+    async def _stop_training(self) -> None:
+        if self.training_stop is not None:
+            self.training_stop.set()
+            if self.training_task is not None:
+                await self.training_task
+            self.training_stop = self.training_task = None
+
+    async def handle_microstep(self, event: schemas.MicrostepReady) -> None:
+        assert self.trainer is not None
+        data = await self.bus.get_object(event.key)
+        ms = from_bytes(data)
+        self.step_started.setdefault(event.step, time.perf_counter())
+        await asyncio.to_thread(self.trainer.accumulate, ms)
+        self.claimed[event.step] = self.claimed.get(event.step, 0) + 1
+        log.info("cell.microstep.trained", step=event.step, microstep=event.microstep, tokens=event.tokens)
+        await self._maybe_apply(event.step)
+
+    async def handle_sealed(self, event: schemas.StepSealed) -> None:
+        self.sealed[event.step] = event
+        if self.role == "training":
+            await self._maybe_apply(event.step)
+
+    async def handle_weights(self, event: schemas.WeightsPublished) -> None:
+        if self.latest_weights is None or event.policy_version > self.latest_weights.policy_version:
+            self.latest_weights = event
+
+    async def _maybe_apply(self, step: int) -> None:
+        async with self.step_lock:
+            sealed = self.sealed.get(step)
+            if sealed is None or self.trainer is None or self.claimed.get(step, 0) < sealed.microsteps:
+                return
+            if self.trainer.version > step:
+                return  # already applied
+            stats = await asyncio.to_thread(self.trainer.apply, max(sealed.executions, 1))
+            version = self.trainer.version
+            out = self.cfg.weights_dir / f"v{version}"
+            await asyncio.to_thread(self.trainer.save, out)
+            weights = schemas.WeightsPublished(event_id=ids.weights(self.cfg.run, version), policy_version=version,
+                                               step=step, path=str(out))
+            self.latest_weights = weights
+            await self.bus.publish(weights)
+            duration = time.perf_counter() - self.step_started.get(step, time.perf_counter())
+            await self.bus.publish(schemas.StepCompleted(
+                event_id=ids.step_completed(self.cfg.run, step), step=step, loss=float(stats.loss),
+                grad_norm=float(stats.grad_norm), tokens=int(stats.tokens), executions=sealed.executions,
+                policy_version=version, duration_s=duration, reward_mean=sealed.reward_mean))
+            log.info("cell.step.applied", step=step, loss=stats.loss, grad_norm=stats.grad_norm,
+                     tokens=stats.tokens, policy_version=version)
+
+
+async def run(cfg: Config, stop: asyncio.Event) -> None:
+    bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name=cfg.cell)
+    cell = Cell(cfg, bus)
+    try:
+        await bus.ensure_streams()
+        await bus.ensure_consumer(ConsumerSpec(f"{cfg.cell}-v1", "CELLS", ("cell.switch",), ack_wait_s=120.0,
+                                               max_ack_pending=1))
+        await cell.start()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(bus.consume(f"{cfg.cell}-v1", cell.handle_switch, stop=stop))
+            tg.create_task(bus.replay(["step.sealed"], cell.handle_sealed, stop=stop))
+            tg.create_task(bus.replay(["weights.published"], cell.handle_weights, stop=stop))
+    finally:
+        await cell.stop()
+        await bus.close()
+
+
+def _args(p) -> None:
+    p.add_argument("--cell", default="cell0", help="cell id; cell0 is the core cell")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return daemon_main("cell", "Cell: hosts an engine (rollout) or a trainer replica (training).",
+                       config_from_context, run, argv, extra_args=_args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

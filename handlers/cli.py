@@ -1,0 +1,65 @@
+"""The `gyre` command.
+
+    gyre run RECIPE [--set table.key=value ...]   start everything, show progress, exit 0
+    gyre tap [PATTERN] [--run ID | --all-runs]    print live events of the current run
+    gyre init-model DIR                           write the embedded default model
+    gyre proxy|cell|scheduler|builder|runner|evaluator --run-dir DIR   one daemon
+"""
+from __future__ import annotations
+
+import sys
+
+USAGE = __doc__
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE.strip())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "run":
+        from handlers.run import main as run_main
+        return run_main(rest)
+    if command == "tap":
+        from handlers.tap import main as tap_main
+        return tap_main(rest)
+    if command == "init-model":
+        return _init_model(rest)
+    daemons = {
+        "proxy": "handlers.proxy",
+        "cell": "handlers.cell",
+        "scheduler": "handlers.scheduler",
+        "builder": "handlers.builder",
+        "runner": "handlers.runner",
+        "evaluator": "handlers.evaluator",
+    }
+    if command in daemons:
+        import importlib
+        return importlib.import_module(daemons[command]).main(rest)
+    print(f"gyre: unknown command {command!r}\n\n{USAGE.strip()}", file=sys.stderr)
+    return 2
+
+
+def _init_model(argv: list[str]) -> int:
+    import argparse
+
+    from gyre.model import ModelSpec, init_model
+
+    p = argparse.ArgumentParser(prog="gyre init-model", description="Write the embedded default model (HF checkpoint).")
+    p.add_argument("dir")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    spec = ModelSpec(layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
+                     head_dim=a.hidden // a.heads, intermediate=3 * a.hidden, seed=a.seed)
+    path = init_model(a.dir, spec)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,170 @@
+"""What every daemon shares: run context, logging, signals, and the main() shape.
+
+A daemon is started either by `gyre run` (which passes `--run-dir`) or on its own for a
+deployment (`gyre proxy --run-dir DIR`, or `--recipe R --run ID` with `GYRE_NATS_URL`
+and credentials in the environment). Secrets travel in the environment, never argv:
+`GYRE_NATS_TOKEN` (NATS token) and `GYRE_KEY_SECRET` (hex; execution keys).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import orjson
+import structlog
+
+from gyre.config import Recipe, load_recipe, recipe_from_dict
+
+log = structlog.get_logger()
+
+
+class FatalError(RuntimeError):
+    """A daemon cannot continue; main() exits non-zero so a supervisor restarts it."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunContext:
+    """Where a daemon belongs: its run, run directory, recipe and bus credentials.
+
+    nats_token / key_secret come from the environment only.
+    """
+
+    run: str
+    run_dir: Path
+    recipe: Recipe
+    nats_url: str
+    nats_token: str | None
+    key_secret: bytes
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.recipe.model.dir) if self.recipe.model.dir else self.run_dir / "model"
+
+
+def read_nats_info(run_dir: Path) -> dict:
+    """The run's `nats.json`: {"url", "run", "token"?}. Raises FatalError if absent."""
+    path = run_dir / "nats.json"
+    try:
+        return orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise FatalError(f"{path} not found: is the run started (gyre run) and is --run-dir right?") from None
+
+
+def context_from_args(args: argparse.Namespace) -> RunContext:
+    """Build the RunContext from `--run-dir` or `--recipe/--run` plus the environment."""
+    env_url = os.environ.get("GYRE_NATS_URL")
+    token = os.environ.get("GYRE_NATS_TOKEN")
+    secret_hex = os.environ.get("GYRE_KEY_SECRET", "")
+    if args.run_dir:
+        run_dir = Path(args.run_dir).resolve()
+        info = read_nats_info(run_dir)
+        recipe = recipe_from_dict(orjson.loads((run_dir / "config.json").read_bytes()))
+        run = info["run"]
+        url = env_url or info["url"]
+        token = token or info.get("token")
+    else:
+        if not (args.recipe and args.run and env_url):
+            raise FatalError("give --run-dir, or --recipe and --run with GYRE_NATS_URL set")
+        recipe = load_recipe(args.recipe)
+        run = args.run
+        run_dir = Path(os.environ.get("GYRE_RUNS_DIR", "runs")).resolve() / run
+        url = env_url
+    if not secret_hex and (run_dir / "key_secret").exists():
+        secret_hex = (run_dir / "key_secret").read_text().strip()
+    return RunContext(run=run, run_dir=run_dir, recipe=recipe, nats_url=url, nats_token=token,
+                      key_secret=bytes.fromhex(secret_hex) if secret_hex else b"")
+
+
+def base_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--run-dir", help="run directory written by `gyre run` (config.json, nats.json)")
+    p.add_argument("--recipe", help="recipe name or TOML path (with --run and GYRE_NATS_URL)")
+    p.add_argument("--run", help="run id (with --recipe)")
+    p.add_argument("--log-json", action="store_true", help="JSON log lines even on a terminal")
+    return p
+
+
+def configure_logging(name: str, *, json_lines: bool | None = None, level: int = logging.INFO) -> None:
+    """structlog: JSON lines in production (not a TTY), readable lines on a terminal."""
+    if json_lines is None:
+        json_lines = not sys.stderr.isatty()
+    renderer = structlog.processors.JSONRenderer() if json_lines else structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    structlog.contextvars.bind_contextvars(daemon=name)
+
+
+def install_signals(stop: asyncio.Event) -> None:
+    """SIGTERM/SIGINT set `stop`; a second signal exits at once."""
+    loop = asyncio.get_running_loop()
+
+    def _on_signal(signum: int) -> None:
+        if stop.is_set():
+            log.warning("daemon.signal.forced", signal=signum)
+            os._exit(130)
+        log.info("daemon.signal", signal=signum)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _on_signal, sig)
+
+
+def daemon_main(name: str, description: str,
+                make_config: Callable[[RunContext, argparse.Namespace], object],
+                run: Callable[[object, asyncio.Event], Awaitable[None]],
+                argv: list[str] | None = None, extra_args: Callable[[argparse.ArgumentParser], None] | None = None,
+                ) -> int:
+    """The one main() of every daemon: parse args, build its Config, run until stopped.
+
+    make_config(ctx, args) builds the daemon's frozen Config from the run context;
+    run(cfg, stop) is the daemon's `async def run`.
+
+    Returns the exit status: 0 after a clean stop, 1 on a fatal error (so a supervisor
+    restarts it), 2 on bad arguments.
+    """
+    parser = base_parser(f"gyre {name}", description)
+    if extra_args:
+        extra_args(parser)
+    args = parser.parse_args(argv)
+    configure_logging(name, json_lines=True if args.log_json else None)
+    try:
+        ctx = context_from_args(args)
+        cfg = make_config(ctx, args)
+    except (FatalError, ValueError, OSError) as exc:
+        log.error("daemon.config.invalid", error=str(exc))
+        return 2
+    structlog.contextvars.bind_contextvars(run=ctx.run)
+
+    async def _main() -> None:
+        stop = asyncio.Event()
+        install_signals(stop)
+        await run(cfg, stop)
+
+    try:
+        asyncio.run(_main())
+    except FatalError as exc:
+        log.error("daemon.fatal", error=str(exc))
+        return 1
+    except Exception as exc:  # noqa: BLE001 - last line of defence: log, exit non-zero
+        log.error("daemon.crashed", error=repr(exc), traceback=traceback.format_exc())
+        return 1
+    log.info("daemon.stopped")
+    return 0

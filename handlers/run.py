@@ -1,0 +1,324 @@
+"""`gyre run RECIPE`: one training run on this machine, every daemon as a process.
+
+Creates `runs/<run id>/` (config.json, key_secret and nats.json readable only by the
+owner, logs/, metrics.jsonl, summary.json), starts a private nats-server (unless
+`GYRE_NATS_URL` names an external one), writes the model if the recipe has none,
+starts proxy, runner, evaluator, builder, cells and scheduler, follows the run's
+events to show progress, and stops everything once the last step is completed.
+Exit status: 0 done, 1 a daemon failed or the run timed out, 2 bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import orjson
+
+import schemas
+from bus import Bus
+from bus.server import NatsServer
+from gyre.config import Recipe, RecipeError, load_recipe
+
+DAEMONS = ("proxy", "runner", "evaluator", "builder")
+
+
+def runs_root() -> Path:
+    return Path(os.environ.get("GYRE_RUNS_DIR", "runs")).resolve()
+
+
+def _parse_overrides(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise RecipeError(f"--set {item!r}: expected table.key=value")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = raw  # a bare string
+    return out
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+class Progress:
+    """Follows the run's events: prints progress lines, appends metrics, builds the summary."""
+
+    def __init__(self, recipe: Recipe, metrics_path: Path) -> None:
+        self.recipe = recipe
+        self.metrics = open(metrics_path, "ab")
+        self.t0 = time.monotonic()
+        self.started: set[str] = set()
+        self.finished: dict[str, str] = {}
+        self.rewards: dict[int, dict[str, float]] = {}
+        self.excluded: set[str] = set()
+        self.calls = 0
+        self.calls_by_version: dict[int, int] = {}
+        self.completed: dict[int, schemas.StepCompleted] = {}
+        self.sealed: dict[int, schemas.StepSealed] = {}
+        self.switches: list[dict] = []
+        self.done = asyncio.Event()
+
+    def _emit(self, kind: str, **fields) -> None:
+        fields = {"t": round(time.monotonic() - self.t0, 3), "kind": kind, **fields}
+        self.metrics.write(orjson.dumps(fields) + b"\n")
+        self.metrics.flush()
+
+    def _say(self, text: str) -> None:
+        print(f"[{time.monotonic() - self.t0:7.1f}s] {text}", flush=True)
+
+    async def on_event(self, event) -> None:
+        steps = self.recipe.run.steps
+        per_step = self.recipe.tasks.groups_per_step * self.recipe.tasks.group_size
+        if isinstance(event, schemas.ExecutionStarted):
+            self.started.add(event.info.execution)
+        elif isinstance(event, schemas.ExecutionFinished):
+            self.finished[event.info.execution] = event.status
+            step = event.info.step
+            done = sum(1 for e in self.finished if e.startswith(f"s{step}-"))
+            self._emit("execution.finished", execution=event.info.execution, status=event.status,
+                       duration_s=event.duration_s)
+            self._say(f"step {step}: execution {event.info.execution} {event.status} "
+                      f"({event.duration_s:.1f}s) — {done}/{per_step} done, "
+                      f"{len(self.started) - len(self.finished)} running")
+        elif isinstance(event, schemas.ExecutionScored):
+            step = event.info.step
+            if event.outcome == "excluded":
+                self.excluded.add(event.info.execution)
+            else:
+                self.rewards.setdefault(step, {})[event.info.execution] = float(event.reward or 0.0)
+            self._emit("execution.scored", execution=event.info.execution, outcome=event.outcome,
+                       reward=event.reward, reason=event.reason)
+        elif isinstance(event, schemas.CallCompleted):
+            self.calls += 1
+            for _s, _e, v in event.versions:
+                self.calls_by_version[v] = self.calls_by_version.get(v, 0) + 1
+        elif isinstance(event, schemas.StepSealed):
+            self.sealed[event.step] = event
+            self._say(f"step {event.step}: sealed — {event.microsteps} micro-steps, {event.executions} executions, "
+                      f"reward mean {event.reward_mean:.3f}, zero-variance groups {event.zero_variance_groups}")
+        elif isinstance(event, schemas.CellSwitched):
+            self.switches.append({"cell": event.cell, "to": event.to_role, **event.durations})
+            self._emit("cell.switched", cell=event.cell, to_role=event.to_role, durations=event.durations)
+            if event.seq >= 0 or event.from_role != "idle":
+                self._say(f"{event.cell} → {event.to_role} ({event.durations.get('total_s', 0.0):.2f}s)")
+        elif isinstance(event, schemas.StepCompleted):
+            if event.step in self.completed:
+                return
+            self.completed[event.step] = event
+            self._emit("step.completed", step=event.step, loss=event.loss, grad_norm=event.grad_norm,
+                       tokens=event.tokens, policy_version=event.policy_version, duration_s=event.duration_s)
+            self._say(f"step {event.step}: completed — loss {event.loss:.5f}, grad norm {event.grad_norm:.4f}, "
+                      f"{event.tokens} tokens trained, policy version {event.policy_version}")
+            if len(self.completed) >= steps:
+                self.done.set()
+
+    def summary(self, run: str, wall_s: float) -> dict:
+        steps = sorted(self.completed)
+        rewards_per_step = [
+            (sum(self.rewards.get(k, {}).values()) / len(self.rewards[k])) if self.rewards.get(k) else None
+            for k in range(self.recipe.run.steps)
+        ]
+        return {
+            "run": run,
+            "steps": len(steps),
+            "executions": len(self.finished),
+            "executions_by_status": {s: list(self.finished.values()).count(s) for s in set(self.finished.values())},
+            "excluded": len(self.excluded),
+            "calls": self.calls,
+            "calls_by_policy_version": {str(k): v for k, v in sorted(self.calls_by_version.items())},
+            "tokens_trained": sum(self.completed[k].tokens for k in steps),
+            "zero_variance_groups": sum(s.zero_variance_groups for s in self.sealed.values()),
+            "grad_norm_per_step": [self.completed[k].grad_norm for k in steps],
+            "loss_per_step": [self.completed[k].loss for k in steps],
+            "rewards_per_step": rewards_per_step,
+            "policy_version": max((self.completed[k].policy_version for k in steps), default=0),
+            "switch_s": [s.get("total_s") for s in self.switches if "total_s" in s],
+            "wall_s": round(wall_s, 2),
+        }
+
+
+def _print_summary(s: dict) -> None:
+    print("\n== gyre run summary ==")
+    print(f"run              {s['run']}")
+    print(f"steps            {s['steps']}   executions {s['executions']} {s['executions_by_status']}")
+    print(f"calls            {s['calls']}   by policy version {s['calls_by_policy_version']}")
+    print(f"reward per step  {[None if r is None else round(r, 3) for r in s['rewards_per_step']]}")
+    print(f"tokens trained   {s['tokens_trained']}")
+    print(f"zero-var groups  {s['zero_variance_groups']}")
+    print(f"grad norm        {[round(g, 5) for g in s['grad_norm_per_step']]}")
+    print(f"policy version   {s['policy_version']}")
+    print(f"wall             {s['wall_s']} s")
+
+
+class Supervisor:
+    """Starts daemon processes and notices when one dies."""
+
+    def __init__(self, run_dir: Path, env: dict[str, str]) -> None:
+        self.run_dir = run_dir
+        self.env = env
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, module: str, *extra: str) -> None:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        with open(log_path, "ab") as log:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", module, "--run-dir", str(self.run_dir), "--log-json", *extra],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+                start_new_session=True)
+
+    def dead(self) -> list[tuple[str, int]]:
+        return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+    def tail(self, name: str, n: int = 3000) -> str:
+        try:
+            return (self.run_dir / "logs" / f"{name}.log").read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+async def _follow(bus: Bus, progress: Progress, sup: Supervisor, timeout_s: float) -> str:
+    stop = asyncio.Event()
+    names = ["execution.started", "execution.finished", "execution.scored", "call.completed",
+             "step.sealed", "step.completed", "cell.switched"]
+    follower = asyncio.create_task(bus.replay(names, progress.on_event, stop=stop))
+    deadline = time.monotonic() + timeout_s
+    outcome = "done"
+    try:
+        while not progress.done.is_set():
+            if follower.done():
+                follower.result()
+            dead = sup.dead()
+            if dead:
+                name, code = dead[0]
+                print(f"\ngyre: daemon {name} exited with {code}; its log ends with:\n{sup.tail(name)}", file=sys.stderr)
+                outcome = "daemon_failed"
+                break
+            if time.monotonic() > deadline:
+                print(f"\ngyre: run did not finish within {timeout_s:.0f}s", file=sys.stderr)
+                outcome = "timeout"
+                break
+            try:
+                await asyncio.wait_for(progress.done.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        stop.set()
+        try:
+            await asyncio.wait_for(follower, 5)
+        except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - shutting down either way
+            follower.cancel()
+    return outcome
+
+
+async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float) -> int:
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_bytes(orjson.dumps(recipe.to_dict(), option=orjson.OPT_INDENT_2))
+    key_secret = secrets.token_hex(32)
+    _write_private(run_dir / "key_secret", key_secret.encode())
+    external = os.environ.get("GYRE_NATS_URL")
+    server = None
+    if external:
+        url, token = external, os.environ.get("GYRE_NATS_TOKEN")
+    else:
+        server = NatsServer.start(run_dir / "nats")
+        url, token = server.url, server.token
+    info = {"run": run, "url": url, "pid": os.getpid()}
+    if token:
+        info["token"] = token
+    _write_private(run_dir / "nats.json", orjson.dumps(info))
+    latest = run_dir.parent / "latest"
+    try:
+        if latest.is_symlink() or latest.exists():
+            latest.unlink()
+        latest.symlink_to(run_dir.name)
+    except OSError:
+        pass
+    print(f"gyre: run {run} — directory {run_dir}")
+    print(f"gyre: follow its events from another terminal with `gyre tap`")
+
+    t0 = time.monotonic()
+    if not recipe.model.dir:
+        from gyre.model import ModelSpec, init_model
+        m = recipe.model
+        init_model(run_dir / "model", ModelSpec(layers=m.layers, hidden=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
+                                                head_dim=m.hidden // m.heads, intermediate=3 * m.hidden, seed=m.seed))
+    env = dict(os.environ, GYRE_KEY_SECRET=key_secret, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1")
+    if token:
+        env["GYRE_NATS_TOKEN"] = token
+    bus = await Bus.connect(url, token=token, run=run, name="gyre-run")
+    sup = Supervisor(run_dir, env)
+    progress = Progress(recipe, run_dir / "metrics.jsonl")
+    try:
+        await bus.ensure_streams()
+        for name in DAEMONS:
+            sup.start(name, f"handlers.{name}")
+        for i in range(recipe.cells.count):
+            sup.start(f"cell{i}", "handlers.cell", "--cell", f"cell{i}")
+        sup.start("scheduler", "handlers.scheduler")
+        outcome = await _follow(bus, progress, sup, timeout_s)
+    finally:
+        sup.stop()
+        await bus.close()
+        if server is not None:
+            server.stop()
+    summary = progress.summary(run, time.monotonic() - t0)
+    summary["outcome"] = outcome
+    (run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    _print_summary(summary)
+    print(f"gyre: summary written to {run_dir / 'summary.json'}")
+    return 0 if outcome == "done" else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gyre run", description="Run a recipe: rollouts, trajectories, GSPO steps.")
+    p.add_argument("recipe", help="bundled recipe name (quickstart, toy) or a TOML path")
+    p.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE", help="override a recipe value")
+    p.add_argument("--run-id", help="run id (default: <recipe name>-<UTC time>-<random>)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds (default 3600)")
+    a = p.parse_args(argv)
+    try:
+        recipe = load_recipe(a.recipe, _parse_overrides(a.set))
+    except RecipeError as exc:
+        print(f"gyre run: {exc}", file=sys.stderr)
+        return 2
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    run = a.run_id or f"{recipe.run.name}-{stamp}-{secrets.token_hex(2)}"
+    run_dir = runs_root() / run
+    if run_dir.exists():
+        print(f"gyre run: {run_dir} exists already", file=sys.stderr)
+        return 2
+    run_dir.mkdir(parents=True)
+    from handlers.daemon import configure_logging
+    configure_logging("run")
+    return asyncio.run(_run(recipe, run, run_dir, a.timeout))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""`gyre tap [PATTERN]`: print a run's live events in a form a person can read.
+
+Finds the current run through `runs/latest/nats.json` (written by `gyre run`, token
+readable only by its owner), or `--run-dir DIR`, or `GYRE_NATS_URL` + `--run ID`.
+PATTERN filters event names with NATS wildcards (`call.*`, `execution.>`); default all.
+Token arrays are shown by length, never dumped.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import orjson
+
+from bus import Bus
+from bus.subjects import PREFIX, name_of, run_of
+from handlers.daemon import install_signals, read_nats_info
+from handlers.run import runs_root
+
+_ARRAYS = ("prompt_ids", "completion_ids", "logprobs")
+
+
+def summarise(subject: str, data: bytes, *, width: int = 160) -> str:
+    """One readable line for an event: time, run, name, key fields; arrays by length."""
+    name = name_of(subject)
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return f"{run_of(subject)} {name} <{len(data)} undecodable bytes>"
+    if not isinstance(obj, dict):
+        return f"{run_of(subject)} {name} {str(obj)[:width]}"
+    when = str(obj.pop("emitted_at", ""))[11:23]
+    obj.pop("schema_version", None)
+    event_id = obj.pop("event_id", "")
+    tokens = obj.get("tokens")
+    if isinstance(tokens, dict):
+        obj["tokens"] = {k: f"<{len(v)}>" for k, v in tokens.items() if k in _ARRAYS}
+    info = obj.pop("info", None)
+    if isinstance(info, dict):
+        obj = {"execution": info.get("execution"), "task": info.get("task"), "step": info.get("step"), **obj}
+    fields = " ".join(f"{k}={_short(v)}" for k, v in obj.items() if v not in (None, "", {}, []))
+    line = f"{when} {name:<20} {fields}"
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def _short(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (dict, list)):
+        text = orjson.dumps(v).decode()
+        return text if len(text) <= 60 else text[:59] + "…"
+    return str(v)
+
+
+def _locate(args) -> tuple[str, str | None, str | None]:
+    """(url, token, run) of the run to tap."""
+    if args.run_dir or not os.environ.get("GYRE_NATS_URL"):
+        run_dir = Path(args.run_dir) if args.run_dir else runs_root() / "latest"
+        info = read_nats_info(run_dir)
+        return info["url"], info.get("token"), None if args.all_runs else (args.run or info["run"])
+    return os.environ["GYRE_NATS_URL"], os.environ.get("GYRE_NATS_TOKEN"), None if args.all_runs else args.run
+
+
+async def _tap(url: str, token: str | None, run: str | None, pattern: str, width: int) -> None:
+    stop = asyncio.Event()
+    install_signals(stop)
+    run_part = run if run else "*"
+    subject = pattern if pattern.startswith(PREFIX) else f"{PREFIX}.{run_part}.{pattern}"
+    bus = await Bus.connect(url, token=token, run=run or "tap", name="gyre-tap")
+    print(f"gyre tap: {subject} on {url} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+
+    async def show(subj: str, data: bytes) -> None:
+        print(summarise(subj, data, width=width), flush=True)
+
+    try:
+        await bus.tap(subject, show)
+        await stop.wait()
+    finally:
+        await bus.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gyre tap", description="Print live events of the current run.")
+    p.add_argument("pattern", nargs="?", default=">", help="event names, NATS wildcards (default: all)")
+    p.add_argument("--run-dir", help="run directory (default: runs/latest)")
+    p.add_argument("--run", help="run id (default: the run of the run directory)")
+    p.add_argument("--all-runs", action="store_true", help="events of every run on that server")
+    p.add_argument("--width", type=int, default=200, help="cut lines at this many characters")
+    a = p.parse_args(argv)
+    try:
+        url, token, run = _locate(a)
+    except Exception as exc:  # noqa: BLE001 - tell the user, exit 2
+        print(f"gyre tap: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_tap(url, token, run, a.pattern, a.width))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
