@@ -1,5 +1,7 @@
 """Versioned, validated bus events (standard library and orjson only)."""
-from schemas.base import SCHEMA_VERSION, Event, SchemaError, decode, encode, event_types, utc_now
+from schemas.base import (
+    SCHEMA_VERSION, Event, SchemaError, decode, decode_part, encode, encode_part, event_types, utc_now,
+)
 from schemas.call import CallCompleted, CallTokens, SamplingParams
 from schemas.cell import CellSwitch, CellSwitched, Route, RouteUpdated
 from schemas.execution import (
@@ -12,7 +14,7 @@ from schemas.execution import (
 from schemas.step import MicrostepExecution, MicrostepReady, StepCompleted, StepSealed, WeightsPublished
 
 __all__ = [
-    "SCHEMA_VERSION", "Event", "SchemaError", "decode", "encode", "event_types", "utc_now",
+    "SCHEMA_VERSION", "Event", "SchemaError", "decode", "decode_part", "encode", "encode_part", "event_types", "utc_now",
     "CallCompleted", "CallTokens", "SamplingParams",
     "CellSwitch", "CellSwitched", "Route", "RouteUpdated",
     "ExecutionDispatched", "ExecutionFinished", "ExecutionInfo", "ExecutionScored", "ExecutionStarted",

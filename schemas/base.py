@@ -227,3 +227,20 @@ def as_tuple(value: Any) -> Any:
     if isinstance(value, list):
         return tuple(as_tuple(v) for v in value)
     return value
+
+
+def encode_part(part: Any) -> bytes:
+    """Serialise a nested schema dataclass (e.g. CallTokens moved to the object store)."""
+    return orjson.dumps(dataclasses.asdict(part))
+
+
+def decode_part(cls: type, data: bytes) -> Any:
+    """Decode and validate a nested schema dataclass written by `encode_part`.
+
+    Raises SchemaError naming the bad field and value.
+    """
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise SchemaError(f"{cls.__name__}: payload is not JSON ({exc})") from None
+    return _coerce(cls.__name__, "", obj, cls)

@@ -1,0 +1,101 @@
+"""Builder daemon: wires gyre.builder to the bus.
+
+Consumes `call.completed` (durable `builder-calls-v1`) and `execution.scored`
+(`builder-v1`); publishes packed micro-steps (object store + `microstep.ready`) and
+`step.sealed`. Calls whose token arrays were moved to the object store are fetched.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import structlog
+
+import schemas
+from bus import Bus
+from gyre.builder import BuilderPolicy, Sealed
+from gyre.microstep import to_bytes
+from handlers.daemon import RunContext, daemon_main
+from schemas import ids
+
+log = structlog.get_logger()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Config:
+    """token_budget: soft token positions per micro-step; j_max, max_staleness: see gyre.builder."""
+
+    run: str
+    nats_url: str
+    nats_token: str | None
+    token_budget: int = 16384
+    j_max: int = 5
+    max_staleness: int = 1
+    seed: int = 0
+
+
+def config_from_context(ctx: RunContext, _args=None) -> Config:
+    t = ctx.recipe.train
+    return Config(run=ctx.run, nats_url=ctx.nats_url, nats_token=ctx.nats_token, token_budget=t.microstep_tokens,
+                  j_max=t.j_max, max_staleness=t.max_staleness, seed=ctx.recipe.run.seed)
+
+
+class Builder:
+    def __init__(self, cfg: Config, bus: Bus) -> None:
+        self.cfg = cfg
+        self.bus = bus
+        self.policy = BuilderPolicy(j_max=cfg.j_max, max_staleness=cfg.max_staleness,
+                                    token_budget=cfg.token_budget, seed=cfg.seed)
+        self.lock = asyncio.Lock()
+
+    async def handle_call(self, event: schemas.CallCompleted) -> None:
+        if event.tokens_ref:
+            tokens = schemas.decode_part(schemas.CallTokens, await self.bus.get_object(event.tokens_ref))
+            event = dataclasses.replace(event, tokens=tokens, tokens_ref=None)
+        async with self.lock:
+            self.policy.add_call(event)
+
+    async def handle_execution(self, event) -> None:
+        if not isinstance(event, schemas.ExecutionScored):
+            return
+        async with self.lock:
+            microsteps, sealed = await asyncio.to_thread(self.policy.add_score, event)
+            for ms in microsteps:
+                key = f"step-{ms.step}/mstep-{ms.index}"
+                await self.bus.put_object(key, to_bytes(ms))
+                summary = ms.execution_summary()
+                await self.bus.publish(schemas.MicrostepReady(
+                    event_id=ids.microstep(self.cfg.run, ms.step, ms.index), step=ms.step, microstep=ms.index,
+                    key=key, executions=tuple(schemas.MicrostepExecution(execution=e, n_tokens=n, advantage=a)
+                                              for e, n, a in summary),
+                    tokens=ms.n_tokens, trained=ms.n_trained, trajectories=ms.n_trajectories))
+            if sealed is not None:
+                await self._seal(sealed)
+
+    async def _seal(self, s: Sealed) -> None:
+        await self.bus.publish(schemas.StepSealed(
+            event_id=ids.sealed(self.cfg.run, s.step), step=s.step, microsteps=s.microsteps, executions=s.executions,
+            groups=s.groups, zero_variance_groups=s.zero_variance_groups, excluded=s.excluded,
+            reward_mean=s.reward_mean))
+        log.info("builder.step.sealed", step=s.step, microsteps=s.microsteps, executions=s.executions,
+                 zero_variance_groups=s.zero_variance_groups, late_calls=self.policy.late_calls)
+
+
+async def run(cfg: Config, stop: asyncio.Event) -> None:
+    bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="builder")
+    try:
+        await bus.ensure_streams()
+        builder = Builder(cfg, bus)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(bus.consume("builder-calls-v1", builder.handle_call, stop=stop))
+            tg.create_task(bus.consume("builder-v1", builder.handle_execution, stop=stop))
+    finally:
+        await bus.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return daemon_main("builder", "Builder: trajectory trees → samples → micro-steps.", config_from_context, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
