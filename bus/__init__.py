@@ -1,0 +1,18 @@
+"""gyre's only NATS JetStream code: the `Bus` client, consumer outcomes, subjects, server."""
+from bus.client import (
+    MAX_EVENT_BYTES,
+    OBJECT_THRESHOLD_BYTES,
+    Bus,
+    BusConfig,
+    BusError,
+    PayloadTooLarge,
+    PublishError,
+    Tap,
+    too_big,
+)
+from bus.consumer import Backoff, Delivery, Invalid, Outcome, Retry, classify
+
+__all__ = [
+    "MAX_EVENT_BYTES", "OBJECT_THRESHOLD_BYTES", "Bus", "BusConfig", "BusError", "PayloadTooLarge",
+    "PublishError", "Tap", "too_big", "Backoff", "Delivery", "Invalid", "Outcome", "Retry", "classify",
+]

@@ -53,6 +53,7 @@ class StreamSpec:
 
     work_queue: work-queue retention (each message consumed once), else limits.
     max_age_s: seconds messages are kept; max_bytes: size cap (-1 = none).
+    duplicate_window_s: seconds within which a repeated Nats-Msg-Id is dropped as a duplicate.
     """
 
     concern: str
@@ -60,6 +61,7 @@ class StreamSpec:
     work_queue: bool = False
     max_age_s: float = 7 * 24 * 3600.0
     max_bytes: int = -1
+    duplicate_window_s: float = 120.0
 
     def stream_name(self, run: str) -> str:
         return f"GYRE_{check_run(run).upper().replace('-', '_')}_{self.concern}"
@@ -116,6 +118,14 @@ def stream_for(name: str) -> StreamSpec:
     if name.startswith("dlq."):
         return STREAMS[-1]
     raise KeyError(f"no stream captures {name!r}")
+
+
+def stream(concern: str) -> StreamSpec:
+    """The stream spec of `concern` (e.g. 'CELLS'). Raises KeyError."""
+    for spec in STREAMS:
+        if spec.concern == concern:
+            return spec
+    raise KeyError(f"no stream with concern {concern!r}")
 
 
 def consumer(durable: str) -> ConsumerSpec:

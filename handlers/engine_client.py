@@ -1,0 +1,131 @@
+"""HTTP client of an engine speaking SGLang's native API (the embedded engine or SGLang).
+
+One method per endpoint. Errors:
+- `EngineUnavailable` (retryable): 503 (engine not serving, e.g. its cell left
+  rollout), connection refused or reset, read timeout. The caller retries, possibly on
+  another cell.
+- `EngineRequestError`: any other error status; `.status` and `.body` (the upstream
+  error body, parsed JSON when possible) are attached. Not retryable as such.
+
+The session is the caller's: one per process, from `make_session()` (no total timeout,
+bounded connect and socket read, since a generation may run for a long time).
+"""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+
+
+class EngineClientError(Exception):
+    """Base of the errors `EngineClient` raises."""
+
+
+class EngineUnavailable(EngineClientError):
+    """The engine cannot take the request now (503, connection error, timeout): retry."""
+
+
+class EngineRequestError(EngineClientError):
+    """The engine refused the request; `status` (HTTP) and `body` (upstream error) attached."""
+
+    def __init__(self, message: str, status: int, body: object) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+def make_session(connect_s: float = 10.0, sock_read_s: float = 600.0, limit: int = 1024) -> aiohttp.ClientSession:
+    """A client session for engine calls: no total timeout, `connect_s` seconds to
+    connect, `sock_read_s` seconds of socket silence before giving up, up to `limit`
+    concurrent connections. Create one per process, inside the running event loop."""
+    timeout = aiohttp.ClientTimeout(total=None, connect=connect_s, sock_connect=connect_s, sock_read=sock_read_s)
+    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=limit))
+
+
+def _parse(raw: bytes) -> object:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw.decode("utf-8", "replace")
+
+
+class EngineClient:
+    """Client of one engine at `base_url` (e.g. "http://127.0.0.1:30000")."""
+
+    def __init__(self, base_url: str, session: aiohttp.ClientSession) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.session = session
+
+    async def _request(self, method: str, path: str, body: dict | None = None) -> object:
+        url = self.base_url + path
+        data = None if body is None else orjson.dumps(body)
+        headers = None if body is None else {"Content-Type": "application/json"}
+        try:
+            async with self.session.request(method, url, data=data, headers=headers) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise EngineUnavailable(f"{method} {url}: {type(e).__name__}: {e}") from e
+        parsed = _parse(raw)
+        if status == 503:
+            raise EngineUnavailable(f"{method} {url}: 503 {parsed}")
+        if status >= 400:
+            raise EngineRequestError(f"{method} {url}: {status} {parsed}", status, parsed)
+        return parsed
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: dict,
+        rid: str,
+        execution: str | None = None,
+        return_logprob: bool = True,
+    ) -> dict:
+        """POST /generate. sampling: SGLang sampling_params (temperature, top_p, top_k,
+        max_new_tokens, stop_token_ids, seed). execution: sticky key of the engine's
+        per-execution prefix KV cache (`gyre_execution`; ignored by SGLang). Returns the
+        response body: {"output_ids", "meta_info": {"finish_reason", "output_token_logprobs",
+        "weight_version", "gyre_versions", ...}}. Cancelling the await closes the
+        connection, and the engine aborts the request."""
+        body: dict = {
+            "input_ids": list(input_ids),
+            "sampling_params": sampling,
+            "return_logprob": return_logprob,
+            "rid": rid,
+            "stream": False,
+        }
+        if execution is not None:
+            body["gyre_execution"] = execution
+        return await self._request("POST", "/generate", body)
+
+    async def abort(self, rid: str) -> bool:
+        """POST /abort_request; True when the engine had `rid` in flight."""
+        res = await self._request("POST", "/abort_request", {"rid": rid})
+        return bool(isinstance(res, dict) and res.get("aborted"))
+
+    async def health(self) -> bool:
+        """GET /health: True when the engine serves; False on 503 or no connection."""
+        try:
+            await self._request("GET", "/health")
+        except EngineClientError:
+            return False
+        return True
+
+    async def update_weights_from_disk(self, path: str, version: int) -> dict:
+        """POST /update_weights_from_disk; returns {"success": True, "message"}. A checkpoint
+        that does not fit raises EngineRequestError (body has success false and the reason)."""
+        return await self._request("POST", "/update_weights_from_disk", {"model_path": str(path), "weight_version": str(version)})
+
+    async def flush_cache(self) -> dict:
+        """POST /flush_cache: drops the engine's prefix caches."""
+        return await self._request("POST", "/flush_cache")
+
+    async def model_info(self) -> dict:
+        """GET /get_model_info."""
+        return await self._request("GET", "/get_model_info")
+
+    async def weight_version(self) -> int:
+        """GET /get_weight_version as an int policy version."""
+        res = await self._request("GET", "/get_weight_version")
+        return int(res["weight_version"])

