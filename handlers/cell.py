@@ -171,10 +171,10 @@ class Cell:
             sealed = self.sealed.get(step)
             if sealed is None or self.trainer is None or self.claimed.get(step, 0) < sealed.microsteps:
                 return
-            if self.trainer.version > step:
+            if self.trainer.policy_version > step:
                 return  # already applied
             stats = await asyncio.to_thread(self.trainer.apply, max(sealed.executions, 1))
-            version = self.trainer.version
+            version = self.trainer.policy_version
             out = self.cfg.weights_dir / f"v{version}"
             await asyncio.to_thread(self.trainer.save, out)
             weights = schemas.WeightsPublished(event_id=ids.weights(self.cfg.run, version), policy_version=version,

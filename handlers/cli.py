@@ -3,6 +3,7 @@
     gyre run RECIPE [--set table.key=value ...]   start everything, show progress, exit 0
     gyre tap [PATTERN] [--run ID | --all-runs]    print live events of the current run
     gyre init-model DIR                           write the embedded default model
+    gyre bench NAME [--json PATH]                 a benchmark of ../shared/BENCHMARKS.md (proxy, trajectories, …)
     gyre proxy|cell|scheduler|builder|runner|evaluator --run-dir DIR   one daemon
 """
 from __future__ import annotations
@@ -26,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         return tap_main(rest)
     if command == "init-model":
         return _init_model(rest)
+    if command == "bench":
+        return _bench(rest)
     daemons = {
         "proxy": "handlers.proxy",
         "cell": "handlers.cell",
@@ -39,6 +42,23 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(daemons[command]).main(rest)
     print(f"gyre: unknown command {command!r}\n\n{USAGE.strip()}", file=sys.stderr)
     return 2
+
+
+def _bench(argv: list[str]) -> int:
+    import importlib
+
+    if not argv or argv[0].startswith("-"):
+        print("usage: gyre bench NAME [--json PATH] ...  (NAME: proxy, trajectories)", file=sys.stderr)
+        return 2
+    name = argv[0].replace("-", "_")
+    try:
+        module = importlib.import_module(f"handlers.bench_{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"handlers.bench_{name}":
+            raise
+        print(f"gyre bench: unknown benchmark {argv[0]!r}", file=sys.stderr)
+        return 2
+    return module.main(argv[1:])
 
 
 def _init_model(argv: list[str]) -> int:
