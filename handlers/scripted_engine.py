@@ -1,0 +1,269 @@
+"""A scripted engine: SGLang's native HTTP contract, answering with chosen completions.
+
+For tests and demos that need an engine whose output is known in advance. It speaks the
+same endpoints as `handlers/engine_server.py` (SGLang native API):
+
+- `POST /generate` {input_ids, sampling_params{max_new_tokens, temperature, top_p, top_k},
+  rid, return_logprob, ...; unknown fields (e.g. `gyre_execution`) ignored} →
+  {text, output_ids, meta_info{id, finish_reason{type: stop|length|abort, matched|length},
+  prompt_tokens, completion_tokens, cached_tokens, output_token_logprobs [[lp, id, null]],
+  weight_version, gyre_versions [[start, end, version]]}}.
+  The completion is the next scripted text (cycled), or what `callback(body)` returns
+  (a string, possibly via an awaitable), encoded with the real tokenizer (special-token
+  text such as `<tool_call>` becomes its id) plus `<|im_end|>` as the stop token; it is
+  cut to `max_new_tokens` (finish `length`, no stop token then). Log-probs are negative,
+  deterministic in (seed, prompt length, position) and plausible, not a model's.
+- `POST /abort_request` {rid} aborts a generation in flight (finish `abort`, no ids);
+  answers {success, aborted: 1 if it was in flight else 0}.
+- `GET /health`, `GET|POST /flush_cache`, `GET /get_model_info`, `GET /get_weight_version`,
+  `POST /update_weights_from_disk` {model_path, weight_version?} (bumps the policy version).
+
+Fault injection: `fail_next(n, status)` answers the next n `/generate` calls with
+`status` (503 = engine unavailable); `abort_next(n)` finishes them with `abort` (a cell
+leaving rollout); `delay_s` holds each generation that long (abortable).
+
+CLI: `python -m handlers.scripted_engine --script file.jsonl --port N` where each line is
+a JSON string or an object with a `text` field.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+import structlog
+from aiohttp import web
+
+from gyre.tokenizer import IM_END
+
+log = structlog.get_logger(__name__)
+
+Callback = Callable[[dict], "str | Awaitable[str]"]
+
+
+class ScriptedEngine:
+    """An engine whose completions are scripted.
+
+    tokenizer: HF tokenizer with Qwen3's special tokens (`gyre.tokenizer.build_tokenizer()`).
+    completions: texts answered in turn (cycled); or callback(body) -> text.
+    policy_version: version reported in `weight_version` and `gyre_versions`.
+    delay_s: seconds each generation takes (polled for abort every 10 ms).
+    Attributes: `requests` (every /generate body received, in order), `aborted` (rids).
+    """
+
+    def __init__(self, tokenizer: Any, completions: Sequence[str] | None = None, callback: Callback | None = None,
+                 *, policy_version: int = 0, delay_s: float = 0.0, seed: int = 0):
+        if (completions is None) == (callback is None):
+            raise ValueError("give exactly one of completions or callback")
+        if completions is not None and not completions:
+            raise ValueError("completions must not be empty")
+        self.tokenizer = tokenizer
+        self.completions = list(completions) if completions is not None else None
+        self.callback = callback
+        self.policy_version = policy_version
+        self.delay_s = delay_s
+        self.seed = seed
+        self.requests: list[dict] = []
+        self.aborted: set[str] = set()
+        self._next = 0
+        self._fail: list[int] = []
+        self._in_flight: set[str] = set()
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    def fail_next(self, n: int, status: int = 503) -> None:
+        """Answer the next n /generate calls with HTTP `status` (before scripting)."""
+        self._fail.extend([status] * n)
+
+    def abort_next(self, n: int) -> None:
+        """Finish the next n /generate calls with `abort` and no ids, as a cell leaving
+        rollout does with the requests it still holds."""
+        self._fail.extend([0] * n)
+
+    async def _text(self, body: dict) -> str:
+        if self.callback is not None:
+            out = self.callback(body)
+            if inspect.isawaitable(out):
+                out = await out
+            return str(out)
+        text = self.completions[self._next % len(self.completions)]
+        self._next += 1
+        return text
+
+    def _logprobs(self, prompt_len: int, ids: Sequence[int]) -> list[float]:
+        rng = random.Random(self.seed * 1_000_003 + prompt_len)
+        return [round(-rng.expovariate(2.0) - 1e-4, 6) for _ in ids]
+
+    async def generate(self, request: web.Request) -> web.Response:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            return web.json_response({"error": {"message": "body is not JSON"}}, status=400)
+        if not isinstance(body, dict) or not isinstance(body.get("input_ids"), list) or not body["input_ids"]:
+            return web.json_response({"error": {"message": "input_ids must be a non-empty list"}}, status=400)
+        self.requests.append(body)
+        rid = str(body.get("rid") or f"scripted-{len(self.requests)}")
+        if self._fail:
+            status = self._fail.pop(0)
+            if status == 0:
+                meta = {"id": rid, "finish_reason": {"type": "abort", "message": "scripted abort"},
+                        "prompt_tokens": len(body["input_ids"]), "completion_tokens": 0, "cached_tokens": 0,
+                        "output_token_logprobs": [], "weight_version": str(self.policy_version), "gyre_versions": []}
+                return web.json_response({"text": "", "output_ids": [], "meta_info": meta})
+            return web.json_response({"error": {"message": "scripted failure"}}, status=status)
+        params = body.get("sampling_params") or {}
+        max_new = int(params.get("max_new_tokens") or 128)
+        text = await self._text(body)
+        ids = [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]] + [IM_END]
+        finish: dict[str, Any] = {"type": "stop", "matched": IM_END}
+        if len(ids) > max_new:
+            ids = ids[:max_new]
+            finish = {"type": "length", "length": max_new}
+        deadline = time.monotonic() + self.delay_s
+        self._in_flight.add(rid)
+        try:
+            while time.monotonic() < deadline and rid not in self.aborted:
+                await asyncio.sleep(0.01)
+        finally:
+            self._in_flight.discard(rid)
+        if rid in self.aborted:
+            ids, finish = [], {"type": "abort", "message": "aborted by request"}
+        prompt_len = len(body["input_ids"])
+        logprobs = self._logprobs(prompt_len, ids)
+        version = self.policy_version
+        meta = {
+            "id": rid,
+            "finish_reason": finish,
+            "prompt_tokens": prompt_len,
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+            "output_token_logprobs": [[lp, i, None] for lp, i in zip(logprobs, ids)],
+            "weight_version": str(version),
+            "gyre_versions": [[0, len(ids), version]] if ids else [],
+        }
+        text_out = self.tokenizer.decode([i for i in ids if i != IM_END], skip_special_tokens=False)
+        log.debug("scripted_engine.generate", rid=rid, prompt_tokens=prompt_len, completion_tokens=len(ids),
+                  finish=finish["type"])
+        return web.json_response({"text": text_out, "output_ids": ids, "meta_info": meta})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        try:
+            body = orjson.loads(await request.read() or b"{}")
+        except orjson.JSONDecodeError:
+            body = {}
+        rid = body.get("rid") if isinstance(body, dict) else None
+        if not rid:
+            return web.json_response({"error": {"message": "rid (string) is required"}}, status=400)
+        in_flight = str(rid) in self._in_flight
+        self.aborted.add(str(rid))
+        return web.json_response({"success": True, "aborted": int(in_flight)})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        return web.Response(text="Cache flushed.")
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "scripted", "is_generation": True,
+                                  "weight_version": str(self.policy_version)})
+
+    async def weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": str(self.policy_version)})
+
+    async def update_weights(self, request: web.Request) -> web.Response:
+        try:
+            body = orjson.loads(await request.read() or b"{}")
+        except orjson.JSONDecodeError:
+            return web.json_response({"success": False, "message": "body is not JSON"}, status=400)
+        version = body.get("weight_version") if isinstance(body, dict) else None
+        self.policy_version = int(version) if version is not None else self.policy_version + 1
+        return web.json_response({"success": True, "message": f"policy version {self.policy_version}"})
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.router.add_post("/generate", self.generate)
+        app.router.add_post("/abort_request", self.abort_request)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/flush_cache", self.flush_cache)
+        app.router.add_post("/flush_cache", self.flush_cache)
+        app.router.add_get("/get_model_info", self.model_info)
+        app.router.add_get("/get_weight_version", self.weight_version)
+        app.router.add_post("/update_weights_from_disk", self.update_weights)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve on host:port (0 = a free port); returns the base URL."""
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        bound = self._runner.addresses[0][1]
+        self.url = f"http://{host}:{bound}"
+        log.info("scripted_engine.started", url=self.url)
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+def load_script(path: str | Path) -> list[str]:
+    """Completion texts from a JSONL file: each line a JSON string or {"text": ...}."""
+    texts = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        item = orjson.loads(line)
+        if isinstance(item, dict) and isinstance(item.get("text"), str):
+            texts.append(item["text"])
+        elif isinstance(item, str):
+            texts.append(item)
+        else:
+            raise ValueError(f"{path}:{n}: expected a JSON string or an object with 'text'")
+    return texts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m handlers.scripted_engine", description=__doc__.splitlines()[0])
+    p.add_argument("--script", required=True, help="JSONL file of completion texts (cycled)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--model-dir", help="tokenizer from this HF checkpoint (default: the built-in Qwen3 tokenizer)")
+    p.add_argument("--delay-s", type=float, default=0.0)
+    p.add_argument("--policy-version", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.model_dir:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(a.model_dir)
+    else:
+        from gyre.tokenizer import build_tokenizer
+
+        tokenizer = build_tokenizer()
+    engine = ScriptedEngine(tokenizer, load_script(a.script), delay_s=a.delay_s, policy_version=a.policy_version)
+
+    async def _serve() -> None:
+        url = await engine.start(a.host, a.port)
+        print(url, flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await engine.stop()
+
+    try:
+        asyncio.run(_serve())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

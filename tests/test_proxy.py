@@ -1,0 +1,384 @@
+"""The proxy end to end: the official OpenAI SDK as harness, a scripted engine, a real
+nats-server and bus; `call.completed` read back through the builder's JetStream consumer."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+import schemas
+from bus import Bus, BusConfig
+from gyre.harness import execution_key
+from gyre.tokenizer import IM_END, build_tokenizer
+from handlers.engine_client import make_session
+from handlers.proxy import Config, ProxyState, run, start
+from handlers.scripted_engine import ScriptedEngine, load_script
+from schemas import ids
+from schemas.cell import CellSwitched, Route, RouteUpdated
+from schemas.execution import ExecutionFinished, ExecutionInfo
+
+SECRET = b"proxy-test-secret-0123456789"
+TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a command",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"command": {"type": "string"}}}}}]
+SYSTEM = {"role": "system", "content": "You are a careful coding agent."}
+TASK = {"role": "user", "content": "List the files, then say done."}
+CALL_LS = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la", "note": "caf\u00e9 \u2713"}}\n</tool_call>'
+CALL_CAT = '<tool_call>\n{"name": "bash", "arguments": {"command": "cat a.txt"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture
+async def bus(nats_server, run_id):
+    b = await Bus.connect(nats_server.url, token=nats_server.token, run=run_id, name="test",
+                          config=BusConfig(connect_timeout_s=5.0, drain_timeout_s=5.0))
+    await b.ensure_streams()
+    yield b
+    await b.close()
+
+
+class Stack:
+    """Scripted engine(s) + proxy on 127.0.0.1 + helpers to read call.completed."""
+
+    def __init__(self, tok, bus, run_id):
+        self.tok, self.bus, self.run_id = tok, bus, run_id
+        self.engines: list[ScriptedEngine] = []
+        self.clients: list[openai.AsyncOpenAI] = []
+        self.runner = self.session = self.state = None
+        self.url = ""
+
+    async def engine(self, texts=None, callback=None, **kw) -> ScriptedEngine:
+        engine = ScriptedEngine(self.tok, texts, callback, **kw)
+        await engine.start()
+        self.engines.append(engine)
+        return engine
+
+    async def proxy(self, *, engine: ScriptedEngine | None = None, **overrides) -> str:
+        overrides.setdefault("shutdown_grace_s", 2.0)
+        cfg = Config(run=self.run_id, key_secret=SECRET, engine_url=engine.url if engine else "",
+                     retry_backoff_s=0.02, retry_backoff_max_s=0.1, **overrides)
+        self.session = make_session()
+        self.state = ProxyState(cfg, self.tok, self.session, self.bus)
+        self.runner, self.url = await start(self.state)
+        return self.url
+
+    def client(self, execution: str, **kw) -> openai.AsyncOpenAI:
+        client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=execution_key(SECRET, execution),
+                                    max_retries=0, **kw)
+        self.clients.append(client)
+        return client
+
+    async def calls(self, n: int, timeout_s: float = 15.0) -> list[schemas.CallCompleted]:
+        """The next n call.completed events through the builder's durable consumer."""
+        got: list[schemas.CallCompleted] = []
+        stop = asyncio.Event()
+
+        async def handler(event):
+            got.append(event)
+            if len(got) >= n:
+                stop.set()
+
+        task = asyncio.create_task(self.bus.consume("builder-calls-v1", handler, stop=stop, poll_s=0.2))
+        try:
+            await asyncio.wait_for(stop.wait(), timeout_s)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 10)
+        return sorted(got, key=lambda e: (e.execution, e.seq))
+
+    async def close(self):
+        for c in self.clients:
+            await c.close()
+        if self.state is not None:
+            await self.state.drain(5)
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.session is not None:
+            await self.session.close()
+        for e in self.engines:
+            await e.stop()
+
+
+@pytest.fixture
+async def stack(tok, bus, run_id):
+    s = Stack(tok, bus, run_id)
+    yield s
+    await s.close()
+
+
+def encode(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def full(event):
+    return list(event.tokens.prompt_ids) + list(event.tokens.completion_ids)
+
+
+async def test_multi_turn_tool_calls_stream_and_not_extend_verbatim(stack, tok):
+    engine = await stack.engine([CALL_LS, CALL_CAT, "All done."])
+    await stack.proxy(engine=engine)
+    client = stack.client("ex1")
+
+    # Turn 1, not streamed: a tool call.
+    r1 = await client.chat.completions.create(model="policy", messages=[SYSTEM, TASK], tools=TOOLS)
+    choice = r1.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (tc1,) = choice.message.tool_calls
+    assert tc1.function.name == "bash"
+    assert json.loads(tc1.function.arguments) == {"command": "ls -la", "note": "café ✓"}
+    assert r1.usage.completion_tokens == len(encode(tok, CALL_LS)) + 1
+
+    # Turn 2, streamed: the harness re-serialises turn 1's arguments (no spaces, sorted
+    # keys, \\u escapes) and sends the system prompt as text parts with a cache marker.
+    args = json.dumps(json.loads(tc1.function.arguments), separators=(",", ":"), sort_keys=True, ensure_ascii=True)
+    assert args != tc1.function.arguments and "\\u00e9" in args
+    echoed = {"role": "assistant", "content": None,
+              "tool_calls": [{"id": tc1.id, "type": "function", "function": {"name": "bash", "arguments": args}}]}
+    system_parts = {"role": "system", "content": [{"type": "text", "text": SYSTEM["content"],
+                                                   "cache_control": {"type": "ephemeral"}}]}
+    turn2 = [system_parts, TASK, echoed, {"role": "tool", "tool_call_id": tc1.id, "content": "a.txt\nb.txt"}]
+    stream = await client.chat.completions.create(model="policy", messages=turn2, tools=TOOLS, stream=True,
+                                                  temperature=0.7, extra_body={"top_k": 20})
+    chunks = [c async for c in stream]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["tool_calls"]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].function.name == "bash"
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"command": "cat a.txt"}
+    tc2_id = deltas[0].id
+
+    # Turn 3, streamed with usage: plain text.
+    turn3 = [*turn2, {"role": "assistant", "tool_calls": [{"id": tc2_id, "type": "function", "function": {
+        "name": "bash", "arguments": '{"command":"cat a.txt"}'}}]},
+        {"role": "tool", "tool_call_id": tc2_id, "content": "hello"}]
+    stream = await client.chat.completions.create(model="policy", messages=turn3, tools=TOOLS, stream=True,
+                                                  stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "All done."
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(encode(tok, "All done.")) + 1
+
+    e0, e1, e2 = await stack.calls(3)
+    sent = [r["input_ids"] for r in engine.requests]
+    assert [r["gyre_execution"] for r in engine.requests] == ["ex1"] * 3
+    assert (e0.call, e0.seq, e0.parent_call, e0.prefix_len) == ("ex1:0", 0, None, 0)
+    assert e0.event_id == ids.call(stack.run_id, "ex1", 0)
+    assert list(e0.tokens.prompt_ids) == sent[0]
+    assert e0.tokens.completion_ids[-1] == IM_END and e0.finish_reason == "stop" and e0.status == "ok"
+    assert list(e0.tokens.completion_ids) == encode(tok, CALL_LS) + [IM_END]
+    assert len(e0.tokens.logprobs) == len(e0.tokens.completion_ids) and all(lp < 0 for lp in e0.tokens.logprobs)
+    assert e0.versions == ((0, len(e0.tokens.completion_ids), 0),)
+    # Turn 2 extends turn 1: its prompt is turn 1's ids verbatim plus the new suffix.
+    assert (e1.parent_call, e1.prefix_len, e1.drift) == ("ex1:0", len(full(e0)), 0)
+    assert sent[1] == full(e0) + list(e1.tokens.prompt_ids)
+    assert e1.tokens.prompt_ids[:5] == tuple(encode(tok, "\n<|im_start|>user\n<tool_response>"))
+    assert (e1.sampling.temperature, e1.sampling.top_p, e1.sampling.top_k) == (0.7, 1.0, 20)
+    assert engine.requests[1]["sampling_params"]["temperature"] == 0.7
+    assert (e2.parent_call, e2.prefix_len, e2.drift) == ("ex1:1", len(sent[1]) + len(e1.tokens.completion_ids), 0)
+    assert sent[2] == sent[1] + list(e1.tokens.completion_ids) + list(e2.tokens.prompt_ids)
+    assert e0.sampling.temperature == 1.0 and e0.cell == "static" and e0.api == "chat"
+    assert {"queue_s", "engine_s", "total_s"} <= set(e1.timings)
+
+
+async def test_branch_length_cap_and_engine_faults(stack, tok):
+    engine = await stack.engine(["The answer is forty-two, as computed."])
+    # keepalive_s tiny: while retrying, the non-streamed answer starts with newlines.
+    await stack.proxy(engine=engine, max_completion_tokens=50, keepalive_s=0.005)
+    client = stack.client("ex2")
+    r0 = await client.chat.completions.create(model="m", messages=[SYSTEM, TASK], max_tokens=4)
+    assert r0.choices[0].finish_reason == "length"
+    assert engine.requests[0]["sampling_params"]["max_new_tokens"] == 4
+    # Over the cap: clamped. The engine is briefly unavailable, then aborts once (a cell
+    # switch): the harness sees neither.
+    engine.fail_next(2, 503)
+    engine.abort_next(1)
+    edited = [SYSTEM, {"role": "user", "content": "List the files, then stop."}]
+    r1 = await client.chat.completions.create(model="m", messages=edited, max_tokens=10_000)
+    assert r1.choices[0].finish_reason == "stop"
+    assert r1.choices[0].message.content == "The answer is forty-two, as computed."
+    assert engine.requests[-1]["sampling_params"]["max_new_tokens"] == 50
+    assert len(engine.requests) == 5 and len({r["rid"] for r in engine.requests}) == 5
+
+    e0, e1 = await stack.calls(2)
+    assert e0.finish_reason == "length" and len(e0.tokens.completion_ids) == 4
+    assert IM_END not in e0.tokens.completion_ids
+    # Not an extension: a branch at the longest common token prefix with call 0.
+    fresh = engine.requests[-1]["input_ids"]
+    lcp = next(i for i, (a, b) in enumerate(zip(fresh, full(e0))) if a != b)
+    assert (e1.parent_call, e1.prefix_len) == ("ex2:0", lcp)
+    assert list(e1.tokens.prompt_ids) == fresh[lcp:]
+    assert e1.sampling.max_tokens == 50 and e1.tokens.completion_ids[-1] == IM_END
+    engine.fail_next(3, 503)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(stack.url + "/v1/chat/completions", json={"messages": [TASK]},
+                             headers={"x-api-key": execution_key(SECRET, "ex2")}) as r:
+            raw = await r.read()
+    assert r.status == 200 and raw.startswith(b"\n") and json.loads(raw)["object"] == "chat.completion"
+
+
+async def test_errors_auth_and_plain_endpoints(stack):
+    engine = await stack.engine(["ok"])
+    url = await stack.proxy(engine=engine, max_calls=1)
+    with pytest.raises(openai.AuthenticationError):
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="gyre-ex3-" + "0" * 32, max_retries=0) as bad:
+            await bad.chat.completions.create(model="m", messages=[TASK])
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/chat/completions", json={"messages": [TASK]}) as r:
+            assert r.status == 401
+            err = (await r.json())["error"]
+            assert err["type"] == "authentication_error" and err["param"] is None and "message" in err
+        key = execution_key(SECRET, "ex3")
+        async with http.post(url + "/v1/chat/completions", data=b"{not json",
+                             headers={"x-api-key": key, "Content-Type": "application/json"}) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["type"] == "invalid_request_error"
+        async with http.post(url + "/v1/chat/completions", json={"messages": "hi"}, headers={"x-api-key": key}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "messages"
+        async with http.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}) as r:
+            assert r.status == 200 and (await r.json())["data"][0]["id"] == "gyre"
+        async with http.head(url + "/") as r:
+            assert r.status == 200
+        async with http.get(url + "/health") as r:
+            assert r.status == 200
+        async with http.get(url + "/v1/nope", headers={"x-api-key": key}) as r:
+            assert r.status == 404 and "error" in await r.json()
+    client = stack.client("ex3")
+    await client.chat.completions.create(model="m", messages=[TASK])
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model="m", messages=[TASK])
+    assert info.value.code == "max_calls_exceeded"
+    (e0,) = await stack.calls(1)
+    assert e0.execution == "ex3" and e0.status == "ok"
+
+
+async def test_routes_from_cell_events_wait_and_stick(stack, bus, run_id):
+    a = await stack.engine(["from a"])
+    b = await stack.engine(["from b"])
+    await stack.proxy(keepalive_s=0.05)  # no static engine: wait for cells
+    stop = asyncio.Event()
+    replay = asyncio.create_task(bus.replay(["cell.switched", "route.updated"], stack.state.handle_event,
+                                            stop=stop, poll_s=0.2))
+    try:
+        client = stack.client("ex4")
+        stream = await client.chat.completions.create(model="m", messages=[TASK], stream=True)
+
+        async def read_all():
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+        waiting = asyncio.create_task(read_all())
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # no rollout cell yet: the harness waits (keep-alives)
+        await bus.publish(CellSwitched(event_id=ids.switched(run_id, "c0", 0), cell="c0", seq=0,
+                                       from_role="training", to_role="rollout", durations={}, engine_url=a.url))
+        assert await asyncio.wait_for(waiting, 10) == "from a"
+        await bus.publish(CellSwitched(event_id=ids.switched(run_id, "c1", 0), cell="c1", seq=0,
+                                       from_role="training", to_role="rollout", durations={}, engine_url=b.url))
+        for _ in range(50):
+            if "c1" in stack.state.router.cells:
+                break
+            await asyncio.sleep(0.05)
+        r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "again"}])
+        assert r.choices[0].message.content == "from a"  # sticky
+        other = await stack.client("ex5").chat.completions.create(model="m", messages=[TASK])
+        assert other.choices[0].message.content == "from b"  # least loaded
+        await bus.publish(RouteUpdated(event_id=ids.route(run_id, 0), seq=0,
+                                       routes=(Route(execution="ex4", cell="c1", reason="switch"),)))
+        for _ in range(50):
+            if stack.state.router.routes.get("ex4") == "c1":
+                break
+            await asyncio.sleep(0.05)
+        r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "moved"}])
+        assert r.choices[0].message.content == "from b"
+        events = await stack.calls(4)
+        assert [(e.execution, e.cell) for e in events] == [("ex4", "c0"), ("ex4", "c0"), ("ex4", "c1"), ("ex5", "c1")]
+    finally:
+        stop.set()
+        await asyncio.wait_for(replay, 10)
+
+
+async def test_client_gone_aborts_upstream_and_records_aborted(stack, run_id):
+    engine = await stack.engine(["slow answer"], delay_s=30.0)
+    url = await stack.proxy(engine=engine)
+    key = execution_key(SECRET, "ex6")
+    async with aiohttp.ClientSession() as http:
+        req = asyncio.create_task(http.post(url + "/v1/chat/completions", json={"messages": [TASK]},
+                                            headers={"x-api-key": key}))
+        for _ in range(200):
+            if engine.requests:
+                break
+            await asyncio.sleep(0.02)
+        req.cancel()
+        await asyncio.gather(req, return_exceptions=True)
+    (e0,) = await stack.calls(1)
+    assert e0.status == "aborted" and e0.finish_reason == "abort" and e0.tokens.completion_ids == ()
+    assert engine.requests[0]["rid"] in engine.aborted
+
+
+async def test_large_call_tokens_go_to_the_object_store(stack, bus):
+    engine = await stack.engine(["short"])
+    await stack.proxy(engine=engine, object_threshold_bytes=2000)
+    long_task = {"role": "user", "content": "word " * 2000}
+    await stack.client("ex7").chat.completions.create(model="m", messages=[long_task])
+    (e0,) = await stack.calls(1)
+    assert e0.tokens_ref == "calls/ex7/0" and e0.tokens.prompt_ids == ()
+    stored = orjson.loads(await bus.get_object(e0.tokens_ref))
+    assert stored["prompt_ids"] == engine.requests[0]["input_ids"]
+    assert stored["completion_ids"][-1] == IM_END and len(stored["logprobs"]) == len(stored["completion_ids"])
+
+
+async def test_run_serves_until_stopped(tmp_path, tok, nats_server, run_id, bus):
+    engine = ScriptedEngine(tok, ["hi there"])
+    await engine.start()
+    url_file = tmp_path / "proxy.json"
+    cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
+                 url_file=str(url_file), shutdown_grace_s=5.0)
+    stop = asyncio.Event()
+    started = {}
+    task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: started.update(state=state)))
+    try:
+        for _ in range(300):
+            if url_file.exists() or task.done():
+                break
+            await asyncio.sleep(0.02)
+        base = orjson.loads(url_file.read_bytes())["url"]
+        # The proxy learns the engine from the bus (replayed cell.switched).
+        await bus.publish(CellSwitched(event_id=ids.switched(run_id, "c0", 0), cell="c0", seq=0,
+                                       from_role="idle", to_role="rollout", durations={}, engine_url=engine.url))
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key=execution_key(SECRET, "ex8"),
+                                      max_retries=0) as client:
+            r = await client.chat.completions.create(model="m", messages=[TASK])
+            assert r.choices[0].message.content == "hi there"
+            # Once the execution finished, its call store is freed: a late call is a root
+            # (with the next seq, so event ids never repeat).
+            info = ExecutionInfo(execution="ex8", task="t", group="s0-g0", step=0, harness="toy",
+                                 group_size=1, step_groups=1)
+            await bus.publish(ExecutionFinished(event_id=ids.finished(run_id, "ex8"), info=info, status="ok",
+                                                workspace=""))
+            for _ in range(500):
+                if started["state"].executions["ex8"].store is None:
+                    break
+                await asyncio.sleep(0.02)
+            follow_up = [TASK, {"role": "assistant", "content": "hi there"}, {"role": "user", "content": "more"}]
+            await client.chat.completions.create(model="m", messages=follow_up)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+        await engine.stop()
+    e0, e1 = await Stack(tok, bus, run_id).calls(2)
+    assert e0.cell == "c0" and e0.status == "ok"
+    assert (e1.seq, e1.parent_call, e1.prefix_len) == (1, None, 0)
+
+
+def test_load_script(tmp_path):
+    path = tmp_path / "script.jsonl"
+    path.write_text('"plain"\n{"text": "<tool_call>\\n{}\\n</tool_call>"}\n\n')
+    assert load_script(path) == ["plain", "<tool_call>\n{}\n</tool_call>"]
