@@ -1,0 +1,267 @@
+"""Confinement of harness and grading processes (DESIGN.md "Processes": runner).
+
+A harness executes whatever the policy writes, so each process runs:
+- under an unprivileged uid (default 65534 `nobody`) even when gyre runs as root;
+- with an explicit allow-listed environment: never the NATS url/token (`check_env`);
+- with bubblewrap where available: read-only system (/usr, /etc, /bin, /lib*), read-only
+  extra paths (the venv or harness installation), read-write only its own directories
+  (workspace, per-execution home), a private /tmp, fresh /proc and /dev, its own pid, ipc,
+  uts and cgroup namespaces, but the host network namespace so loopback reaches the proxy
+  (and so, tokenless, the NATS port). Nothing else of the host is visible: no other
+  workspace, no run directory (nats.json), no /root.
+
+Modes (`resolve_mode`):
+- `bwrap`, gyre is root: bwrap runs without a user namespace (root does the mounts) with
+  CAP_SETUID/CAP_SETGID/CAP_SETPCAP kept, and `setpriv` inside drops to uid:gid with no
+  groups and empty capability sets (bounding set included). Works where unprivileged user
+  namespaces are disabled.
+- `bwrap`, gyre is not root: bwrap in a user namespace; the process keeps gyre's uid.
+- `setuid` (no bwrap, root): the process is started as uid:gid with a clean environment
+  in its own session. Weaker: it sees the whole file system its uid may read, and the
+  workspace's ancestors must be traversable by that uid.
+- `none` (no bwrap, not root): only the clean environment. Weakest; logged by callers.
+
+Everything here builds argv and checks paths; starting and killing the process is the
+caller's (`handlers/runner.py`, `handlers/evaluator.py`): start it with
+`Launch.popen_kwargs()` (own session) and kill the whole process group on timeout;
+bwrap's `--die-with-parent` then tears the sandbox's pid namespace down.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+from typing import Iterable, Mapping
+
+MODES = ("auto", "bwrap", "setuid", "none")
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+FORBIDDEN_ENV_PREFIXES = ("GYRE_NATS", "NATS_")
+SETPRIV = "/usr/bin/setpriv"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SandboxConfig:
+    """How to confine processes.
+
+    uid, gid: the unprivileged identity processes run as when gyre is root.
+    mode: `auto` (bwrap if it works, else setuid/none), `bwrap`, `setuid`, `none`.
+    readonly: extra host paths visible read-only inside (venv, harness installation);
+      missing ones are skipped.
+    bwrap: path of the bwrap binary; '' = look it up on PATH.
+    """
+
+    uid: int = 65534
+    gid: int = 65534
+    mode: str = "auto"
+    readonly: tuple[str, ...] = ()
+    bwrap: str = ""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"sandbox mode must be one of {MODES}, got {self.mode!r}")
+        if self.uid <= 0 or self.gid <= 0:
+            raise ValueError(f"sandbox uid and gid must be unprivileged (> 0), got {self.uid}:{self.gid}")
+        for p in self.readonly:
+            if not os.path.isabs(p):
+                raise ValueError(f"sandbox readonly paths must be absolute, got {p!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Launch:
+    """A confined command ready to start.
+
+    argv: full command line (bwrap wrapper included). cwd: working directory of the
+    starter (the sandbox sets its own). env: the complete environment of the process.
+    user, group: identity to start as (setuid mode) or None. mode: the resolved mode.
+    warning: '' or why confinement is weaker than bubblewrap's.
+    """
+
+    argv: list[str]
+    cwd: str
+    env: dict[str, str]
+    user: int | None
+    group: int | None
+    mode: str
+    warning: str = ""
+
+    def popen_kwargs(self) -> dict:
+        """Keyword arguments for subprocess.Popen / asyncio.create_subprocess_exec
+        (argv excluded): own session so the caller can kill the process group."""
+        kw: dict = {"cwd": self.cwd, "env": self.env, "start_new_session": True, "stdin": subprocess.DEVNULL}
+        if self.user is not None:
+            kw.update(user=self.user, group=self.group, extra_groups=[])
+        return kw
+
+
+def find_bwrap(cfg: SandboxConfig) -> str | None:
+    """Path of the bwrap binary, or None."""
+    if cfg.bwrap:
+        return cfg.bwrap if os.access(cfg.bwrap, os.X_OK) else None
+    return shutil.which("bwrap")
+
+
+def resolve_mode(cfg: SandboxConfig) -> tuple[str, str]:
+    """(mode, warning) actually used for `cfg` on this host.
+
+    `auto` probes bwrap once per process (a `true` run inside a sandbox) and falls back
+    to `setuid` (root) or `none` with a warning naming the reason.
+    Raises RuntimeError when `bwrap` or `setuid` is requested explicitly but impossible.
+    """
+    root = os.geteuid() == 0
+    if cfg.mode == "bwrap":
+        bwrap = find_bwrap(cfg)
+        if not bwrap:
+            raise RuntimeError("sandbox mode 'bwrap' requested but bwrap is not installed (apt-get install bubblewrap)")
+        problem = _probe(bwrap, root)
+        if problem:
+            raise RuntimeError(f"sandbox mode 'bwrap' requested but bwrap does not work here: {problem}")
+        return "bwrap", ""
+    if cfg.mode == "setuid":
+        if not root:
+            raise RuntimeError("sandbox mode 'setuid' needs gyre to run as root")
+        return "setuid", "no bubblewrap: the process sees the file system its uid may read"
+    if cfg.mode == "none":
+        return "none", "no confinement: the process runs as gyre's own user"
+    bwrap = find_bwrap(cfg)
+    reason = "bwrap is not installed (apt-get install bubblewrap)"
+    if bwrap:
+        problem = _probe(bwrap, root)
+        if not problem:
+            return "bwrap", ""
+        reason = f"bwrap does not work here ({problem})"
+    if root:
+        return "setuid", f"{reason}; falling back to setuid: the process sees the file system its uid may read"
+    return "none", f"{reason}; not root, so the process runs unconfined as gyre's own user"
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(bwrap: str, root: bool) -> str:
+    argv = _bwrap_argv(bwrap, root=root, uid=65534, gid=65534, cwd="/", writable=(), readonly=()) + ["/bin/true"]
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    return "" if res.returncode == 0 else (res.stderr.strip() or f"exit code {res.returncode}")
+
+
+def confine(argv: list[str], *, cwd: str | Path, env: Mapping[str, str], cfg: SandboxConfig,
+            writable: Iterable[str | Path] = (), readonly: Iterable[str | Path] = ()) -> Launch:
+    """Wrap `argv` so it runs confined in `cwd`.
+
+    cwd: working directory (made writable). env: the complete allow-listed environment
+    (checked by `check_env`). writable: more host directories mounted read-write (a
+    per-execution home). readonly: more host paths mounted read-only, added to
+    cfg.readonly. All paths absolute and identical inside and outside.
+    Raises ValueError on a forbidden environment variable or a relative path;
+    RuntimeError when the requested mode is impossible.
+    """
+    check_env(env)
+    cwd = os.path.abspath(cwd)
+    rw = tuple(dict.fromkeys([cwd, *(os.path.abspath(p) for p in writable)]))
+    ro = tuple(dict.fromkeys([*cfg.readonly, *(os.path.abspath(p) for p in readonly)]))
+    mode, warning = resolve_mode(cfg)
+    root = os.geteuid() == 0
+    if mode == "bwrap":
+        wrapped = _bwrap_argv(find_bwrap(cfg) or "bwrap", root=root, uid=cfg.uid, gid=cfg.gid, cwd=cwd,
+                              writable=rw, readonly=ro) + list(argv)
+        return Launch(argv=wrapped, cwd="/", env=dict(env), user=None, group=None, mode=mode)
+    if mode == "setuid":
+        return Launch(argv=list(argv), cwd=cwd, env=dict(env), user=cfg.uid, group=cfg.gid, mode=mode, warning=warning)
+    return Launch(argv=list(argv), cwd=cwd, env=dict(env), user=None, group=None, mode=mode, warning=warning)
+
+
+def _bwrap_argv(bwrap: str, *, root: bool, uid: int, gid: int, cwd: str, writable: tuple[str, ...],
+                readonly: tuple[str, ...]) -> list[str]:
+    args = [bwrap, "--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-pid", "--unshare-uts",
+            "--unshare-cgroup-try", "--hostname", "gyre-sandbox"]
+    if not root:
+        args.append("--unshare-user")
+    mirrored: list[str] = []   # host paths visible at the same place (their subtrees exist)
+    fresh = {"/", "/tmp", "/proc", "/dev"}  # empty mount points (subdirectories must be created)
+    for p in SYSTEM_PATHS:
+        if os.path.islink(p):
+            args += ["--symlink", os.readlink(p), p]
+        elif os.path.isdir(p):
+            args += ["--ro-bind", p, p]
+            mirrored.append(p)
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    binds = [(p, "--ro-bind-try") for p in readonly] + [(p, "--bind") for p in writable]
+    binds.sort(key=lambda b: b[0].count("/"))
+    created: set[str] = set()
+    for path, flag in binds:
+        for anc in _ancestors(path):
+            if any(anc.startswith(m + "/") for m in mirrored):
+                break
+            if anc in fresh or anc in created or anc in mirrored:
+                continue
+            args += ["--perms", "0755", "--dir", anc]
+            created.add(anc)
+        args += [flag, path, path]
+        mirrored.append(path)
+    args += ["--chdir", cwd]
+    if root:
+        # Root does the mounts; setpriv drops to the unprivileged uid and empties every
+        # capability set, the bounding set included (bwrap already set no_new_privs).
+        args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP", "--",
+                 SETPRIV, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=-all",
+                 "--bounding-set=-all", "--"]
+    else:
+        args.append("--")
+    return args
+
+
+def _ancestors(path: str) -> list[str]:
+    """'/a/b/c' → ['/a', '/a/b'] (proper ancestors, outermost first)."""
+    parts = Path(path).parts[1:-1]
+    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def check_env(env: Mapping[str, str]) -> None:
+    """Raise ValueError if `env` carries a NATS setting (the token never reaches a harness)."""
+    for key in env:
+        if key.upper().startswith(FORBIDDEN_ENV_PREFIXES):
+            raise ValueError(f"environment variable {key!r} must not be passed to a confined process")
+
+
+def base_env(*, home: str | Path, path_dirs: Iterable[str | Path] = (), extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A minimal environment: PATH (path_dirs first, then the system's), HOME, TMPDIR=/tmp,
+    LANG/LC_ALL=C.UTF-8, TERM=dumb, plus `extra`. Nothing is inherited from gyre."""
+    path = [str(p) for p in path_dirs] + ["/usr/local/bin", "/usr/bin", "/bin"]
+    env = {"PATH": ":".join(dict.fromkeys(path)), "HOME": str(home), "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+           "LC_ALL": "C.UTF-8", "TERM": "dumb", "PYTHONUNBUFFERED": "1"}
+    env.update(extra or {})
+    return env
+
+
+def own_tree(path: str | Path, uid: int, gid: int) -> None:
+    """chown -R `path` to uid:gid without following symlinks (so the sandboxed uid may write
+    it). A no-op when gyre is not root. Raises OSError."""
+    if os.geteuid() != 0:
+        return
+    os.chown(path, uid, gid, follow_symlinks=False)
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
+
+
+def unreachable_ancestor(path: str | Path, uid: int, gid: int) -> str | None:
+    """The first ancestor of `path` that uid:gid cannot traverse (setuid mode needs them
+    all searchable), or None."""
+    for anc in _ancestors(os.path.abspath(path)) + [os.path.abspath(path)]:
+        try:
+            st = os.stat(anc)
+        except OSError:
+            return anc
+        if st.st_uid == uid:
+            ok = st.st_mode & stat.S_IXUSR
+        elif st.st_gid == gid:
+            ok = st.st_mode & stat.S_IXGRP
+        else:
+            ok = st.st_mode & stat.S_IXOTH
+        if not ok:
+            return anc
+    return None

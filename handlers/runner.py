@@ -1,0 +1,312 @@
+"""Runner daemon: one confined, unmodified harness process per dispatched execution.
+
+Consumes `execution.dispatched` (durable `runner-v1`, work queue) with `concurrency`
+executions at once. Per execution:
+1. seed `<run_dir>/workspaces/<execution>/` from its task (failure → `execution.finished`
+   status `no_workspace`, workspace '');
+2. write the harness's files into `<run_dir>/homes/<execution>/` (its HOME), hand both
+   to the sandbox uid;
+3. publish `execution.started`, start the harness confined (gyre.sandbox) with the proxy's
+   base URL and the execution's key (gyre.harness.execution_key) in its environment, its
+   stdout+stderr in `<run_dir>/logs/executions/<execution>.log`;
+4. wait at most the event's `timeout_s`, then kill the whole sandbox (status `timeout`);
+5. keep the workspace, record the outcome in `<run_dir>/runner/<execution>.json`, publish
+   `execution.finished` (status `ok` / `timeout` / `harness_error`, exit code, duration).
+
+Idempotent under redelivery: a recorded execution re-publishes its recorded
+`execution.finished` (same event id, deduplicated); an execution whose workspace exists
+without a record was cut short by a runner restart (its harness died with the runner):
+it is reported `harness_error`, never relaunched, so the proxy never sees two harnesses
+behind one execution id. On shutdown the running harnesses are killed and their messages
+given back (they come back as `harness_error` through the same path).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import structlog
+
+import schemas
+from bus import Bus, Retry
+from gyre import harness as harnesses
+from gyre.sandbox import Launch, SandboxConfig, base_env, confine, own_tree, resolve_mode, unreachable_ancestor
+from gyre.tasks import Task, load_tasks, seed_workspace, task_index, write_files
+from handlers.daemon import RunContext, daemon_main
+from schemas import ids
+
+log = structlog.get_logger()
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    """Runner settings.
+
+    run, nats_url, nats_token: the bus (the token never reaches a harness).
+    run_dir: the run directory (workspaces/, homes/, logs/executions/, runner/ inside).
+    tasks: task set (bundled name or JSONL path) the dispatched task ids refer to.
+    key_secret: hex HMAC secret of execution keys (shared with the proxy).
+    proxy_url: the proxy's base URL without /v1; '' = read `url` from <run_dir>/proxy.json
+      (waiting for the proxy to write it).
+    model: model name the harness asks the proxy for.
+    python: interpreter of the harness environment (mini-swe-agent is `<its bin>/mini`).
+    concurrency: executions running at once.
+    sandbox: confinement (uid, mode, extra read-only paths).
+    proxy_wait_s: seconds to wait for proxy.json before failing the execution (retried).
+    """
+
+    run: str
+    nats_url: str
+    nats_token: str | None
+    run_dir: Path
+    tasks: str
+    key_secret: str
+    proxy_url: str = ""
+    model: str = "gyre"
+    python: str = sys.executable
+    concurrency: int = 16
+    sandbox: SandboxConfig = SandboxConfig()
+    proxy_wait_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError(f"runner concurrency must be >= 1, got {self.concurrency}")
+        try:
+            secret = bytes.fromhex(self.key_secret)
+        except ValueError:
+            raise ValueError("runner key_secret must be hex") from None
+        if not secret:
+            raise ValueError("runner key_secret must be non-empty (execution keys are HMACs of it)")
+        if self.proxy_url and not self.proxy_url.startswith(("http://127.0.0.1", "http://localhost", "http://[::1]")):
+            raise ValueError(f"runner proxy_url must be a loopback http URL, got {self.proxy_url!r}")
+
+
+def config_from_context(ctx: RunContext, _args=None) -> Config:
+    h = ctx.recipe.harness
+    return Config(run=ctx.run, nats_url=ctx.nats_url, nats_token=ctx.nats_token, run_dir=ctx.run_dir,
+                  tasks=ctx.recipe.tasks.set, key_secret=ctx.key_secret.hex(), concurrency=h.concurrency,
+                  proxy_url=os.environ.get("GYRE_PROXY_URL", ""))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Paths:
+    """Where one execution's files live (all absolute)."""
+
+    workspace: Path
+    home: Path
+    log: Path
+    record: Path
+
+    @classmethod
+    def of(cls, run_dir: Path, execution: str) -> "Paths":
+        run_dir = Path(run_dir).resolve()
+        return cls(workspace=run_dir / "workspaces" / execution, home=run_dir / "homes" / execution,
+                   log=run_dir / "logs" / "executions" / f"{execution}.log", record=run_dir / "runner" / f"{execution}.json")
+
+
+def finished_event(run: str, info: schemas.ExecutionInfo, status: str, workspace: str,
+                   exit_code: int | None = None, duration_s: float = 0.0) -> schemas.ExecutionFinished:
+    """The `execution.finished` fact of one execution (id `<run>:<execution>:finished`)."""
+    return schemas.ExecutionFinished(event_id=ids.finished(run, info.execution), info=info, status=status,
+                                     workspace=workspace, exit_code=exit_code, duration_s=round(max(duration_s, 0.0), 3))
+
+
+class Runner:
+    """Launches harnesses for `execution.dispatched` events; see the module docstring."""
+
+    def __init__(self, cfg: Config, bus: Bus, tasks: dict[str, Task], stop: asyncio.Event | None = None) -> None:
+        self.cfg = cfg
+        self.bus = bus
+        self.tasks = tasks
+        self.stop = stop
+        self.secret = bytes.fromhex(cfg.key_secret)
+        self.running: set[str] = set()
+        root = Path(cfg.run_dir).resolve()
+        # workspaces/ and homes/ are traversable (not listable) so the setuid fallback's uid
+        # can reach its own directory; the rest stays private to gyre.
+        for sub, mode in (("workspaces", 0o711), ("homes", 0o711), ("logs/executions", 0o700), ("runner", 0o700)):
+            (root / sub).mkdir(parents=True, exist_ok=True)
+            os.chmod(root / sub, mode)
+        self.mode, warning = resolve_mode(cfg.sandbox)
+        if warning:
+            log.warning("runner.sandbox.weak", mode=self.mode, reason=warning)
+        else:
+            log.info("runner.sandbox", mode=self.mode, uid=cfg.sandbox.uid)
+
+    async def handle(self, event: schemas.Event) -> None:
+        if not isinstance(event, schemas.ExecutionDispatched):
+            return
+        info = event.info
+        elog = log.bind(execution=info.execution, task=info.task, harness=info.harness)
+        paths = Paths.of(self.cfg.run_dir, info.execution)
+        if paths.record.exists():
+            recorded = schemas.decode("execution.finished", paths.record.read_bytes())
+            await self.bus.publish(recorded)
+            elog.info("runner.execution.already_finished", status=recorded.status)
+            return
+        if info.execution in self.running:
+            elog.warning("runner.execution.redelivered_while_running")
+            return
+        if paths.workspace.exists():
+            # A previous runner process died mid-execution; its harness died with it.
+            await self.bus.publish(schemas.ExecutionStarted(event_id=ids.started(self.cfg.run, info.execution),
+                                                            info=info, workspace=str(paths.workspace)))
+            await self._finish(finished_event(self.cfg.run, info, "harness_error", str(paths.workspace)), paths, elog,
+                               reason="runner restarted during the execution")
+            return
+        self.running.add(info.execution)
+        try:
+            await self._execute(event, paths, elog)
+        finally:
+            self.running.discard(info.execution)
+
+    async def _execute(self, event: schemas.ExecutionDispatched, paths: Paths, elog) -> None:
+        info = event.info
+        task = self.tasks.get(info.task)
+        try:
+            if task is None:
+                raise KeyError(f"task {info.task!r} is not in task set {self.cfg.tasks!r}")
+            profile = harnesses.get_profile(info.harness)
+            seed_workspace(task, paths.workspace)
+        except (KeyError, OSError, ValueError) as exc:
+            await self._finish(finished_event(self.cfg.run, info, "no_workspace", ""), paths, elog, reason=str(exc))
+            return
+        started = time.monotonic()
+        try:
+            launch = await self._prepare(event, task, profile, paths)
+        except (OSError, ValueError, RuntimeError) as exc:
+            await self._publish_started(info, paths)
+            await self._finish(finished_event(self.cfg.run, info, "harness_error", str(paths.workspace)), paths, elog,
+                               reason=f"could not prepare the harness: {exc}")
+            return
+        await self._publish_started(info, paths)
+        status, exit_code = await self._launch(launch, event.timeout_s, paths, elog)
+        event_out = finished_event(self.cfg.run, info, status, str(paths.workspace), exit_code,
+                                   time.monotonic() - started)
+        await self._finish(event_out, paths, elog)
+
+    async def _publish_started(self, info: schemas.ExecutionInfo, paths: Paths) -> None:
+        await self.bus.publish(schemas.ExecutionStarted(event_id=ids.started(self.cfg.run, info.execution), info=info,
+                                                        workspace=str(paths.workspace)))
+
+    async def _prepare(self, event: schemas.ExecutionDispatched, task: Task, profile, paths: Paths) -> Launch:
+        proxy_url = await self._proxy_url()
+        req = harnesses.LaunchRequest(
+            execution=event.info.execution, task=task, workspace=paths.workspace, home=paths.home,
+            proxy_url=proxy_url, api_key=harnesses.execution_key(self.secret, event.info.execution),
+            model=self.cfg.model, max_calls=event.max_calls, python=self.cfg.python)
+        cmd = profile(req)
+        paths.home.mkdir(parents=True, exist_ok=True)
+        write_files(paths.home, cmd.files)
+        sb = self.cfg.sandbox
+        own_tree(paths.workspace, sb.uid, sb.gid)
+        own_tree(paths.home, sb.uid, sb.gid)
+        if self.mode == "setuid":
+            blocked = unreachable_ancestor(paths.workspace, sb.uid, sb.gid)
+            if blocked:
+                raise RuntimeError(f"{blocked} is not traversable by uid {sb.uid} (setuid sandbox); "
+                                   "install bubblewrap or make the run directory's ancestors o+x")
+        env = base_env(home=paths.home, path_dirs=cmd.path_dirs, extra=cmd.env)
+        return confine(cmd.argv, cwd=paths.workspace, env=env, cfg=sb, writable=[paths.home], readonly=cmd.readonly)
+
+    async def _proxy_url(self) -> str:
+        if self.cfg.proxy_url:
+            return self.cfg.proxy_url
+        path = Path(self.cfg.run_dir) / "proxy.json"
+        deadline = time.monotonic() + self.cfg.proxy_wait_s
+        while True:
+            try:
+                return str(orjson.loads(path.read_bytes())["url"])
+            except (OSError, ValueError, KeyError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{path} did not appear within {self.cfg.proxy_wait_s}s: is the proxy up?")
+                await asyncio.sleep(0.2)
+
+    async def _launch(self, launch: Launch, timeout_s: float, paths: Paths, elog) -> tuple[str, int | None]:
+        """Run the confined harness; returns (status, exit code).
+
+        Raises Retry when the runner is stopping (the harness is killed; the message comes
+        back after a restart and is then reported `harness_error`)."""
+        paths.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(paths.log, "ab") as out:
+            try:
+                proc = await asyncio.create_subprocess_exec(*launch.argv, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                                                            **launch.popen_kwargs())
+            except OSError as exc:
+                elog.error("runner.harness.spawn_failed", error=str(exc))
+                return "harness_error", None
+            elog.info("runner.harness.started", pid=proc.pid, mode=launch.mode, timeout_s=timeout_s)
+            outcome = await wait_or_kill(proc, timeout_s, self.stop)
+            if outcome == "stopped":
+                elog.warning("runner.harness.killed_on_shutdown")
+                raise Retry(1.0, "runner stopping")
+            if outcome == "timeout":
+                elog.info("runner.harness.timeout", timeout_s=timeout_s)
+            return outcome, proc.returncode
+
+    async def _finish(self, event: schemas.ExecutionFinished, paths: Paths, elog, reason: str = "") -> None:
+        paths.record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = paths.record.with_suffix(".tmp")
+        tmp.write_bytes(schemas.encode(event))
+        tmp.replace(paths.record)
+        await self.bus.publish(event)
+        log_fn = elog.warning if reason else elog.info
+        log_fn("runner.execution.finished", status=event.status, exit_code=event.exit_code,
+               duration_s=event.duration_s, reason=reason or None)
+
+
+async def wait_or_kill(proc: asyncio.subprocess.Process, timeout_s: float, stop: asyncio.Event | None) -> str:
+    """Wait for `proc` at most `timeout_s` seconds or until `stop` is set; kill its process
+    group otherwise. Returns "ok" (exited by itself), "timeout" or "stopped"."""
+    exited = asyncio.ensure_future(proc.wait())
+    stopping = asyncio.ensure_future(stop.wait()) if stop is not None else None
+    try:
+        waiters = {exited} | ({stopping} if stopping else set())
+        await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        kill_group(proc.pid)
+        await asyncio.shield(exited)
+        raise
+    finally:
+        if stopping is not None:
+            stopping.cancel()
+    if exited.done():
+        return "ok"
+    kill_group(proc.pid)
+    await exited
+    return "stopped" if stop is not None and stop.is_set() else "timeout"
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group led by `pid` (the harness or its bwrap); bwrap's
+    --die-with-parent and the pid namespace take everything inside down with it."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+async def run(cfg: Config, stop: asyncio.Event) -> None:
+    tasks = task_index(load_tasks(cfg.tasks))
+    bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="runner")
+    try:
+        await bus.ensure_streams()
+        runner = Runner(cfg, bus, tasks, stop)
+        await bus.consume("runner-v1", runner.handle, stop=stop, concurrency=cfg.concurrency)
+    finally:
+        await bus.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return daemon_main("runner", "Runner: confined harness processes in per-execution workspaces.",
+                       config_from_context, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
