@@ -90,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--all-runs", action="store_true", help="events of every run on that server")
     p.add_argument("--width", type=int, default=200, help="cut lines at this many characters")
     a = p.parse_args(argv)
+    import logging
+
+    from handlers.daemon import configure_logging
+    configure_logging("tap", level=logging.WARNING)
     try:
         url, token, run = _locate(a)
     except Exception as exc:  # noqa: BLE001 - tell the user, exit 2
