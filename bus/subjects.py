@@ -138,3 +138,35 @@ def consumer(durable: str) -> ConsumerSpec:
 def object_bucket(run: str) -> str:
     """Object-store bucket of a run (micro-steps, large token arrays)."""
     return f"GYRE_{check_run(run).upper().replace('-', '_')}_OBJECTS"
+
+
+def catalogue(run: str = "RUN") -> dict:
+    """Streams and durable consumers of one run as plain data (mirrored in ops/nats/).
+
+    `run` is substituted everywhere; ops/nats/catalogue.json uses the placeholder "RUN".
+    """
+    return {
+        "subject_prefix": f"{PREFIX}.{run}",
+        "streams": [
+            {"name": s.stream_name(run), "subjects": s.subjects(run),
+             "retention": "workqueue" if s.work_queue else "limits", "storage": "file",
+             "max_age_s": s.max_age_s, "max_bytes": s.max_bytes, "duplicate_window_s": s.duplicate_window_s}
+            for s in STREAMS
+        ],
+        "consumers": [
+            {"durable": c.durable, "stream": stream(c.stream).stream_name(run),
+             "filter_subjects": [subject(run, n) for n in c.names], "ack_policy": "explicit",
+             "ack_wait_s": c.ack_wait_s, "max_ack_pending": c.max_ack_pending, "max_deliver": c.max_deliver}
+            for c in CONSUMERS
+        ],
+        "object_store": object_bucket(run),
+        "dead_letters": dlq_subject(run, "<name>"),
+    }
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    json.dump(catalogue(sys.argv[1] if len(sys.argv) > 1 else "RUN"), sys.stdout, indent=2)
+    print()
