@@ -162,6 +162,10 @@ def _print_summary(s: dict) -> None:
     print(f"grad norm        {[round(g, 5) for g in s['grad_norm_per_step']]}")
     print(f"policy version   {s['policy_version']}")
     print(f"wall             {s['wall_s']} s")
+    if s["steps"] and s["tokens_trained"] == 0:
+        print("note             every group had zero reward variance, so GSPO had nothing to push: a random\n"
+              "                 policy scores alike on every execution of a task. `gyre run toy` grades\n"
+              "                 properties of a single answer, so rewards differ and a step has a gradient.")
 
 
 class Supervisor:
