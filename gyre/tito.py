@@ -25,6 +25,8 @@ Contract:
      the recorded call sharing the longest common token prefix with it becomes the parent
      (prefix_len = that length; parent None and 0 when nothing is shared). Never raises
      for a mismatch.
+- `CallStore.fresh(messages, tools) -> Match`: the request rendered alone, parent None
+  (auxiliary calls: counted, answered and published, never recorded).
 - `CallStore.record(match, call=, seq=, answer=, completion_ids=)` adds a served call; its
   answer's tool-call payloads enter `tool_args`. Only calls whose answer reached the harness
   should be recorded.
@@ -397,6 +399,16 @@ class CallStore:
                 return found
             break  # the longest message-level match is not a token-level extension
         return self._branch(msgs, tools_n, digests[-1])
+
+    def fresh(self, messages: Sequence[dict], tools: Any = None) -> Match:
+        """A request rendered and encoded on its own, attached to nothing (parent None):
+        for auxiliary calls (token counting, titles) that must not shape the trajectory
+        tree. Raises like `match`."""
+        msgs = self.normalise(messages)
+        tools_n = tuple(normalise_tools(tools))
+        prompt = self.encode(self._render(msgs, tools_n, True))
+        return Match(parent=None, prefix_len=0, prompt_ids=prompt, extended=False, drift=0,
+                     messages=tuple(msgs), tools=tools_n, digest=b"")
 
     def _extend(self, c: CallRecord, rest: list[dict], tools: tuple[dict, ...], digest: bytes) -> Match | None:
         conv = (*c.messages, c.answer)

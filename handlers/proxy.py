@@ -1,50 +1,59 @@
 """Proxy daemon: the harness's model endpoint, with token-in/token-out capture.
 
 Contract (DESIGN.md "Processes", "Token-in, token-out"):
-- Routes: `POST /v1/chat/completions` (OpenAI Chat Completions; `stream` true/false;
-  `tools`; `max_tokens`/`max_completion_tokens` capped at `Config.max_completion_tokens`
-  (the cap when absent); `temperature`/`top_p`/`top_k` honoured and recorded, the
-  Config defaults when absent; `stream_options.include_usage`; other fields such as
-  `tool_choice`, `stop`, `user`, `metadata` ignored; `n` > 1 refused), `GET /v1/models`,
-  `GET /health`, `GET|HEAD /`.
+- Routes: `POST /v1/chat/completions` and `POST /v1/responses` (OpenAI shapes,
+  handlers/proxy_openai.py), `POST /v1/messages` and `POST /v1/messages/count_tokens`
+  (Anthropic shapes, handlers/proxy_anthropic.py; a `?beta=true` query is ignored), the
+  same without `/v1`, `GET /v1/models`, `GET /health`, `GET|HEAD /`. Any model name is
+  accepted; unknown fields and `anthropic-beta` flags are ignored. Sampling:
+  `temperature`/`top_p`/`top_k` honoured and recorded (Config defaults when absent), the
+  completion cap (`max_tokens`, `max_completion_tokens`, `max_output_tokens`) clamped to
+  `Config.max_completion_tokens`.
 - Auth: `Authorization: Bearer <key>` or `x-api-key: <key>`, a per-execution key checked
-  by `gyre.harness.verify_key`. Errors use OpenAI's shape
-  `{"error": {"message", "type", "param": null, "code"}}`: 401 `authentication_error`
-  (missing/invalid key), 400 `invalid_request_error` (malformed JSON or request),
-  413 (body over `body_limit_bytes`), 400 code `max_calls_exceeded` once an execution
-  has started `max_calls` calls — a non-retryable status, so every SDK gives up at once
-  and the harness stops (429 would be retried). 502/503 `server_error` only when the
-  engine refused the request or none was reachable within `retry_timeout_s`.
+  by `gyre.harness.verify_key`; the key alone names the execution a call is recorded in.
+  Errors in the API's own shape: 401 (missing/invalid key), 400 (malformed JSON or
+  request), 413 (body over `body_limit_bytes`, also once decoded), 415 (a
+  `Content-Encoding` this process cannot decode: gzip and deflate always, br and zstd
+  when their modules are installed), 429 with `Retry-After` (more than
+  `max_active_calls` calls in flight, or `max_active_calls_per_execution` for one
+  execution), 400 code `max_calls_exceeded` once an execution has started `max_calls`
+  model calls (non-retryable, so the harness stops), 502/503 only when the engine refused
+  the request or none was reachable within `retry_timeout_s`.
+- Roles (gyre.roles): each call is classified with the execution's harness profile
+  (learnt from `execution.started`'s harness, else `Config.harness`, else detected from
+  the headers); role and session metadata go on `call.completed`. `auxiliary` calls
+  (count_tokens, titles, small side models) are answered and published but never enter
+  the call store: they are rendered alone (parent None) and never shape the tree.
 - Routing: sticky per execution. Rollout cells are learnt from `cell.switched`
   (`to_role` rollout with an `engine_url`; any other role removes the cell) and
   assignments from `route.updated`, both replayed from the bus. An execution without an
   assignment goes to the rollout cell with the fewest executions and sticks. With no
-  cell known, `Config.engine_url` (cell `Config.static_cell`) serves. `execution.finished`
-  (replayed too) frees an execution's call store. When no engine is
-  available, or it answers 503 / refuses the connection (`EngineUnavailable`) or ends a
-  generation with `abort` (its cell left rollout), the proxy waits and retries, on
-  another cell where there is one, for up to `retry_timeout_s`; the harness sees no
-  error. While waiting it sends SSE comments (`: keep-alive`) in streaming mode and, in
-  non-streaming mode after `keepalive_s`, a 200 response whose body starts with
-  newlines (JSON allows leading whitespace) so client read timeouts never fire.
-- Per call: `gyre.tito.CallStore.match` (prompt ids reused or a branch), `/generate`
-  with `gyre_execution` set and a fresh rid, decode (special tokens kept) and
-  `gyre.chat.parse_completion`, answer, then record: the store learns the call only
-  after its answer was delivered; `call.completed` (id `<run>:<execution>:call:<seq>`)
-  is published in the background after delivery or a definitive failure, status `ok`,
-  `aborted` (client went away: the upstream request is aborted) or `error`. An event
-  whose encoding exceeds `object_threshold_bytes` carries its token arrays in the object
-  store under `calls/<execution>/<seq>` (orjson `{"prompt_ids", "completion_ids",
-  "logprobs"}`) and the key in `tokens_ref`.
-- Chat streams: a role chunk, reasoning (`reasoning_content`) and content deltas,
-  tool-call deltas (index, id, type, function name, then argument fragments), exactly
-  one finish chunk (`tool_calls` | `stop` | `length`), a usage chunk when
-  `stream_options.include_usage`, then `data: [DONE]`.
+  cell known, `Config.engine_url` (cell `Config.static_cell`) serves. When the engine
+  answers 503 / refuses the connection / drops it (`EngineUnavailable`), ends a
+  generation with `abort`, or its cell leaves rollout while the request is in flight
+  (the request is then aborted upstream, `/abort_request`), the proxy retries on another
+  rollout cell, or waits for one, for up to `retry_timeout_s`; the harness sees no error.
+  While waiting it sends keep-alives (SSE comments; Anthropic `ping` events; in
+  non-streaming mode after `keepalive_s`, a 200 response whose body starts with newlines).
+  Anthropic and Responses streams send their opening events (`message_start` with the
+  prompt length; `response.created`, `response.in_progress`) as soon as a call is admitted.
+- Per call: `gyre.tito.CallStore.match` (prompt ids reused or a branch), `/generate` with
+  `gyre_execution` set and a fresh rid, decode (special tokens kept) and
+  `gyre.chat.parse_completion`, answer in the API's shape, then record: the store learns
+  the call only after its answer was delivered; `call.completed` (id
+  `<run>:<execution>:call:<seq>`) is published in the background after delivery or a
+  definitive failure, status `ok`, `aborted` (the client went away: the upstream request
+  is aborted) or `error`. count_tokens is published as an `auxiliary` call with the
+  counted prompt, no completion, finish `stop`. An event whose encoding exceeds
+  `object_threshold_bytes` carries its token arrays in the object store under
+  `calls/<execution>/<seq>` (orjson `{"prompt_ids", "completion_ids", "logprobs"}`) and
+  the key in `tokens_ref`.
 - `call.completed.finish_reason` is the engine's (`stop` | `length`), never inferred
   from the last token; the stop token stays in `completion_ids`.
 
 Known limits: per-execution seq counters live in memory, so a restarted proxy starts
-again at 0 (its events would collide with earlier ids); `stop` strings are not applied.
+again at 0 (its events would collide with earlier ids); `stop` strings / `stop_sequences`
+are not applied; Anthropic `thinking: disabled` does not switch the template's thinking off.
 """
 from __future__ import annotations
 
@@ -60,19 +69,32 @@ import orjson
 import structlog
 from aiohttp import web
 
-from gyre.chat import call_id_prefix, parse_completion
+from gyre.chat import parse_completion
 from gyre.harness import verify_key as harness_verify_key
+from gyre.roles import PROFILES, CallFacts, Classification, classify, profile_for_harness
 from gyre.tito import CallStore, Match
 from handlers.engine_client import EngineClient, EngineRequestError, EngineUnavailable, make_session
+from handlers.proxy_anthropic import MessagesApi, parse_messages_request
+from handlers.proxy_api import Answer, Api, ApiError, ModelRequest, StreamStart, internal_message
+from handlers.proxy_http import Reply, error_response, key_of, read_json
+from handlers.proxy_openai import ChatApi, ResponsesApi, parse_chat_request, parse_responses_request
+from handlers.proxy_routing import Attempt, Router, engine_sampling, race
 from schemas import encode, ids
 from schemas.call import CallCompleted, CallTokens, SamplingParams
 from schemas.cell import CellSwitched, RouteUpdated
-from schemas.execution import ExecutionFinished
+from schemas.execution import ExecutionFinished, ExecutionStarted
+
+__all__ = ["ApiError", "Config", "EngineResult", "ProxyState", "Router", "make_app", "run", "start", "main"]
 
 log = structlog.get_logger()
 
 MAX_ENGINE_ABORTS = 16
 """Engine-side aborts of one call retried before the call fails (a cell switch aborts once)."""
+
+CHAT, RESPONSES, MESSAGES = ChatApi(), ResponsesApi(), MessagesApi()
+
+REPLAYED = ("cell.switched", "route.updated", "execution.started", "execution.finished")
+"""Events the proxy's state is rebuilt from (`ProxyState.handle_event`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,7 +118,7 @@ class Config:
     static_cell: str = "static"
     """Cell name recorded for calls served by `engine_url`."""
     model_name: str = "gyre"
-    """Model id listed by /v1/models."""
+    """Model id listed by /v1/models (and echoed when a request names none)."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -104,10 +126,20 @@ class Config:
     max_completion_tokens: int = 4096
     """Cap on a call's completion tokens, and the value when the request sets none."""
     max_calls: int = 0
-    """Calls one execution may start; 0 = no cap."""
+    """Model calls one execution may start (count_tokens not counted); 0 = no cap."""
     body_limit_bytes: int = 64 * 1024 * 1024
+    """Largest request body, as sent and once decoded."""
     concurrency: int = 256
     """Engine requests in flight at once; further calls queue."""
+    max_active_calls: int = 0
+    """Model calls admitted at once (queued or generating); beyond → 429. 0 = no cap."""
+    max_active_calls_per_execution: int = 0
+    """The same bound per execution; 0 = no cap."""
+    retry_after_s: int = 1
+    """`Retry-After` seconds on a 429."""
+    harness: str = ""
+    """Roles profile (gyre.roles.PROFILES) for executions whose harness is not known from
+    `execution.started`; '' = detect it from each call's headers."""
     retry_timeout_s: float = 600.0
     """How long a call waits and retries for an engine before failing with 503."""
     retry_backoff_s: float = 0.25
@@ -138,236 +170,23 @@ class Config:
             raise ValueError(f"Config.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"Config.top_k must be -1 (off) or > 0, got {self.top_k}")
-        for name in ("max_completion_tokens", "body_limit_bytes", "concurrency", "object_threshold_bytes"):
+        for name in ("max_completion_tokens", "body_limit_bytes", "concurrency", "object_threshold_bytes",
+                     "retry_after_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Config.{name} must be > 0, got {getattr(self, name)}")
-        if self.max_calls < 0:
-            raise ValueError("Config.max_calls must be >= 0 (0 = no cap)")
+        for name in ("max_calls", "max_active_calls", "max_active_calls_per_execution"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Config.{name} must be >= 0 (0 = no cap), got {getattr(self, name)}")
+        if self.harness and self.harness not in PROFILES:
+            raise ValueError(f"Config.harness must be '' or one of {PROFILES}, got {self.harness!r}")
         for name in ("retry_timeout_s", "retry_backoff_s", "retry_backoff_max_s", "keepalive_s", "shutdown_grace_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Config.{name} must be > 0 seconds, got {getattr(self, name)}")
 
-
-# --------------------------------------------------------------------------- errors
-
-
-class ApiError(Exception):
-    """An error answered to the harness in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.code = code
-        self.param = param
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, dumps=_dumps)
-
-
-def _dumps(obj: Any) -> str:
-    return orjson.dumps(obj).decode()
-
-
-# --------------------------------------------------------------------------- routing
-
-
-class Router:
-    """Which engine serves an execution: rollout cells, scheduler routes, stickiness.
-
-    cells: rollout cell → engine URL. routes: execution → cell from `route.updated`.
-    sticky: execution → cell it was last sent to. Waiters are woken on every change.
-    """
-
-    def __init__(self, static_url: str = "", static_cell: str = "static"):
-        self.static_url = static_url
-        self.static_cell = static_cell
-        self.cells: dict[str, str] = {}
-        self.routes: dict[str, str] = {}
-        self.sticky: dict[str, str] = {}
-        self._changed = asyncio.Event()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    def handle_cell_switched(self, event: CellSwitched) -> None:
-        if event.to_role == "rollout" and event.engine_url:
-            self.cells[event.cell] = event.engine_url
-        else:
-            self.cells.pop(event.cell, None)
-        self._notify()
-
-    def handle_route_updated(self, event: RouteUpdated) -> None:
-        for route in event.routes:
-            self.routes[route.execution] = route.cell
-        self._notify()
-
-    def load(self, cell: str) -> int:
-        return sum(1 for c in self.sticky.values() if c == cell)
-
-    def pick(self, execution: str, avoid: frozenset[str] = frozenset()) -> tuple[str, str] | None:
-        """(cell, engine URL) for `execution`, or None when no engine is known.
-
-        Order: the scheduler's route, the sticky cell, the least-loaded rollout cell (cells
-        in `avoid` only when nothing else is left), then the static engine.
-        """
-        if self.cells:
-            usable = [c for c in self.cells if c not in avoid] or list(self.cells)
-            choice = None
-            for preferred in (self.routes.get(execution), self.sticky.get(execution)):
-                if preferred in usable:
-                    choice = preferred
-                    break
-            if choice is None:
-                choice = min(usable, key=lambda c: (self.load(c), c))
-            self.sticky[execution] = choice
-            return choice, self.cells[choice]
-        if self.static_url:
-            return self.static_cell, self.static_url
-        return None
-
-    async def wait_changed(self, timeout_s: float) -> None:
-        try:
-            await asyncio.wait_for(self._changed.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            pass
-
-
-# --------------------------------------------------------------------------- responses (pure)
-
-
-def _pieces(text: str, size: int) -> list[str]:
-    return [text[i:i + size] for i in range(0, len(text), size)]
-
-
-def answer_message(content: str, reasoning: str | None, tool_calls: list[dict]) -> dict:
-    """The assistant message as OpenAI returns it: content None when only tool calls."""
-    msg: dict[str, Any] = {"role": "assistant", "content": content if (content or not tool_calls) else None}
-    if reasoning:
-        msg["reasoning_content"] = reasoning
-    if tool_calls:
-        msg["tool_calls"] = tool_calls
-    return msg
-
-
-def completion_object(*, cid: str, created: int, model: str, message: dict, finish_reason: str,
-                      prompt_tokens: int, completion_tokens: int) -> dict:
-    """A non-streaming `chat.completion` object."""
-    return {
-        "id": cid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
-    }
-
-
-def stream_chunks(*, cid: str, created: int, model: str, message: dict, finish_reason: str,
-                  prompt_tokens: int, completion_tokens: int, include_usage: bool, piece: int = 32) -> list[dict]:
-    """The `chat.completion.chunk` objects of one answer, in order (without `[DONE]`)."""
-    def chunk(delta: dict, finish: str | None = None) -> dict:
-        out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
-        if include_usage:
-            out["usage"] = None
-        return out
-
-    chunks = [chunk({"role": "assistant", "content": ""})]
-    for part in _pieces(message.get("reasoning_content") or "", piece):
-        chunks.append(chunk({"reasoning_content": part}))
-    for part in _pieces(message.get("content") or "", piece):
-        chunks.append(chunk({"content": part}))
-    for i, tc in enumerate(message.get("tool_calls") or ()):
-        fn = tc["function"]
-        chunks.append(chunk({"tool_calls": [{"index": i, "id": tc["id"], "type": "function",
-                                             "function": {"name": fn["name"], "arguments": ""}}]}))
-        for part in _pieces(fn["arguments"], piece):
-            chunks.append(chunk({"tool_calls": [{"index": i, "function": {"arguments": part}}]}))
-    chunks.append(chunk({}, finish_reason))
-    if include_usage:
-        chunks.append({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                       "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                                "total_tokens": prompt_tokens + completion_tokens}})
-    return chunks
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-# --------------------------------------------------------------------------- request parsing (pure)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ChatRequest:
-    messages: list
-    tools: Any
-    stream: bool
-    include_usage: bool
-    sampling: SamplingParams
-    model: str
-
-
-def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ApiError(400, f"'{name}' must be a number, got {value!r}", param=name)
-    if value < lo or value > hi or (lo_open and value == lo):
-        raise ApiError(400, f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", param=name)
-    return float(value)
-
-
-def parse_chat_request(body: Any, cfg: Config) -> ChatRequest:
-    """Validate a Chat Completions body; unknown fields are ignored. Raises ApiError(400)."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise ApiError(400, "'tools' must be a list", param="tools")
-    n = body.get("n")
-    if n not in (None, 1):
-        raise ApiError(400, "only n = 1 is supported", param="n")
-    cap = cfg.max_completion_tokens
-    max_tokens = cap
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = body.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ApiError(400, f"'{name}' must be a positive integer, got {value!r}", param=name)
-        max_tokens = min(value, cap)
-        break
-    top_k = body.get("top_k")
-    if top_k is None:
-        top_k = cfg.top_k
-    elif isinstance(top_k, bool) or not isinstance(top_k, int) or top_k == 0 or top_k < -1:
-        raise ApiError(400, f"'top_k' must be -1 or a positive integer, got {top_k!r}", param="top_k")
-    sampling = SamplingParams(
-        temperature=_number(body, "temperature", cfg.temperature, 0.0, 2.0),
-        top_p=_number(body, "top_p", cfg.top_p, 0.0, 1.0, lo_open=True),
-        top_k=top_k,
-        max_tokens=max_tokens,
-    )
-    options = body.get("stream_options")
-    include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
-    model = body.get("model") if isinstance(body.get("model"), str) else cfg.model_name
-    return ChatRequest(messages=messages, tools=tools, stream=bool(body.get("stream")),
-                       include_usage=include_usage, sampling=sampling, model=model)
-
-
-def engine_sampling(sp: SamplingParams) -> dict:
-    """SGLang `sampling_params` for recorded SamplingParams."""
-    return {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "max_new_tokens": sp.max_tokens}
+    def sampling_defaults(self) -> SamplingParams:
+        """Sampling when a request sets none; max_tokens is the completion cap."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_tokens=self.max_completion_tokens)
 
 
 # --------------------------------------------------------------------------- state
@@ -375,20 +194,15 @@ def engine_sampling(sp: SamplingParams) -> dict:
 
 @dataclasses.dataclass(slots=True)
 class _Execution:
-    """Per-execution proxy state: the TITO store (None once the execution finished) and
-    the next call's seq (kept for the proxy's lifetime so event ids never repeat)."""
+    """Per-execution proxy state: the TITO store (None once the execution finished), the
+    next call's seq (kept for the proxy's lifetime so event ids never repeat), model calls
+    started (for `max_calls`), calls in flight, and the roles profile (None = detect)."""
 
     store: CallStore | None
     next_seq: int = 0
-
-
-@dataclasses.dataclass(slots=True)
-class _Attempt:
-    """The engine request in flight for a call (for aborting it upstream)."""
-
-    client: EngineClient | None = None
-    rid: str = ""
-    cell: str = ""
+    model_calls: int = 0
+    active: int = 0
+    harness: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -424,19 +238,25 @@ class ProxyState:
         self.verify_key = verify_key
         self.router = Router(cfg.engine_url, cfg.static_cell)
         self.executions: dict[str, _Execution] = {}
+        self.active = 0
+        self.defaults = cfg.sampling_defaults()
         self._clients: dict[str, EngineClient] = {}
         self._semaphore = asyncio.Semaphore(cfg.concurrency)
         self._background: set[asyncio.Task] = set()
 
     # -- bus-fed state
     async def handle_event(self, event: Any) -> None:
-        """Replay handler for `cell.switched`, `route.updated` and `execution.finished`
-        (the last frees the execution's call store; its seq counter is kept)."""
+        """Replay handler for `cell.switched`, `route.updated`, `execution.started` (the
+        execution's harness profile) and `execution.finished` (frees the execution's call
+        store; its seq counter is kept)."""
         if isinstance(event, CellSwitched):
             self.router.handle_cell_switched(event)
             log.info("proxy.cell.updated", cell=event.cell, role=event.to_role, engine_url=event.engine_url)
         elif isinstance(event, RouteUpdated):
             self.router.handle_route_updated(event)
+        elif isinstance(event, ExecutionStarted):
+            ex = self.executions.setdefault(event.info.execution, _Execution(store=None))
+            ex.harness = profile_for_harness(event.info.harness)
         elif isinstance(event, ExecutionFinished):
             ex = self.executions.get(event.info.execution)
             if ex is not None:
@@ -450,6 +270,27 @@ class ProxyState:
         if ex.store is None:
             ex.store = CallStore(self.tokenizer, check_drift=self.cfg.check_drift)
         return ex
+
+    def classify(self, ex: _Execution, headers: Any, req: ModelRequest, api: str) -> Classification:
+        """Role and metadata of a call (gyre.roles), with the execution's profile."""
+        facts = CallFacts(api=api, headers={k.lower(): v for k, v in headers.items()}, model=req.model,
+                          messages=req.messages, tools=len(req.tools or ()), json_output=req.json_output,
+                          body_meta=req.body_meta)
+        return classify(facts, ex.harness or self.cfg.harness or None)
+
+    def admit(self, ex: _Execution) -> None:
+        """Count a model call in; raises ApiError(429) over the concurrency bounds."""
+        cfg = self.cfg
+        if (cfg.max_active_calls and self.active >= cfg.max_active_calls) or (
+                cfg.max_active_calls_per_execution and ex.active >= cfg.max_active_calls_per_execution):
+            raise ApiError(429, "too many calls in flight; retry shortly", "rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(cfg.retry_after_s)})
+        self.active += 1
+        ex.active += 1
+
+    def release(self, ex: _Execution) -> None:
+        self.active -= 1
+        ex.active -= 1
 
     def client(self, url: str) -> EngineClient:
         c = self._clients.get(url)
@@ -469,9 +310,15 @@ class ProxyState:
             if pending:
                 log.warning("proxy.drain.unfinished", tasks=len(pending))
 
+    async def abort_upstream(self, client: EngineClient, rid: str) -> None:
+        try:
+            await client.abort(rid)
+        except Exception as exc:  # noqa: BLE001 - the engine may be gone; nothing else to do
+            log.info("proxy.engine.abort_failed", rid=rid, error=repr(exc))
+
     # -- engine
     async def generate(self, execution: str, prompt_ids: list[int], sampling: SamplingParams, call_id: str,
-                       attempt: _Attempt, on_wait: Callable[[], None] | None = None) -> EngineResult:
+                       attempt: Attempt, on_wait: Callable[[], None] | None = None) -> EngineResult:
         """Run the call on an engine, waiting and retrying transparently (module docstring).
 
         Raises ApiError(503) when no engine answered within retry_timeout_s, ApiError(400|502)
@@ -500,20 +347,23 @@ class ProxyState:
             client = self.client(url)
             rid = f"{call_id}:{tries}:{uuid.uuid4().hex[:8]}"
             tries += 1
-            attempt.client, attempt.rid, attempt.cell = client, rid, cell
+            attempt.client, attempt.rid, attempt.cell, attempt.evicted = client, rid, cell, asyncio.Event()
+            self.router.track(attempt)
             try:
                 async with self._semaphore:
                     t_engine = time.monotonic()
-                    result = await client.generate(prompt_ids, engine_sampling(sampling), rid, execution=execution)
-                attempt.client = None
+                    result = await race(client.generate(prompt_ids, engine_sampling(sampling), rid,
+                                                         execution=execution), attempt.evicted)
             except EngineUnavailable as exc:
                 attempt.client = None
                 clog.info("proxy.engine.unavailable", cell=cell, error=str(exc)[:200], retry_in_s=backoff)
                 avoid.add(cell)
                 if on_wait:
                     on_wait()
-                await asyncio.sleep(min(backoff, max(remaining, 0.0)))
-                backoff = min(backoff * 2, cfg.retry_backoff_max_s)
+                # Another rollout cell is tried at once; the same engine only after a backoff.
+                if not any(c not in avoid for c in self.router.cells):
+                    await asyncio.sleep(min(backoff, max(remaining, 0.0)))
+                    backoff = min(backoff * 2, cfg.retry_backoff_max_s)
                 continue
             except EngineRequestError as exc:
                 attempt.client = None
@@ -522,7 +372,16 @@ class ProxyState:
                 raise ApiError(status, f"the engine refused the request: {exc.body}",
                                "invalid_request_error" if status == 400 else "server_error",
                                code="engine_error") from exc
+            finally:
+                self.router.untrack(attempt)
             # On cancellation attempt.client stays set, so the caller can abort `rid` upstream.
+            if result is None:  # the cell left rollout mid-request: abort there, go elsewhere
+                clog.info("proxy.engine.evicted", cell=cell, rid=rid)
+                attempt.client = None
+                self.spawn(self.abort_upstream(client, rid))
+                avoid.add(cell)
+                continue
+            attempt.client = None
             engine_s = time.monotonic() - t_engine
             meta = result.get("meta_info") or {}
             finish = (meta.get("finish_reason") or {}).get("type") or "stop"
@@ -550,12 +409,14 @@ class ProxyState:
 
     # -- events
     def call_event(self, *, execution: str, seq: int, match: Match, sampling: SamplingParams,
-                   result: EngineResult | None, status: str, total_s: float, cell: str) -> CallCompleted:
+                   result: EngineResult | None, status: str, total_s: float, cell: str, api: str = "chat",
+                   role: str = "main", meta: dict | None = None) -> CallCompleted:
         """The `call.completed` event of a call, tokens inline.
 
-        status `ok`: answered. `aborted`: the harness went away (its completion, if one was
-        generated but not delivered, is kept: it is still a sample of the policy). `error`:
-        no engine answered, or it refused; no completion.
+        status `ok`: answered (without a result: a count_tokens call, finish `stop`).
+        `aborted`: the harness went away (its completion, if one was generated but not
+        delivered, is kept: it is still a sample of the policy). `error`: no engine
+        answered, or it refused; no completion.
         """
         parent = match.parent
         tokens = CallTokens(
@@ -568,12 +429,12 @@ class ProxyState:
             timings.update(queue_s=round(result.queue_s, 6), engine_s=round(result.engine_s, 6))
             finish = result.finish
         else:
-            finish = "abort" if status == "aborted" else "error"
+            finish = {"ok": "stop", "aborted": "abort"}.get(status, "error")
         return CallCompleted(
             event_id=ids.call(self.cfg.run, execution, seq), call=f"{execution}:{seq}", execution=execution,
             seq=seq, parent_call=parent.call if parent else None, prefix_len=match.prefix_len if parent else 0,
             tokens=tokens, sampling=sampling, finish_reason=finish, versions=result.versions if result else (),
-            cell=cell, api="chat", status=status, timings=timings, drift=match.drift,
+            cell=cell, role=role, api=api, status=status, timings=timings, drift=match.drift, meta=dict(meta or {}),
         )
 
     async def publish(self, event: CallCompleted) -> None:
@@ -606,20 +467,13 @@ class ProxyState:
                 delay = min(delay * 2, self.cfg.retry_backoff_max_s)
 
 
+
 # --------------------------------------------------------------------------- handlers
-
-
-def _key_of(request: web.Request) -> str | None:
-    auth = request.headers.get("Authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip() or None
-    key = request.headers.get("x-api-key", "").strip()
-    return key or None
 
 
 def authenticate(state: ProxyState, request: web.Request) -> str:
     """The execution a request's key belongs to. Raises ApiError(401)."""
-    key = _key_of(request)
+    key = key_of(request)
     if key is None:
         raise ApiError(401, "no API key: send 'Authorization: Bearer <key>' or 'x-api-key'",
                        "authentication_error", code="missing_api_key")
@@ -629,156 +483,91 @@ def authenticate(state: ProxyState, request: web.Request) -> str:
     return execution
 
 
-async def _read_json(request: web.Request) -> Any:
+def _match(store: CallStore, req: ModelRequest, auxiliary: bool, execution: str) -> Match:
+    """TITO attachment of a request (a fresh root for auxiliary calls). Raises ApiError(400)."""
     try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise ApiError(413, f"request body too large ({exc.actual_size} > {exc.max_size} bytes)",
-                       code="request_too_large") from None
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        if auxiliary:
+            return store.fresh(req.messages, req.tools)
+        return store.match(req.messages, req.tools)
+    except ValueError as exc:
+        raise ApiError(400, f"cannot render the conversation: {exc}", param="messages") from None
+    except Exception as exc:  # noqa: BLE001 - e.g. a template error on odd input: the request's fault
+        log.warning("proxy.render.failed", execution=execution, error=repr(exc), exc_info=True)
+        raise ApiError(400, f"cannot render the conversation: {exc!r}", param="messages") from None
 
 
-class _Reply:
-    """The harness's response while a call waits: keep-alives now, the answer later.
-
-    Streaming: SSE prepared at once, `: keep-alive` comments every keepalive_s.
-    Non-streaming: after keepalive_s a 200 JSON response is prepared and newlines are sent.
-    """
-
-    def __init__(self, request: web.Request, stream: bool, keepalive_s: float):
-        self.request = request
-        self.stream = stream
-        self.keepalive_s = keepalive_s
-        self.resp: web.StreamResponse | None = None
-        self._task: asyncio.Task | None = None
-
-    async def _prepare(self, content_type: str) -> web.StreamResponse:
-        resp = web.StreamResponse(status=200, headers={"Content-Type": content_type, "Cache-Control": "no-cache",
-                                                       "X-Accel-Buffering": "no"})
-        await resp.prepare(self.request)
-        self.resp = resp
-        return resp
-
-    async def start(self) -> None:
-        if self.stream:
-            await self._prepare("text/event-stream; charset=utf-8")
-        self._task = asyncio.ensure_future(self._keepalive())
-
-    async def _keepalive(self) -> None:
-        try:
-            while True:
-                await asyncio.sleep(self.keepalive_s)
-                if self.resp is None:
-                    await self._prepare("application/json")
-                await self.resp.write(b": keep-alive\n\n" if self.stream else b"\n")
-        except (ConnectionResetError, asyncio.CancelledError):
-            pass
-
-    async def stop_keepalive(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
-
-    async def send(self, body: dict | list[dict]) -> web.StreamResponse:
-        """Deliver the answer (a completion object, or the stream's chunks) and end it."""
-        await self.stop_keepalive()
-        if self.stream:
-            resp = self.resp
-            for chunk in body:
-                await resp.write(_sse(chunk))
-            await resp.write(b"data: [DONE]\n\n")
-        else:
-            data = orjson.dumps(body)
-            if self.resp is None:
-                resp = web.Response(body=data, content_type="application/json")
-                await resp.prepare(self.request)
-                await resp.write_eof()
-                return resp
-            resp = self.resp
-            await resp.write(data)
-        await resp.write_eof()
-        return resp
-
-    async def fail(self, err: ApiError) -> web.StreamResponse:
-        await self.stop_keepalive()
-        if self.resp is None:
-            return err.response()
-        if self.stream:
-            await self.resp.write(_sse(err.body()))
-        else:
-            await self.resp.write(orjson.dumps(err.body()))
-        await self.resp.write_eof()
-        return self.resp
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
+async def serve_call(request: web.Request, api: Api, parse: Callable[[Any, SamplingParams], ModelRequest],
+                     ) -> web.StreamResponse:
+    """One model call through `api`: authenticate, parse, classify, admit, match, generate,
+    answer, record, publish (module docstring)."""
     state: ProxyState = request.app[STATE]
     cfg = state.cfg
     t0 = time.monotonic()
     try:
         execution = authenticate(state, request)
-        req = parse_chat_request(await _read_json(request), cfg)
+        req = parse(await read_json(request, state.cfg.body_limit_bytes, request.app.get(RAW_BODIES, False)), state.defaults)
+        if not req.model:
+            req = dataclasses.replace(req, model=cfg.model_name)
         ex = state.execution(execution)
-        if cfg.max_calls and ex.next_seq >= cfg.max_calls:
+        roles = state.classify(ex, request.headers, req, api.name)
+        if cfg.max_calls and ex.model_calls >= cfg.max_calls:
             raise ApiError(400, f"this execution has used its {cfg.max_calls} model calls; stop here",
                            code="max_calls_exceeded")
-        store = ex.store
-        try:
-            match = store.match(req.messages, req.tools)
-        except ValueError as exc:
-            raise ApiError(400, f"cannot render the conversation: {exc}", param="messages") from None
-        except Exception as exc:  # noqa: BLE001 - e.g. a template error on odd input: the request's fault
-            log.warning("proxy.render.failed", execution=execution, error=repr(exc), exc_info=True)
-            raise ApiError(400, f"cannot render the conversation: {exc!r}", param="messages") from None
+        state.admit(ex)
     except ApiError as err:
-        log.info("proxy.request.refused", status=err.status, code=err.code, error=err.message[:200])
-        return err.response()
+        log.info("proxy.request.refused", api=api.name, status=err.status, code=err.code, error=err.message[:200])
+        return error_response(api, err)
+    try:
+        return await _serve_admitted(request, state, api, req, execution, ex, roles, t0)
+    finally:
+        state.release(ex)
 
+
+async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req: ModelRequest, execution: str,
+                          ex: _Execution, roles: Classification, t0: float) -> web.StreamResponse:
+    cfg = state.cfg
+    auxiliary = roles.role == "auxiliary"
+    store = ex.store
+    try:
+        match = _match(store, req, auxiliary, execution)
+    except ApiError as err:
+        return error_response(api, err)
     seq = ex.next_seq
     ex.next_seq += 1
+    ex.model_calls += 1
     call_id = f"{execution}:{seq}"
-    clog = log.bind(execution=execution, call=call_id)
-    reply = _Reply(request, req.stream, cfg.keepalive_s)
-    attempt = _Attempt()
+    clog = log.bind(execution=execution, call=call_id, api=api.name, role=roles.role)
+    common = dict(execution=execution, seq=seq, match=match, sampling=req.sampling, api=api.name, role=roles.role,
+                  meta=roles.meta)
+    reply = Reply(request, api, req.stream, cfg.keepalive_s)
+    attempt = Attempt()
     result: EngineResult | None = None
     delivered = False
+    prompt = match.prompt_ids.tolist()
+    start = StreamStart(rid=api.new_id(), created=int(time.time()), model=req.model, prompt_tokens=len(prompt))
     try:
-        await reply.start()
-        prompt = match.prompt_ids.tolist()
+        await reply.start(start, api.preamble(start, req) if req.stream else [])
         try:
             result = await state.generate(execution, prompt, req.sampling, call_id, attempt)
         except ApiError as err:
             clog.warning("proxy.call.failed", status=err.status, error=err.message[:300])
             resp = await reply.fail(err)
-            state.spawn(state.publish(state.call_event(
-                execution=execution, seq=seq, match=match, sampling=req.sampling, result=None, status="error",
-                total_s=time.monotonic() - t0, cell=attempt.cell)))
+            state.spawn(state.publish(state.call_event(**common, result=None, status="error",
+                                                       total_s=time.monotonic() - t0, cell=attempt.cell)))
             return resp
         text = state.tokenizer.decode(result.output_ids, skip_special_tokens=False)
-        parsed = parse_completion(text, id_prefix=call_id_prefix(f"{cfg.run}:{call_id}"))
-        tool_calls = [{"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}
-                      for tc in parsed.tool_calls]
-        message = answer_message(parsed.content, parsed.reasoning, tool_calls)
-        finish = "tool_calls" if tool_calls and result.finish == "stop" else result.finish
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        common = dict(cid=cid, created=created, model=req.model, message=message, finish_reason=finish,
-                      prompt_tokens=len(prompt), completion_tokens=len(result.output_ids))
-        body = stream_chunks(**common, include_usage=req.include_usage) if req.stream else completion_object(**common)
-        resp = await reply.send(body)
+        parsed = parse_completion(text, id_prefix=api.tool_id_prefix(f"{cfg.run}:{call_id}"))
+        answer = Answer(content=parsed.content, reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
+                        finish=result.finish, prompt_tokens=len(prompt), completion_tokens=len(result.output_ids),
+                        rid=start.rid, created=start.created)
+        resp = await reply.send(api.render(answer, req))
         delivered = True
         # No await between delivery and recording: the harness's next call sees this one.
-        store.record(match, call=call_id, seq=seq, answer=message, completion_ids=result.output_ids)
-        state.spawn(state.publish(state.call_event(
-            execution=execution, seq=seq, match=match, sampling=req.sampling, result=result, status="ok",
-            total_s=time.monotonic() - t0, cell=result.cell)))
+        if not auxiliary:
+            store.record(match, call=call_id, seq=seq, answer=internal_message(answer),
+                         completion_ids=result.output_ids)
+        state.spawn(state.publish(state.call_event(**common, result=result, status="ok",
+                                                   total_s=time.monotonic() - t0, cell=result.cell)))
         clog.info("proxy.call.recorded", seq=seq, parent=match.parent.call if match.parent else None,
                   prefix_len=match.prefix_len, extended=match.extended, prompt_tokens=len(prompt),
                   new_prompt_tokens=len(prompt) - match.prefix_len, completion_tokens=len(result.output_ids),
@@ -788,33 +577,66 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except (asyncio.CancelledError, ConnectionResetError):
         if not delivered:
             clog.info("proxy.call.client_gone", seq=seq)
-            state.spawn(_abandon(state, attempt, execution, seq, match, req.sampling, result, t0))
+            state.spawn(_abandon(state, attempt, common, result, t0))
         raise
     finally:
         await reply.stop_keepalive()
 
 
-async def _abandon(state: ProxyState, attempt: _Attempt, execution: str, seq: int, match: Match,
-                   sampling: SamplingParams, result: EngineResult | None, t0: float) -> None:
+async def _abandon(state: ProxyState, attempt: Attempt, common: dict, result: EngineResult | None,
+                   t0: float) -> None:
     """The harness went away: abort the engine request, publish the call as `aborted`."""
     if attempt.client is not None and attempt.rid:
-        try:
-            await attempt.client.abort(attempt.rid)
-        except Exception as exc:  # noqa: BLE001 - the engine may be gone too; the call is still recorded
-            log.info("proxy.engine.abort_failed", rid=attempt.rid, error=repr(exc))
-    await state.publish(state.call_event(execution=execution, seq=seq, match=match, sampling=sampling,
-                                         result=result, status="aborted", total_s=time.monotonic() - t0,
+        await state.abort_upstream(attempt.client, attempt.rid)
+    await state.publish(state.call_event(**common, result=result, status="aborted", total_s=time.monotonic() - t0,
                                          cell=attempt.cell))
 
 
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await serve_call(request, CHAT, parse_chat_request)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await serve_call(request, RESPONSES, parse_responses_request)
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    return await serve_call(request, MESSAGES, parse_messages_request)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """`{"input_tokens": n}`: the rendered prompt's length (system + tools + messages), with
+    the same renderer and tokenizer as a call; published as an `auxiliary` call."""
+    state: ProxyState = request.app[STATE]
+    t0 = time.monotonic()
+    try:
+        execution = authenticate(state, request)
+        req = parse_messages_request(await read_json(request, state.cfg.body_limit_bytes, request.app.get(RAW_BODIES, False)), state.defaults)
+        ex = state.execution(execution)
+        roles = state.classify(ex, request.headers, req, "count_tokens")
+        match = _match(ex.store, req, True, execution)
+    except ApiError as err:
+        return error_response(MESSAGES, err)
+    seq = ex.next_seq
+    ex.next_seq += 1
+    state.spawn(state.publish(state.call_event(
+        execution=execution, seq=seq, match=match, sampling=req.sampling, result=None, status="ok",
+        total_s=time.monotonic() - t0, cell="", api="messages", role=roles.role, meta=roles.meta)))
+    return web.json_response({"input_tokens": len(match.prompt_ids)})
+
+
 async def models(request: web.Request) -> web.Response:
+    """The one model, in a shape both OpenAI's and Anthropic's SDKs read."""
     state: ProxyState = request.app[STATE]
     try:
         authenticate(state, request)
     except ApiError as err:
-        return err.response()
+        return error_response(CHAT, err)
+    name = state.cfg.model_name
     return web.json_response({"object": "list", "data": [
-        {"id": state.cfg.model_name, "object": "model", "created": 0, "owned_by": "gyre"}]})
+        {"id": name, "object": "model", "type": "model", "display_name": name, "created": 0,
+         "created_at": "1970-01-01T00:00:00Z", "owned_by": "gyre"}], "has_more": False, "first_id": name,
+        "last_id": name})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -826,19 +648,26 @@ async def root(request: web.Request) -> web.Response:
 
 
 async def not_found(request: web.Request) -> web.Response:
-    return ApiError(404, f"unknown endpoint {request.method} {request.path}", code="unknown_url").response()
+    api = MESSAGES if request.path.startswith(("/v1/messages", "/messages")) else CHAT
+    return error_response(api, ApiError(404, f"unknown endpoint {request.method} {request.path}",
+                                        "not_found_error", code="unknown_url"))
 
 
 STATE = web.AppKey("state", ProxyState)
+RAW_BODIES = web.AppKey("raw_bodies", bool)
 
 
 def make_app(state: ProxyState) -> web.Application:
-    """The proxy's aiohttp application (serve it with `handler_cancellation=True`, as
-    `start` does, so a harness that goes away aborts its call upstream)."""
+    """The proxy's aiohttp application. Serve it as `start` does: `handler_cancellation=True`
+    (a harness that goes away aborts its call upstream) and `auto_decompress=False` with
+    `app[RAW_BODIES] = True` (bodies decoded here, bounded, unsupported codings → 415)."""
     app = web.Application(client_max_size=state.cfg.body_limit_bytes)
     app[STATE] = state
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/chat/completions", chat_completions)
+    for prefix in ("/v1", ""):
+        app.router.add_post(prefix + "/chat/completions", chat_completions)
+        app.router.add_post(prefix + "/responses", responses)
+        app.router.add_post(prefix + "/messages", messages)
+        app.router.add_post(prefix + "/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/", root)
@@ -848,8 +677,10 @@ def make_app(state: ProxyState) -> web.Application:
 
 async def start(state: ProxyState) -> tuple[web.AppRunner, str]:
     """Serve `make_app(state)` on cfg.host:cfg.port; returns the runner and the base URL."""
-    runner = web.AppRunner(make_app(state), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=state.cfg.shutdown_grace_s)
+    app = make_app(state)
+    app[RAW_BODIES] = True
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=state.cfg.shutdown_grace_s, auto_decompress=False)
     await runner.setup()
     site = web.TCPSite(runner, state.cfg.host, state.cfg.port)
     await site.start()
@@ -892,8 +723,7 @@ async def run(cfg: Config, stop: asyncio.Event,
         on_started(state, url)
     replay = None
     if bus is not None:
-        replay = asyncio.create_task(bus.replay(["cell.switched", "route.updated", "execution.finished"],
-                                                state.handle_event, stop=stop))
+        replay = asyncio.create_task(bus.replay(REPLAYED, state.handle_event, stop=stop))
     try:
         await stop.wait()
     finally:

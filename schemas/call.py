@@ -61,6 +61,8 @@ class CallCompleted(Event):
     api: `chat`, `responses`, `messages`. cell: id of the cell that served it.
     timings: seconds — `queue_s`, `engine_s`, `total_s`.
     drift: number of ids where re-rendered and recorded prompt ids disagreed.
+    meta: harness session metadata, strings (gyre.roles): `harness`, and where known
+      `session_id`, `agent_id`, `request_kind`, `turn_id`. Empty for older events.
     """
 
     NAME: ClassVar[str] = "call.completed"
@@ -80,6 +82,7 @@ class CallCompleted(Event):
     status: CallStatus = "ok"
     timings: dict = dataclasses.field(default_factory=dict)
     drift: int = 0
+    meta: dict = dataclasses.field(default_factory=dict)
 
     def check(self) -> None:
         if self.seq < 0:

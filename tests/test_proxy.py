@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import aiohttp
+import anthropic
 import openai
 import orjson
 import pytest
@@ -63,8 +64,9 @@ class Stack:
 
     async def proxy(self, *, engine: ScriptedEngine | None = None, **overrides) -> str:
         overrides.setdefault("shutdown_grace_s", 2.0)
-        cfg = Config(run=self.run_id, key_secret=SECRET, engine_url=engine.url if engine else "",
-                     retry_backoff_s=0.02, retry_backoff_max_s=0.1, **overrides)
+        overrides.setdefault("retry_backoff_s", 0.02)
+        overrides.setdefault("retry_backoff_max_s", max(0.1, overrides["retry_backoff_s"]))
+        cfg = Config(run=self.run_id, key_secret=SECRET, engine_url=engine.url if engine else "", **overrides)
         self.session = make_session()
         self.state = ProxyState(cfg, self.tok, self.session, self.bus)
         self.runner, self.url = await start(self.state)
@@ -75,6 +77,16 @@ class Stack:
                                     max_retries=0, **kw)
         self.clients.append(client)
         return client
+
+    def anthropic(self, execution: str, **kw) -> anthropic.AsyncAnthropic:
+        client = anthropic.AsyncAnthropic(base_url=self.url, api_key=execution_key(SECRET, execution),
+                                          max_retries=0, **kw)
+        self.clients.append(client)
+        return client
+
+    def store(self, execution: str):
+        """The execution's TITO call store in the running proxy."""
+        return self.state.executions[execution].store
 
     async def calls(self, n: int, timeout_s: float = 15.0) -> list[schemas.CallCompleted]:
         """The next n call.completed events through the builder's durable consumer."""

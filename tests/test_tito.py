@@ -200,3 +200,41 @@ def test_count_drift_by_hand():
     assert count_drift(rec, sam, ren2) == 1
     # An extra rendered chunk counts in full.
     assert count_drift(rec, sam, np.concatenate([rec, [4, 4, E]])) == 3
+
+
+def test_anthropic_harness_noise_still_extends_verbatim(tok):
+    """Claude Code's noise (billing line, moving cache marker, string → text block, echoed
+    thinking with its signature, re-serialised tool input) leaves the conversation equal."""
+    from handlers.proxy_anthropic import anthropic_messages, anthropic_tools, thinking_signature
+
+    store = CallStore(tok)
+    tools = anthropic_tools([{"name": "bash", "input_schema": {"type": "object"},
+                              "cache_control": {"type": "ephemeral"}}])
+    body0 = {"system": [{"type": "text", "text": "x-anthropic-billing-header: cch=1;"},
+                        {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+             "messages": [{"role": "user", "content": "List the files."}]}
+    text = "<think>\nLook first.\n</think>\n\n" + CALL_TEXT
+    m0, rec0, answer = serve(store, tok, anthropic_messages(body0), tools, text, "a", 0)
+    tc = answer["tool_calls"][0]
+    assert "billing" not in tok.decode(m0.prompt_ids.tolist())
+    body1 = {"system": [{"type": "text", "text": "x-anthropic-billing-header: cch=2;"},
+                        {"type": "text", "text": "You are Claude Code."}],
+             "messages": [{"role": "user", "content": [{"type": "text", "text": "List the files."}]},
+                          {"role": "assistant", "content": [
+                              {"type": "thinking", "thinking": "Look first.", "signature": thinking_signature("Look first.")},
+                              {"type": "tool_use", "id": tc["id"], "name": "bash",
+                               "input": {"path": "caf\u00e9", "command": "ls -la"}}]},
+                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tc["id"],
+                                                        "content": [{"type": "text", "text": "a.txt"}],
+                                                        "cache_control": {"type": "ephemeral"}}]}]}
+    m1 = store.match(anthropic_messages(body1), tools)
+    assert (m1.parent, m1.prefix_len, m1.extended, m1.drift) == (rec0, rec0.full_len, True, 0)
+    assert m1.prompt_ids[:rec0.full_len].tolist() == rec0.full_ids().tolist()
+
+
+def test_fresh_match_is_a_root_and_leaves_the_store_alone(tok):
+    store = CallStore(tok)
+    serve(store, tok, [SYSTEM, TASK], TOOLS, "Done.", "a", 0)
+    m = store.fresh([SYSTEM, TASK], TOOLS)
+    assert (m.parent, m.prefix_len, m.extended) == (None, 0, False) and len(store.calls) == 1
+    assert m.prompt_ids.tolist() == encode(tok, render(tok, [SYSTEM, TASK], TOOLS))

@@ -1,0 +1,269 @@
+"""What the proxy's API shapes share: errors, the parsed request, the answer, SSE framing.
+
+Contract: each wire API (OpenAI Chat Completions, OpenAI Responses, Anthropic Messages)
+is an `Api` object (handlers/proxy_openai.py, handlers/proxy_anthropic.py) that
+- parses a request body into a `ModelRequest` whose `messages`/`tools` are in the internal
+  form `gyre.chat.render` and `gyre.tito` take (OpenAI chat messages: role, content string,
+  tool_calls [{id, type, function{name, arguments JSON text}}], tool_call_id,
+  reasoning_content; tools `{"type": "function", "function": {name, description, parameters}}`),
+- renders an `Answer` as its own non-streaming body or SSE frames,
+- renders an `ApiError` in its own error shape (`error_body`, `sse_error`).
+The assistant message recorded for TITO is `internal_message(answer)` for every API, so
+a harness that echoes our answer back in its own API's form converts to the same message.
+
+Pure: no aiohttp here (handlers/proxy.py does the HTTP).
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+
+from gyre.chat import ToolCall
+from schemas.call import SamplingParams
+
+
+class ApiError(Exception):
+    """An error answered to the harness, rendered in the API's own shape by `Api.error_body`.
+
+    status: HTTP status. type: OpenAI/Anthropic error type (`invalid_request_error`,
+    `authentication_error`, `rate_limit_error`, `overloaded_error`, `server_error`, …).
+    code/param: OpenAI's fields (Anthropic's shape drops them). headers: extra response
+    headers (e.g. `Retry-After` on 429).
+    """
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict:
+        """OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ModelRequest:
+    """A model call in the internal form, whatever API it arrived through.
+
+    api: `chat` | `responses` | `messages`. messages/tools: internal form (module docstring);
+    tools None = no tools. stream: answer as SSE. sampling: what the engine will use (and the
+    event records). model: the name the harness asked for (echoed, never checked).
+    json_output: the request asks for a JSON-schema-shaped answer (title calls).
+    options: API-specific switches (`include_usage`, the echoed request fields, …).
+    body_meta: harness identity found in the body (e.g. Anthropic `metadata.user_id`'s
+    session id), for `gyre.roles`.
+    """
+
+    api: str
+    messages: list[dict]
+    tools: list[dict] | None
+    stream: bool
+    sampling: SamplingParams
+    model: str
+    json_output: bool = False
+    options: dict = dataclasses.field(default_factory=dict)
+    body_meta: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Answer:
+    """A completion turned into an answer.
+
+    content: visible text. reasoning: thinking text or None. tool_calls: parsed calls (ids
+    already in the API's style). finish: the engine's `stop` | `length`. prompt_tokens /
+    completion_tokens: lengths of the prompt sent and the completion sampled (stop token
+    included). rid: the answer's id (`chatcmpl-…`, `resp_…`, `msg_…`). created: unix seconds.
+    """
+
+    content: str
+    reasoning: str | None
+    tool_calls: tuple[ToolCall, ...]
+    finish: str
+    prompt_tokens: int
+    completion_tokens: int
+    rid: str
+    created: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StreamStart:
+    """What a stream's first frames need before the answer exists (the prompt is known)."""
+
+    rid: str
+    created: int
+    model: str
+    prompt_tokens: int
+
+
+class Api:
+    """One wire API. Subclasses override the rendering methods."""
+
+    name = "chat"
+    keepalive = b": keep-alive\n\n"
+    """SSE frame sent while a streamed call waits."""
+
+    def new_id(self) -> str:
+        raise NotImplementedError
+
+    def tool_id_prefix(self, key: str) -> str:
+        """Tool-call id prefix for a call key; ids are `<prefix>_<i>`."""
+        raise NotImplementedError
+
+    def error_body(self, err: ApiError) -> dict:
+        return err.body()
+
+    def sse_error(self, err: ApiError, start: StreamStart | None = None) -> bytes:
+        """The frame that ends a stream whose call failed after it was opened."""
+        return sse(err.body())
+
+    def preamble(self, start: StreamStart, req: ModelRequest) -> list[bytes]:
+        """SSE frames sent as soon as a streamed call is admitted."""
+        return []
+
+    def render(self, answer: Answer, req: ModelRequest) -> dict | list[bytes]:
+        """The non-streaming body (a dict) or the stream's remaining SSE frames, through
+        the stream's last frame (Chat's `data: [DONE]`)."""
+        raise NotImplementedError
+
+
+def internal_message(answer: Answer) -> dict:
+    """The assistant message TITO records for an answer (chat form; content "" when empty)."""
+    msg: dict[str, Any] = {"role": "assistant", "content": answer.content}
+    if answer.reasoning:
+        msg["reasoning_content"] = answer.reasoning
+    if answer.tool_calls:
+        msg["tool_calls"] = [{"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}
+                             for tc in answer.tool_calls]
+    return msg
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def sse(obj: Any, event: str | None = None) -> bytes:
+    """One SSE frame: `event: NAME` (when given) and `data: JSON`."""
+    head = b"event: " + event.encode() + b"\n" if event else b""
+    return head + b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def pieces(text: str, size: int = 32) -> list[str]:
+    """`text` cut into fragments of at most `size` characters (none for "")."""
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+def number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    """A numeric field in [lo, hi] (or (lo, hi]); `default` when absent or null. Raises ApiError(400)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(400, f"'{name}' must be a number, got {value!r}", param=name)
+    if value < lo or value > hi or (lo_open and value == lo):
+        raise ApiError(400, f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", param=name)
+    return float(value)
+
+
+def parse_sampling(body: dict, defaults: SamplingParams, max_names: Iterable[str]) -> SamplingParams:
+    """Sampling from a request body. defaults: the proxy's temperature/top_p/top_k and the
+    completion cap (`max_tokens`); the first present field of `max_names` is capped by it.
+    Raises ApiError(400) on a malformed value."""
+    cap = defaults.max_tokens
+    max_tokens = cap
+    for name in max_names:
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ApiError(400, f"'{name}' must be a positive integer, got {value!r}", param=name)
+        max_tokens = min(value, cap)
+        break
+    top_k = body.get("top_k")
+    if top_k is None:
+        top_k = defaults.top_k
+    elif isinstance(top_k, bool) or not isinstance(top_k, int) or top_k == 0 or top_k < -1:
+        raise ApiError(400, f"'top_k' must be -1 or a positive integer, got {top_k!r}", param="top_k")
+    return SamplingParams(
+        temperature=number(body, "temperature", defaults.temperature, 0.0, 2.0),
+        top_p=number(body, "top_p", defaults.top_p, 0.0, 1.0, lo_open=True),
+        top_k=top_k,
+        max_tokens=max_tokens,
+    )
+
+
+# --------------------------------------------------------------------------- request bodies
+
+
+def zstd_decompressor() -> Any:
+    """A zstd decompressor object (`decompress(data, max_length)`), None when no module."""
+    try:
+        from compression.zstd import ZstdDecompressor  # Python ≥ 3.14
+    except ImportError:
+        try:
+            from backports.zstd import ZstdDecompressor
+        except ImportError:
+            return None
+    return ZstdDecompressor()
+
+
+def brotli_module() -> Any:
+    """The installed brotli module, None when absent."""
+    for name in ("brotli", "brotlicffi"):
+        try:
+            return __import__(name)
+        except ImportError:
+            continue
+    return None
+
+
+def decode_body(raw: bytes, encoding: str, limit: int) -> bytes:
+    """Undo a request's `Content-Encoding` (a comma-separated list, applied in order, so
+    undone last to first). gzip and deflate always; br with `brotli`/`brotlicffi`, zstd
+    with `compression.zstd`/`backports.zstd` when installed. The decoded size is bounded
+    by `limit` bytes (a small compressed body cannot expand without bound).
+    Raises ApiError 415 (unsupported encoding), 413 (decoded body over limit), 400 (corrupt).
+    """
+    for coding in reversed([c.strip().lower() for c in encoding.split(",") if c.strip()]):
+        if coding == "identity":
+            continue
+        try:
+            if coding in ("gzip", "x-gzip", "deflate"):
+                # wbits 47: zlib or gzip header detected; raw deflate retried with -15.
+                try:
+                    d = zlib.decompressobj(47)
+                    out = d.decompress(raw, limit + 1)
+                except zlib.error:
+                    if coding != "deflate":
+                        raise
+                    d = zlib.decompressobj(-15)
+                    out = d.decompress(raw, limit + 1)
+            elif coding == "br":
+                brotli = brotli_module()
+                if brotli is None:
+                    raise ApiError(415, "Content-Encoding br is not supported here (no brotli module); "
+                                        "send gzip, deflate or identity", code="unsupported_encoding")
+                out = brotli.decompress(raw)  # no bounded API across versions: size checked after
+            elif coding == "zstd":
+                d = zstd_decompressor()
+                if d is None:
+                    raise ApiError(415, "Content-Encoding zstd is not supported here (no zstd module); "
+                                        "send gzip, deflate or identity", code="unsupported_encoding")
+                out = d.decompress(raw, limit + 1)
+            else:
+                raise ApiError(415, f"unsupported Content-Encoding {coding!r}", code="unsupported_encoding")
+        except ApiError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every codec has its own error class
+            raise ApiError(400, f"the request body is not valid {coding}: {exc}") from None
+        if len(out) > limit:
+            raise ApiError(413, f"request body too large once decoded (> {limit} bytes)", code="request_too_large")
+        raw = out
+    return raw

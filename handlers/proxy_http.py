@@ -1,0 +1,127 @@
+"""HTTP plumbing of the proxy: API keys, request bodies, error responses, and the reply
+to a waiting harness (keep-alives, then the answer or an error in the API's shape)."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from handlers.proxy_api import Api, ApiError, StreamStart, decode_body
+
+
+def key_of(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    key = request.headers.get("x-api-key", "").strip()
+    return key or None
+
+
+async def read_json(request: web.Request, limit: int, raw_bodies: bool) -> Any:
+    """The request body as JSON. limit: bytes, as sent and once decoded. raw_bodies: the
+    server does not decompress (aiohttp `auto_decompress=False`), so `Content-Encoding`
+    is undone here. Raises ApiError 400/413/415."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"request body too large (> {limit} bytes)", code="request_too_large") from None
+    encoding = request.headers.get("Content-Encoding", "")
+    if encoding and raw_bodies:
+        raw = decode_body(raw, encoding, limit)
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+def error_response(api: Api, err: ApiError) -> web.Response:
+    return web.json_response(api.error_body(err), status=err.status, headers=err.headers, dumps=_dumps)
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+
+class Reply:
+    """The harness's response while a call waits: opening frames and keep-alives now, the
+    answer later.
+
+    Streaming: SSE prepared at once, the API's preamble frames, then its keep-alive frame
+    every keepalive_s. Non-streaming: after keepalive_s a 200 JSON response is prepared
+    and newlines are sent.
+    """
+
+    def __init__(self, request: web.Request, api: Api, stream: bool, keepalive_s: float):
+        self.request = request
+        self.api = api
+        self.stream = stream
+        self.keepalive_s = keepalive_s
+        self.resp: web.StreamResponse | None = None
+        self.start_info: StreamStart | None = None
+        self._task: asyncio.Task | None = None
+
+    async def _prepare(self, content_type: str) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers={"Content-Type": content_type, "Cache-Control": "no-cache",
+                                                       "X-Accel-Buffering": "no"})
+        await resp.prepare(self.request)
+        self.resp = resp
+        return resp
+
+    async def start(self, start: StreamStart, preamble: list[bytes]) -> None:
+        self.start_info = start
+        if self.stream:
+            resp = await self._prepare("text/event-stream; charset=utf-8")
+            for frame in preamble:
+                await resp.write(frame)
+        self._task = asyncio.ensure_future(self._keepalive())
+
+    async def _keepalive(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self.keepalive_s)
+                if self.resp is None:
+                    await self._prepare("application/json")
+                await self.resp.write(self.api.keepalive if self.stream else b"\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+
+    async def stop_keepalive(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def send(self, body: dict | list[bytes]) -> web.StreamResponse:
+        """Deliver the answer (a body object, or the stream's remaining frames) and end it."""
+        await self.stop_keepalive()
+        if self.stream:
+            resp = self.resp
+            for frame in body:
+                await resp.write(frame)
+        else:
+            data = orjson.dumps(body)
+            if self.resp is None:
+                resp = web.Response(body=data, content_type="application/json")
+                await resp.prepare(self.request)
+                await resp.write_eof()
+                return resp
+            resp = self.resp
+            await resp.write(data)
+        await resp.write_eof()
+        return resp
+
+    async def fail(self, err: ApiError) -> web.StreamResponse:
+        await self.stop_keepalive()
+        if self.resp is None:
+            return error_response(self.api, err)
+        if self.stream:
+            await self.resp.write(self.api.sse_error(err, self.start_info))
+        else:
+            await self.resp.write(orjson.dumps(self.api.error_body(err)))
+        await self.resp.write_eof()
+        return self.resp

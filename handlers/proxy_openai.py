@@ -1,0 +1,338 @@
+"""OpenAI wire shapes of the proxy: Chat Completions and Responses (as Codex CLI uses it).
+
+Chat Completions (`POST /v1/chat/completions`): `messages` in chat form (passed to TITO
+as they are), `tools`, `stream`, `stream_options.include_usage`, `max_completion_tokens`
+/ `max_tokens`, `temperature`/`top_p`/`top_k`; `n` > 1 refused; other fields ignored.
+Streams: a role chunk, reasoning (`reasoning_content`) and content deltas, tool-call
+deltas (index, id, type, name, then argument fragments), one finish chunk (`tool_calls` |
+`stop` | `length`), a usage chunk when asked, `data: [DONE]`.
+
+Responses (`POST /v1/responses`): `input` (a string or items) and `instructions` become
+chat messages: `message` items (roles user/assistant/system/developer → system; parts
+`input_text`/`output_text`, images and files as placeholders), `function_call`
+{call_id, name, arguments} joined onto the preceding assistant message, `function_call_output`
+{call_id, output} → a tool message, `custom_tool_call`/`_output` likewise (input as
+`{"input": …}`), `reasoning` and unknown items dropped. Only `function` tools are rendered;
+`namespace`, `web_search`, `custom`, … are tolerated. `max_output_tokens`,
+`temperature`, `top_p`. Answers: output items `reasoning` (summary text), `message`
+(one `output_text` part) and `function_call` (ids `fc_…`, call ids `call_…`); a stream is
+`response.created`, `response.in_progress`, per item `response.output_item.added`,
+(`response.content_part.added`, `response.output_text.delta`…, `response.output_text.done`,
+`response.content_part.done` | `response.function_call_arguments.delta`…, `.done`),
+`response.output_item.done`, then `response.completed` with usage — also when the
+completion hit the token cap: status `incomplete`, `incomplete_details.reason`
+`max_output_tokens` (Codex retries a `response.incomplete` event as a broken stream).
+Errors: OpenAI's `{"error": {...}}`; in a stream, `response.failed`.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from gyre.chat import call_id_prefix
+from handlers.proxy_api import Answer, Api, ApiError, ModelRequest, StreamStart, parse_sampling, pieces, sse
+from schemas.call import SamplingParams
+
+# --------------------------------------------------------------------------- Chat Completions
+
+
+def parse_chat_request(body: Any, defaults: SamplingParams) -> ModelRequest:
+    """Validate a Chat Completions body; unknown fields are ignored. Raises ApiError(400)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ApiError(400, "'tools' must be a list", param="tools")
+    if body.get("n") not in (None, 1):
+        raise ApiError(400, "only n = 1 is supported", param="n")
+    sampling = parse_sampling(body, defaults, ("max_completion_tokens", "max_tokens"))
+    options = body.get("stream_options")
+    include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+    fmt = body.get("response_format")
+    json_output = isinstance(fmt, dict) and fmt.get("type") in ("json_schema", "json_object")
+    model = body.get("model") if isinstance(body.get("model"), str) else ""
+    return ModelRequest(api="chat", messages=messages, tools=tools or None, stream=bool(body.get("stream")),
+                        sampling=sampling, model=model, json_output=json_output,
+                        options={"include_usage": include_usage})
+
+
+def answer_message(answer: Answer) -> dict:
+    """The assistant message as OpenAI returns it: content None when only tool calls."""
+    msg: dict[str, Any] = {"role": "assistant",
+                           "content": answer.content if (answer.content or not answer.tool_calls) else None}
+    if answer.reasoning:
+        msg["reasoning_content"] = answer.reasoning
+    if answer.tool_calls:
+        msg["tool_calls"] = [{"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}
+                             for tc in answer.tool_calls]
+    return msg
+
+
+def chat_finish(answer: Answer) -> str:
+    return "tool_calls" if answer.tool_calls and answer.finish == "stop" else answer.finish
+
+
+class ChatApi(Api):
+    name = "chat"
+
+    def new_id(self) -> str:
+        return f"chatcmpl-{uuid.uuid4().hex}"
+
+    def tool_id_prefix(self, key: str) -> str:
+        return call_id_prefix(key)
+
+    def sse_error(self, err: ApiError, start: StreamStart | None = None) -> bytes:
+        return sse(err.body())
+
+    def render(self, answer: Answer, req: ModelRequest) -> dict | list[bytes]:
+        usage = {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.completion_tokens,
+                 "total_tokens": answer.prompt_tokens + answer.completion_tokens}
+        message = answer_message(answer)
+        finish = chat_finish(answer)
+        head = {"id": answer.rid, "created": answer.created, "model": req.model}
+        if not req.stream:
+            return {**head, "object": "chat.completion",
+                    "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+                    "usage": usage}
+        include_usage = req.options.get("include_usage", False)
+
+        def chunk(delta: dict, finish_reason: str | None = None) -> bytes:
+            out = {**head, "object": "chat.completion.chunk",
+                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+            if include_usage:
+                out["usage"] = None
+            return sse(out)
+
+        frames = [chunk({"role": "assistant", "content": ""})]
+        frames += [chunk({"reasoning_content": p}) for p in pieces(answer.reasoning or "")]
+        frames += [chunk({"content": p}) for p in pieces(answer.content)]
+        for i, tc in enumerate(message.get("tool_calls") or ()):
+            fn = tc["function"]
+            frames.append(chunk({"tool_calls": [{"index": i, "id": tc["id"], "type": "function",
+                                                 "function": {"name": fn["name"], "arguments": ""}}]}))
+            frames += [chunk({"tool_calls": [{"index": i, "function": {"arguments": p}}]})
+                       for p in pieces(fn["arguments"])]
+        frames.append(chunk({}, finish))
+        if include_usage:
+            frames.append(sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage}))
+        frames.append(b"data: [DONE]\n\n")
+        return frames
+
+
+# --------------------------------------------------------------------------- Responses
+
+
+def _parts_text(content: Any, where: str) -> str:
+    """Text of a Responses content value: a string or a list of parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where} must be a string or a list of content parts", param="input")
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise ApiError(400, f"{where} has a part that is not an object", param="input")
+        kind = part.get("type")
+        if isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        elif kind in ("input_image", "image"):
+            texts.append("[image]")
+        elif kind in ("input_file", "file"):
+            texts.append(f"[file {part.get('filename') or ''}]".replace(" ]", "]"))
+        elif kind == "input_audio":
+            texts.append("[audio]")
+    return "\n\n".join(texts)
+
+
+def responses_messages(body: dict) -> list[dict]:
+    """`instructions` + `input` → internal chat messages (module docstring). Raises ApiError(400)."""
+    out: list[dict] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        out.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    if not isinstance(items, list):
+        raise ApiError(400, "'input' must be a string or a list of items", param="input")
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ApiError(400, f"{where} must be an object", param="input")
+        kind = item.get("type") or ("message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise ApiError(400, f"{where}.role must be user, assistant, system or developer, got {role!r}",
+                               param="input")
+            out.append({"role": "system" if role == "developer" else role,
+                        "content": _parts_text(item.get("content"), f"{where}.content")})
+        elif kind in ("function_call", "custom_tool_call"):
+            call_id, name = item.get("call_id"), item.get("name")
+            if not isinstance(call_id, str) or not isinstance(name, str):
+                raise ApiError(400, f"{where} needs string 'call_id' and 'name'", param="input")
+            if kind == "function_call":
+                args = item.get("arguments")
+                args = args if isinstance(args, str) else "{}"
+            else:
+                args = json.dumps({"input": item.get("input") or ""}, ensure_ascii=False)
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str):
+                raise ApiError(400, f"{where} needs a string 'call_id'", param="input")
+            out.append({"role": "tool", "tool_call_id": call_id,
+                        "content": _parts_text(item.get("output"), f"{where}.output")})
+        # `reasoning` items (our own summaries echoed back, possibly encrypted) and unknown
+        # kinds carry nothing the template renders: TITO restores recorded reasoning itself.
+    if not out:
+        raise ApiError(400, "'input' holds no message", param="input")
+    return out
+
+
+def responses_tools(tools: Any) -> list[dict] | None:
+    """Function tools in chat form; other tool types are tolerated and not rendered."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise ApiError(400, "'tools' must be a list", param="tools")
+    out = []
+    for tool in tools:
+        if isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("name"), str):
+            fn = {"name": tool["name"]}
+            if isinstance(tool.get("description"), str):
+                fn["description"] = tool["description"]
+            fn["parameters"] = tool.get("parameters") if isinstance(tool.get("parameters"), dict) else {}
+            out.append({"type": "function", "function": fn})
+    return out or None
+
+
+def parse_responses_request(body: Any, defaults: SamplingParams) -> ModelRequest:
+    """Validate a Responses body (module docstring). Raises ApiError(400)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    messages = responses_messages(body)
+    tools = responses_tools(body.get("tools"))
+    sampling = parse_sampling(body, defaults, ("max_output_tokens",))
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    json_output = isinstance(fmt, dict) and fmt.get("type") in ("json_schema", "json_object")
+    model = body.get("model") if isinstance(body.get("model"), str) else ""
+    echo = {k: body.get(k) for k in ("instructions", "tool_choice", "parallel_tool_calls", "reasoning",
+                                     "metadata", "prompt_cache_key", "store") if k in body}
+    return ModelRequest(api="responses", messages=messages, tools=tools, stream=bool(body.get("stream")),
+                        sampling=sampling, model=model, json_output=json_output, options={"echo": echo})
+
+
+class ResponsesApi(Api):
+    name = "responses"
+
+    def new_id(self) -> str:
+        return f"resp_{uuid.uuid4().hex}"
+
+    def tool_id_prefix(self, key: str) -> str:
+        return call_id_prefix(key)
+
+    @staticmethod
+    def _response(rid: str, created: int, req: ModelRequest, status: str, output: list, usage: dict | None,
+                  incomplete: dict | None = None, error: dict | None = None) -> dict:
+        echo = req.options.get("echo", {})
+        return {
+            "id": rid, "object": "response", "created_at": created, "status": status, "model": req.model,
+            "output": output, "usage": usage, "error": error, "incomplete_details": incomplete,
+            "instructions": echo.get("instructions"), "metadata": echo.get("metadata") or {},
+            "parallel_tool_calls": echo.get("parallel_tool_calls", True), "tool_choice": echo.get("tool_choice", "auto"),
+            "tools": [], "temperature": req.sampling.temperature, "top_p": req.sampling.top_p,
+            "max_output_tokens": req.sampling.max_tokens, "reasoning": echo.get("reasoning"),
+            "store": echo.get("store", False), "text": {"format": {"type": "text"}},
+        }
+
+    def preamble(self, start: StreamStart, req: ModelRequest) -> list[bytes]:
+        resp = self._response(start.rid, start.created, req, "in_progress", [], None)
+        return [sse({"type": "response.created", "sequence_number": 0, "response": resp}, "response.created"),
+                sse({"type": "response.in_progress", "sequence_number": 1, "response": resp}, "response.in_progress")]
+
+    def sse_error(self, err: ApiError, start: StreamStart | None = None) -> bytes:
+        error = {"code": err.code or err.type, "message": err.message}
+        if start is None:
+            return sse({"type": "error", "code": error["code"], "message": err.message, "param": err.param,
+                        "sequence_number": 0}, "error")
+        resp = {"id": start.rid, "object": "response", "created_at": start.created, "status": "failed",
+                "model": start.model, "output": [], "error": error, "usage": None}
+        return sse({"type": "response.failed", "sequence_number": 2, "response": resp}, "response.failed")
+
+    @staticmethod
+    def output_items(answer: Answer) -> list[dict]:
+        """The answer's output items, complete."""
+        key = answer.rid.removeprefix("resp_")
+        items: list[dict] = []
+        if answer.reasoning:
+            items.append({"type": "reasoning", "id": f"rs_{key}", "status": "completed", "encrypted_content": None,
+                          "summary": [{"type": "summary_text", "text": answer.reasoning}]})
+        if answer.content or not answer.tool_calls:
+            items.append({"type": "message", "id": f"msg_{key}", "role": "assistant", "status": "completed",
+                          "content": [{"type": "output_text", "text": answer.content, "annotations": [],
+                                       "logprobs": []}]})
+        for i, tc in enumerate(answer.tool_calls):
+            items.append({"type": "function_call", "id": f"fc_{key}_{i}", "call_id": tc.id, "name": tc.name,
+                          "arguments": tc.arguments, "status": "completed"})
+        return items
+
+    def render(self, answer: Answer, req: ModelRequest) -> dict | list[bytes]:
+        usage = {"input_tokens": answer.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                 "output_tokens": answer.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": answer.prompt_tokens + answer.completion_tokens}
+        items = self.output_items(answer)
+        truncated = answer.finish == "length"
+        final = self._response(answer.rid, answer.created, req, "incomplete" if truncated else "completed", items,
+                               usage, {"reason": "max_output_tokens"} if truncated else None)
+        if not req.stream:
+            return final
+        frames: list[bytes] = []
+        seq = 2  # after the preamble's response.created / response.in_progress
+
+        def emit(kind: str, **fields: Any) -> None:
+            nonlocal seq
+            frames.append(sse({"type": kind, "sequence_number": seq, **fields}, kind))
+            seq += 1
+
+        for index, item in enumerate(items):
+            if item["type"] == "message":
+                part = item["content"][0]
+                emit("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
+                                                                               "content": []})
+                emit("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
+                     part={**part, "text": ""})
+                for p in pieces(part["text"]):
+                    emit("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
+                         delta=p, logprobs=[])
+                emit("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                     text=part["text"], logprobs=[])
+                emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part)
+            elif item["type"] == "function_call":
+                emit("response.output_item.added", output_index=index,
+                     item={**item, "status": "in_progress", "arguments": ""})
+                for p in pieces(item["arguments"]):
+                    emit("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=p)
+                emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                     name=item["name"], arguments=item["arguments"])
+            else:
+                emit("response.output_item.added", output_index=index, item={**item, "summary": []})
+            emit("response.output_item.done", output_index=index, item=item)
+        emit("response.completed", response=final)
+        return frames

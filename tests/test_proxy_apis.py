@@ -1,0 +1,328 @@
+"""The proxy's three APIs on the wire: error shapes (401/400/413/415/429), compressed
+bodies, raw SSE framing, rerouting when a cell fails or leaves rollout mid-request, key
+isolation, and roles + harness metadata on `call.completed`."""
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import zlib
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+from aiohttp import web
+
+from gyre.harness import execution_key
+from handlers.proxy_anthropic import parse_messages_request
+from handlers.proxy_api import brotli_module, zstd_decompressor
+from schemas import ids
+from schemas.cell import CellSwitched, Route, RouteUpdated
+from schemas.execution import ExecutionInfo, ExecutionStarted
+from tests.test_proxy import SECRET, Stack, bus, tok  # noqa: F401 - fixtures
+
+CHAT = ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+RESPONSES = ("/v1/responses", {"model": "m", "input": "hi", "stream": True})
+MESSAGES = ("/v1/messages?beta=true", {"model": "claude-x", "max_tokens": 50,
+                                       "messages": [{"role": "user", "content": "hi"}]})
+APIS = {"chat": CHAT, "responses": RESPONSES, "messages": MESSAGES}
+
+
+@pytest.fixture
+async def local(tok):  # noqa: F811
+    s = Stack(tok, None, "apis")
+    yield s
+    await s.close()
+
+
+def error_type(api: str, body: dict) -> str:
+    """The error type in the API's own shape (asserting the shape)."""
+    if api == "messages":
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+        return body["error"]["type"]
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]["type"]
+
+
+async def wait_for(predicate, tries: int = 500):
+    for _ in range(tries):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition never held")
+
+
+@pytest.mark.parametrize("api", sorted(APIS))
+async def test_errors_in_each_api_shape(local, api):
+    engine = await local.engine(["slow"], delay_s=30.0)
+    url = await local.proxy(engine=engine, body_limit_bytes=4000, max_active_calls_per_execution=1, retry_after_s=3)
+    path, body = APIS[api]
+    key = execution_key(SECRET, f"ex-{api}")
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + path, json=body) as r:
+            assert r.status == 401 and error_type(api, await r.json()) == "authentication_error"
+        async with http.post(url + path, json=body, headers={"x-api-key": "gyre-ex-" + "0" * 32}) as r:
+            assert r.status == 401 and error_type(api, await r.json()) == "authentication_error"
+        auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        async with http.post(url + path, data=b"{nope", headers=auth) as r:
+            assert r.status == 400 and error_type(api, await r.json()) == "invalid_request_error"
+        async with http.post(url + path, json={"model": "m"}, headers=auth) as r:
+            assert r.status == 400 and error_type(api, await r.json()) == "invalid_request_error"
+        big = {**body, "padding": "x" * 5000}
+        async with http.post(url + path, json=big, headers=auth) as r:
+            assert r.status == 413 and error_type(api, await r.json()) in ("request_too_large", "invalid_request_error")
+        # A small gzip body that expands past the limit is refused too.
+        async with http.post(url + path, data=gzip.compress(json.dumps(big).encode()),
+                             headers={**auth, "Content-Encoding": "gzip"}) as r:
+            assert r.status == 413
+        # One call in flight for this execution: a second one gets 429 + Retry-After.
+        first = asyncio.ensure_future(http.post(url + path, json=body, headers=auth))
+        await wait_for(lambda: engine.requests)
+        async with http.post(url + path, json=body, headers=auth) as r:
+            assert r.status == 429 and r.headers["Retry-After"] == "3"
+            assert error_type(api, await r.json()) == "rate_limit_error"
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+
+
+async def test_sdks_raise_their_own_error_classes(local):
+    engine = await local.engine(["ok"], delay_s=30.0)
+    await local.proxy(engine=engine, max_active_calls=1)
+    with pytest.raises(anthropic.AuthenticationError):
+        async with anthropic.AsyncAnthropic(base_url=local.url, api_key="gyre-ex-" + "0" * 32, max_retries=0) as bad:
+            await bad.messages.create(model="x", max_tokens=5, messages=[{"role": "user", "content": "a"}])
+    with pytest.raises(anthropic.BadRequestError):
+        await local.anthropic("ex").messages.create(model="x", max_tokens=5, messages=[{"role": "tool", "content": "a"}])
+    with pytest.raises(openai.BadRequestError):
+        await local.client("ex").responses.create(model="x", input=[{"type": "message", "role": "robot",
+                                                                     "content": "a"}])
+    busy = asyncio.ensure_future(local.client("ex").chat.completions.create(
+        model="x", messages=[{"role": "user", "content": "a"}]))
+    await wait_for(lambda: engine.requests)
+    with pytest.raises(anthropic.RateLimitError):
+        await local.anthropic("ex2").messages.create(model="x", max_tokens=5, messages=[{"role": "user", "content": "a"}])
+    with pytest.raises(openai.RateLimitError):
+        await local.client("ex2").responses.create(model="x", input="a")
+    busy.cancel()
+    await asyncio.gather(busy, return_exceptions=True)
+
+
+async def test_compressed_bodies_and_plain_endpoints(local):
+    engine = await local.engine(["fine"])
+    url = await local.proxy(engine=engine)
+    key = {"x-api-key": execution_key(SECRET, "exz"), "Content-Type": "application/json"}
+    raw = json.dumps(MESSAGES[1]).encode()
+    async with aiohttp.ClientSession() as http:
+        for coding, data in (("gzip", gzip.compress(raw)), ("deflate", zlib.compress(raw))):
+            async with http.post(url + MESSAGES[0], data=data, headers={**key, "Content-Encoding": coding}) as r:
+                assert r.status == 200 and (await r.json())["content"][0]["text"] == "fine"
+        for coding, available in (("br", brotli_module() is not None), ("zstd", zstd_decompressor() is not None)):
+            if available:
+                continue  # decoded by the installed module; nothing to refuse
+            async with http.post(url + MESSAGES[0], data=b"\x00\x01",
+                                 headers={**key, "Content-Encoding": coding}) as r:
+                assert r.status == 415 and (await r.json())["error"]["type"] == "invalid_request_error"
+        for method in ("GET", "HEAD"):
+            async with http.request(method, url + "/") as r:
+                assert r.status == 200
+        async with http.get(url + "/v1/models", headers=key) as r:
+            assert (await r.json())["data"][0]["id"] == "gyre"
+
+
+async def test_anthropic_raw_stream_framing_and_pings_while_waiting(local, tok):  # noqa: F811
+    call = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'
+    engine = await local.engine([call], delay_s=0.3)
+    url = await local.proxy(engine=engine, keepalive_s=0.05)
+    body = {**MESSAGES[1], "stream": True, "tools": [{"name": "bash", "input_schema": {"type": "object"}}]}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + MESSAGES[0], json=body,
+                             headers={"x-api-key": execution_key(SECRET, "exs")}) as r:
+            text = (await r.read()).decode()
+    frames = [f for f in text.split("\n\n") if f]
+    names = [f.split("\n")[0].removeprefix("event: ") for f in frames]
+    datas = [json.loads(f.split("\n")[1].removeprefix("data: ")) for f in frames]
+    assert all(d["type"] == n for n, d in zip(names, datas))
+    assert names[0] == "message_start" and names.count("ping") >= 2  # keep-alives while the engine works
+    assert datas[0]["message"]["usage"]["input_tokens"] == len(engine.requests[0]["input_ids"])
+    blocks = [n for n in names if n != "ping"]
+    assert blocks == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
+                      "content_block_stop", "message_delta", "message_stop"]
+    assert "[DONE]" not in text and datas[-2]["delta"]["stop_reason"] == "tool_use"
+
+
+class HoldThen503:
+    """An engine that holds each /generate until released, then answers 503 (SGLang's
+    'unavailable'); it records aborts."""
+
+    def __init__(self):
+        self.release = asyncio.Event()
+        self.requests, self.aborted = [], []
+        self.runner = None
+        self.url = ""
+
+    async def generate(self, request):
+        self.requests.append(await request.json())
+        await self.release.wait()
+        return web.json_response({"error": {"message": "draining"}}, status=503)
+
+    async def abort(self, request):
+        self.aborted.append((await request.json())["rid"])
+        return web.json_response({"success": True})
+
+    async def start(self):
+        app = web.Application()
+        app.router.add_post("/generate", self.generate)
+        app.router.add_post("/abort_request", self.abort)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    async def stop(self):
+        self.release.set()
+        await self.runner.cleanup()
+
+
+def switched(cell: str, to_role: str, url: str = "", seq: int = 0) -> CellSwitched:
+    return CellSwitched(event_id=ids.switched("apis", cell, seq), cell=cell, seq=seq, from_role="rollout",
+                        to_role=to_role, durations={}, engine_url=url)
+
+
+async def test_reroute_on_503_mid_request_and_on_cell_switch(local):
+    a = HoldThen503()
+    await a.start()
+    b = await local.engine(["from b"])
+    slow = await local.engine(["from slow"], delay_s=30.0)
+    await local.proxy(retry_backoff_s=30.0)  # a long backoff: moving to another cell never waits for it
+    state = local.state
+    try:
+        await state.handle_event(switched("c0", "rollout", a.url))
+        await state.handle_event(switched("c1", "rollout", b.url))
+        await state.handle_event(RouteUpdated(event_id=ids.route("apis", 0), seq=0,
+                                              routes=(Route(execution="ex1", cell="c0", reason="test"),)))
+        # 1. c0 answers 503 in the middle of the request: the SDK sees a normal answer from c1.
+        pending = asyncio.ensure_future(local.anthropic("ex1").messages.create(
+            model="x", max_tokens=20, messages=[{"role": "user", "content": "hi"}]))
+        await wait_for(lambda: a.requests)
+        a.release.set()
+        reply = await asyncio.wait_for(pending, 10)
+        assert reply.content[0].text == "from b" and len(b.requests) == 1
+        # 2. The serving cell leaves rollout mid-request: aborted there, answered elsewhere.
+        await state.handle_event(switched("c0", "training", seq=1))
+        await state.handle_event(switched("c2", "rollout", slow.url))
+        await state.handle_event(RouteUpdated(event_id=ids.route("apis", 1), seq=1,
+                                              routes=(Route(execution="ex2", cell="c2", reason="test"),)))
+        stream = asyncio.ensure_future(local.client("ex2").responses.create(model="x", input="hi"))
+        await wait_for(lambda: slow.requests)
+        await state.handle_event(switched("c2", "training", seq=1))
+        answer = await asyncio.wait_for(stream, 10)
+        assert answer.output_text == "from b"
+        await wait_for(lambda: slow.requests[0]["rid"] in slow.aborted)
+        assert state.router.inflight == {}
+    finally:
+        await a.stop()
+
+
+async def test_keys_write_only_into_their_own_execution(local):
+    engine = await local.engine(["one", "two"])
+    await local.proxy(engine=engine)
+    await local.anthropic("exa").messages.create(
+        model="x", max_tokens=5, messages=[{"role": "user", "content": "a"}],
+        metadata={"user_id": json.dumps({"session_id": "exb"})})
+    await local.client("exb").chat.completions.create(model="x", messages=[{"role": "user", "content": "b"}],
+                                                      extra_body={"execution": "exa"})
+    assert [r.call for r in local.store("exa").calls] == ["exa:0"]
+    assert [r.call for r in local.store("exb").calls] == ["exb:0"]
+    assert [r["gyre_execution"] for r in engine.requests] == ["exa", "exb"]
+
+
+CC_HEADERS = {"x-claude-code-session-id": "sess-9", "anthropic-version": "2023-06-01",
+              "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14"}
+
+
+async def test_roles_and_metadata_on_call_completed(tok, bus, run_id):  # noqa: F811
+    stack = Stack(tok, bus, run_id)
+    try:
+        engine = await stack.engine(["main answer", "sub answer", '{"title": "x"}', "side answer", "summary",
+                                     "codex summary"])
+        await stack.proxy(engine=engine)
+        cc = stack.anthropic("ex1", default_headers=CC_HEADERS)
+        tools = [{"name": "bash", "input_schema": {"type": "object"}}]
+        user = {"role": "user", "content": "fix the bug"}
+        await cc.messages.create(model="claude-sonnet-x", max_tokens=50, system="main prompt", messages=[user],
+                                 tools=tools)
+        await cc.messages.create(model="claude-sonnet-x", max_tokens=50, system="sub prompt", messages=[user],
+                                 tools=tools, extra_headers={"x-claude-code-agent-id": "agent-7"})
+        await cc.messages.create(model="claude-sonnet-x", max_tokens=50, system="title prompt", messages=[user],
+                                 tools=[], extra_body={"output_config": {"format": {"type": "json_schema",
+                                                                                    "schema": {}}}})
+        await cc.messages.create(model="claude-haiku-4-5", max_tokens=50, messages=[user])
+        await cc.messages.count_tokens(model="claude-sonnet-x", messages=[user], tools=tools)
+        await cc.messages.create(model="claude-sonnet-x", max_tokens=50, system="main prompt", tools=tools, messages=[
+            user, {"role": "assistant", "content": "main answer"},
+            {"role": "user", "content": "Your task is to create a detailed summary of the conversation so far."}])
+        codex = stack.client("ex2", default_headers={
+            "session-id": "thread-1", "x-codex-turn-metadata": json.dumps({"request_kind": "compaction",
+                                                                          "turn_id": "t-3"})})
+        await codex.responses.create(model="gpt-x", input="You are performing a CONTEXT CHECKPOINT COMPACTION.",
+                                     tools=[])
+        events = await stack.calls(7)
+    finally:
+        await stack.close()
+    by_call = {e.call: e for e in events}
+    assert [by_call[f"ex1:{i}"].role for i in range(6)] == [
+        "main", "sub-agent", "auxiliary", "auxiliary", "auxiliary", "main-summary"]
+    assert by_call["ex1:1"].meta == {"harness": "claude-code", "session_id": "sess-9", "agent_id": "agent-7"}
+    assert by_call["ex1:2"].meta["request_kind"] == "title" and by_call["ex1:2"].parent_call is None
+    counted = by_call["ex1:4"]
+    assert counted.meta["request_kind"] == "count_tokens" and counted.tokens.completion_ids == ()
+    assert (counted.status, counted.finish_reason, counted.api) == ("ok", "stop", "messages")
+    assert by_call["ex1:5"].meta["request_kind"] == "compaction" and by_call["ex1:5"].parent_call == "ex1:0"
+    assert {e.api for e in events} == {"messages", "responses"}
+    cx = by_call["ex2:0"]
+    assert cx.role == "main-summary" and cx.meta == {"harness": "codex", "session_id": "thread-1",
+                                                     "request_kind": "compaction", "turn_id": "t-3"}
+
+
+async def test_broken_anthropic_stream_then_non_streaming_retry(tok, bus, run_id):  # noqa: F811
+    """Claude Code retries without streaming after a dropped stream: the dropped call is
+    recorded `aborted` (aborted upstream too), the retry as an ordinary root call."""
+    stack = Stack(tok, bus, run_id)
+    try:
+        engine = await stack.engine(["answer"], delay_s=30.0)
+        url = await stack.proxy(engine=engine)
+        headers = {"x-api-key": execution_key(SECRET, "exb"), **CC_HEADERS}
+        async with aiohttp.ClientSession() as http:
+            r = await http.post(url + MESSAGES[0], json={**MESSAGES[1], "stream": True}, headers=headers)
+            first = await r.content.readuntil(b"\n\n")
+            assert first.startswith(b"event: message_start")
+            await wait_for(lambda: engine.requests)
+            r.close()  # the connection drops mid-stream
+            await wait_for(lambda: engine.requests[0]["rid"] in engine.aborted)
+            engine.delay_s = 0.0
+            async with http.post(url + MESSAGES[0], json=MESSAGES[1], headers=headers) as again:
+                assert (await again.json())["content"][0]["text"] == "answer"
+        dropped, retried = await stack.calls(2)
+    finally:
+        await stack.close()
+    assert (dropped.status, dropped.finish_reason, dropped.role) == ("aborted", "abort", "main")
+    assert (retried.status, retried.parent_call, retried.meta["session_id"]) == ("ok", None, "sess-9")
+    assert retried.tokens.prompt_ids == dropped.tokens.prompt_ids
+
+
+async def test_profile_configured_per_execution_from_execution_started(local):
+    engine = await local.engine(["ok"])
+    await local.proxy(engine=engine)
+    info = ExecutionInfo(execution="exm", task="t", group="s0-g0", step=0, harness="mini-swe-agent",
+                         group_size=1, step_groups=1)
+    await local.state.handle_event(ExecutionStarted(event_id=ids.started("apis", "exm"), info=info, workspace=""))
+    ex = local.state.execution("exm")
+    assert ex.harness == "mini-swe-agent"
+    # Claude-looking headers and a compaction-looking message do not override the profile.
+    req = parse_messages_request({"messages": [{"role": "user", "content": "Your task is to create a detailed "
+                                                                          "summary of the conversation so far"}]},
+                                 local.state.defaults)
+    roles = local.state.classify(ex, CC_HEADERS, req, "messages")
+    assert (roles.role, roles.harness) == ("main", "mini-swe-agent")

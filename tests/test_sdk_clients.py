@@ -1,0 +1,183 @@
+"""The official `anthropic` and `openai` SDKs stream and parse every answer the proxy sends
+(Messages, Responses, Chat; text, thinking, tool calls), and their echoed conversations
+extend the recorded calls token for token. No bus: the proxy's call store is read directly."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gyre.tokenizer import IM_END
+from tests.test_proxy import Stack, encode, tok  # noqa: F401 - tok is a fixture
+
+THINK_CALL = ('<think>\nI should list the files first.\n</think>\n\nLet me look.\n<tool_call>\n'
+              '{"name": "bash", "arguments": {"command": "ls -la", "note": "caf\u00e9 \u2713"}}\n</tool_call>')
+RAW_ARGS = '{"command": "ls -la", "note": "café ✓"}'
+TOOLS_ANTHROPIC = [{"name": "bash", "description": "run a command",
+                    "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}]
+TOOLS_RESPONSES = [{"type": "function", "name": "bash", "description": "run a command",
+                    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}},
+                   {"type": "web_search"}, {"type": "namespace", "name": "mcp", "description": "d", "tools": []},
+                   {"type": "custom", "name": "apply_patch", "description": "patch"}]
+
+
+@pytest.fixture
+async def local(tok):  # noqa: F811 - the fixture of the same name
+    s = Stack(tok, None, "sdk")
+    yield s
+    await s.close()
+
+
+def full_ids(rec):
+    return rec.full_ids().tolist()
+
+
+async def test_anthropic_stream_events_then_echo_extends(local, tok):  # noqa: F811
+    engine = await local.engine([THINK_CALL, "All done.", "The answer is long enough to be cut."])
+    await local.proxy(engine=engine)
+    client = local.anthropic("ex1")
+    system1 = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=aaaa;"},
+               {"type": "text", "text": "You are Claude Code."},
+               {"type": "text", "text": "Be careful.", "cache_control": {"type": "ephemeral"}}]
+    task = {"role": "user", "content": "List the files."}
+    stream = await client.messages.create(
+        model="claude-unknown-model", max_tokens=64000, system=system1, messages=[task], tools=TOOLS_ANTHROPIC,
+        stream=True, thinking={"type": "adaptive"}, metadata={"user_id": json.dumps({"session_id": "s-1"})},
+        extra_body={"context_management": {"edits": []}, "output_config": {"effort": "high"}},
+        extra_headers={"anthropic-beta": "claude-code-20250219,some-unknown-flag-2099"})
+    events = [e async for e in stream]
+    kinds = [e.type for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]  # (the SDK hides ping)
+    assert events[0].message.usage.input_tokens == len(engine.requests[0]["input_ids"])
+    starts = [e.content_block.type for e in events if e.type == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use"]
+    assert kinds.count("content_block_stop") == 3
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == "I should list the files first."
+    assert [d.signature for d in deltas if d.type == "signature_delta"][0].startswith("gyre-")
+    fragments = [d.partial_json for d in deltas if d.type == "input_json_delta"]
+    assert fragments[0] == "" and "".join(fragments) == RAW_ARGS
+    (tool_start,) = [e.content_block for e in events if e.type == "content_block_start" and e.index == 2]
+    assert tool_start.id.startswith("toolu_") and tool_start.name == "bash"
+    assert events[-2].delta.stop_reason == "tool_use"
+    assert events[-2].usage.output_tokens == len(encode(tok, THINK_CALL)) + 1
+    assert engine.requests[0]["sampling_params"]["max_new_tokens"] == 4096  # capped
+    prompt0 = tok.decode(engine.requests[0]["input_ids"])
+    assert "billing" not in prompt0 and "You are Claude Code.\n\nBe careful." in prompt0
+
+    # Turn 2 with the SDK's stream helper: the harness echoes thinking (with signature),
+    # text and tool_use, moves its cache marker, turns the task into a text block, and
+    # changes the billing line.
+    rec0 = local.store("ex1").calls[0]
+    echoed = [{"type": "thinking", "thinking": "I should list the files first.",
+               "signature": [d.signature for d in deltas if d.type == "signature_delta"][0]},
+              {"type": "text", "text": "Let me look."},
+              {"type": "tool_use", "id": tool_start.id, "name": "bash",
+               "input": {"note": "café ✓", "command": "ls -la"}}]
+    system2 = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=bbbb;"},
+               {"type": "text", "text": "You are Claude Code."}, {"type": "text", "text": "Be careful."}]
+    turn2 = [{"role": "user", "content": [{"type": "text", "text": "List the files."}]},
+             {"role": "assistant", "content": echoed},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_start.id, "content": "a.txt",
+                                           "cache_control": {"type": "ephemeral"}}]}]
+    async with client.messages.stream(model="claude-unknown-model", max_tokens=1000, system=system2,
+                                      messages=turn2, tools=TOOLS_ANTHROPIC) as s:
+        message = await s.get_final_message()
+    assert message.content[0].text == "All done." and message.stop_reason == "end_turn"
+    assert message.usage.input_tokens == len(engine.requests[1]["input_ids"])
+    rec1 = local.store("ex1").calls[1]
+    assert (rec1.parent, rec1.prefix_len) == (rec0, rec0.full_len)
+    assert engine.requests[1]["input_ids"][:rec0.full_len] == full_ids(rec0)
+
+    # Turn 3 through the beta resource (`?beta=true`), not streamed, cut by max_tokens.
+    turn3 = [*turn2, {"role": "assistant", "content": [{"type": "text", "text": "All done."}]},
+             {"role": "system", "content": "A mid-conversation system note."},
+             {"role": "user", "content": "Now explain."}]
+    reply = await client.beta.messages.create(model="claude-unknown-model", max_tokens=3, system=system2,
+                                              messages=turn3, tools=TOOLS_ANTHROPIC, betas=["context-1m-2025-08-07"])
+    assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == 3
+    # A new user query: the template drops turn 1's thinking, so this is a branch off
+    # call 0 (inside its thinking), not a crash.
+    rec2 = local.store("ex1").calls[2]
+    prompt2 = tok.decode(engine.requests[2]["input_ids"])
+    assert rec2.parent is rec0 and rec2.prefix_len < rec0.full_len - rec0.completion_len + 3
+    assert "I should list the files first." not in prompt2 and IM_END not in rec2.own_ids[-3:].tolist()
+    assert "<|im_start|>system\nA mid-conversation system note.<|im_end|>" in prompt2
+
+
+async def test_anthropic_count_tokens_and_sampling(local, tok):  # noqa: F811
+    engine = await local.engine(["ok"])
+    await local.proxy(engine=engine)
+    client = local.anthropic("ex2")
+    messages = [{"role": "user", "content": "How long is this?"}]
+    counted = await client.messages.count_tokens(model="claude-x", messages=messages, tools=TOOLS_ANTHROPIC,
+                                                 system="You are terse.")
+    await client.messages.create(model="claude-x", max_tokens=10, messages=messages, tools=TOOLS_ANTHROPIC,
+                                 system="You are terse.", extra_body={"temperature": 0.5, "top_k": 20})
+    assert counted.input_tokens == len(engine.requests[0]["input_ids"])
+    # The sampling the harness asked for is what the engine's log-probs describe.
+    assert engine.requests[0]["sampling_params"] == {"temperature": 0.5, "top_p": 1.0, "top_k": 20,
+                                                     "max_new_tokens": 10}
+    # Counting is auxiliary: it never enters the call store.
+    assert [r.call for r in local.store("ex2").calls] == ["ex2:1"]
+
+
+async def test_responses_stream_helper_events_and_echo_extends(local, tok):  # noqa: F811
+    engine = await local.engine([THINK_CALL, "All done.", "Truncated answer here."])
+    await local.proxy(engine=engine)
+    client = local.client("ex3")
+    inputs = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "You are Codex."}]},
+              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the files."}]}]
+    kinds = []
+    async with client.responses.stream(model="gpt-unknown", input=inputs, tools=TOOLS_RESPONSES,
+                                       reasoning={"effort": "medium"}, store=False,
+                                       include=["reasoning.encrypted_content"], prompt_cache_key="thread-1") as s:
+        async for event in s:
+            kinds.append(event.type)
+        final = await s.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    for needed in ("response.content_part.added", "response.output_text.delta", "response.output_text.done",
+                   "response.content_part.done", "response.function_call_arguments.delta",
+                   "response.function_call_arguments.done"):
+        assert needed in kinds
+    assert [o.type for o in final.output] == ["reasoning", "message", "function_call"]
+    call = final.output[2]
+    assert call.arguments == RAW_ARGS and call.call_id.startswith("call_") and call.name == "bash"
+    assert final.output_text == "Let me look." and final.status == "completed"
+    assert final.usage.input_tokens == len(engine.requests[0]["input_ids"])
+    prompt0 = tok.decode(engine.requests[0]["input_ids"])
+    assert prompt0.startswith("<|im_start|>system\nYou are Codex.") and '"name": "web_search"' not in prompt0
+
+    # Turn 2, streamed raw: Codex echoes the output items (re-serialised arguments) and
+    # adds the function output.
+    echoed = [o.model_dump(exclude_none=True) for o in final.output]
+    echoed[2]["arguments"] = json.dumps(json.loads(RAW_ARGS), separators=(",", ":"))
+    turn2 = [*inputs, *echoed, {"type": "function_call_output", "call_id": call.call_id, "output": "a.txt"}]
+    stream = await client.responses.create(model="gpt-unknown", input=turn2, tools=TOOLS_RESPONSES, stream=True)
+    events = [e async for e in stream]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].response.output[0].content[0].text == "All done."
+    rec0, rec1 = local.store("ex3").calls
+    assert (rec1.parent, rec1.prefix_len) == (rec0, rec0.full_len)
+
+    # Not streamed, cut by max_output_tokens: status incomplete.
+    turn3 = [*turn2, {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "All done."}]},
+             {"type": "message", "role": "user", "content": "And now?"}]
+    cut = await client.responses.create(model="gpt-unknown", input=turn3, tools=TOOLS_RESPONSES, max_output_tokens=2)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage.output_tokens == 2
+    assert local.store("ex3").calls[2].parent is rec0  # the new user query drops turn 1's thinking: a branch
+
+
+async def test_chat_stream_helper_parses_tool_calls(local, tok):  # noqa: F811
+    engine = await local.engine([THINK_CALL])
+    await local.proxy(engine=engine)
+    client = local.client("ex4")
+    tools = [{"type": "function", "function": {"name": "bash", "parameters": TOOLS_ANTHROPIC[0]["input_schema"]}}]
+    async with client.chat.completions.stream(model="m", messages=[{"role": "user", "content": "go"}],
+                                              tools=tools) as s:
+        final = await s.get_final_completion()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    (tc,) = choice.message.tool_calls
+    assert tc.function.arguments == RAW_ARGS and json.loads(tc.function.arguments)["note"] == "café ✓"
