@@ -1,0 +1,58 @@
+"""Each daemon starts on its own against an existing NATS (deployment shape) and stops
+cleanly on SIGTERM with exit status 0; bad arguments exit 2."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def _consumer_exists(server, stream: str, durable: str) -> bool:
+    nc = await nats.connect(server.url, token=server.token)
+    try:
+        await nc.jetstream().consumer_info(stream, durable)
+        return True
+    except Exception:  # noqa: BLE001 - not there yet
+        return False
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("daemon,stream,durable", [
+    ("builder", "CALLS", "builder-calls-v1"),
+    ("scheduler", "STEPS", "scheduler-steps-v1"),
+])
+async def test_daemon_runs_against_existing_nats_and_stops_on_sigterm(nats_server, run_id, tmp_path, daemon, stream,
+                                                                       durable):
+    env = dict(os.environ, GYRE_NATS_URL=nats_server.url, GYRE_NATS_TOKEN=nats_server.token,
+               GYRE_RUNS_DIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "handlers.cli", daemon, "--recipe", "toy", "--run", run_id],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stream_name = f"GYRE_{run_id.upper()}_{stream}"
+    try:
+        deadline = time.monotonic() + 60
+        while not await _consumer_exists(nats_server, stream_name, durable):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "daemon did not declare its consumer"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "daemon.stopped" in out
+
+
+def test_daemon_without_nats_configuration_exits_2(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_NATS")}
+    proc = subprocess.run([sys.executable, "-m", "handlers.cli", "builder", "--recipe", "toy", "--run", "x"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "GYRE_NATS_URL" in proc.stderr + proc.stdout
