@@ -117,6 +117,10 @@ class Cell:
             durations["load_s"] = time.perf_counter() - t1
             self.role = "training"
             self._start_training()
+            # A step sealed while we were still rolling out (e.g. with no micro-steps at
+            # all) must still be applied: nothing else would trigger it.
+            for step in sorted(self.sealed):
+                await self._maybe_apply(step)
         elif event.to_role == "rollout":
             await self._stop_training()
             durations["release_s"] = time.perf_counter() - t0

@@ -208,6 +208,9 @@ class Supervisor:
 
 async def _follow(bus: Bus, progress: Progress, sup: Supervisor, timeout_s: float) -> str:
     stop = asyncio.Event()
+    interrupted = asyncio.Event()
+    from handlers.daemon import install_signals
+    install_signals(interrupted)
     names = ["execution.started", "execution.finished", "execution.scored", "call.completed",
              "step.sealed", "step.completed", "cell.switched"]
     follower = asyncio.create_task(bus.replay(names, progress.on_event, stop=stop))
@@ -222,6 +225,10 @@ async def _follow(bus: Bus, progress: Progress, sup: Supervisor, timeout_s: floa
                 name, code = dead[0]
                 print(f"\ngyre: daemon {name} exited with {code}; its log ends with:\n{sup.tail(name)}", file=sys.stderr)
                 outcome = "daemon_failed"
+                break
+            if interrupted.is_set():
+                print("\ngyre: interrupted; stopping the daemons", file=sys.stderr)
+                outcome = "interrupted"
                 break
             if time.monotonic() > deadline:
                 print(f"\ngyre: run did not finish within {timeout_s:.0f}s", file=sys.stderr)
@@ -297,7 +304,7 @@ async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float) -> int
     (run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     _print_summary(summary)
     print(f"gyre: summary written to {run_dir / 'summary.json'}")
-    return 0 if outcome == "done" else 1
+    return {"done": 0, "interrupted": 130}.get(outcome, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
