@@ -11,6 +11,16 @@ Profiles (`PROFILES`, `get_profile(name)`):
 - `mini-swe-agent-text`: the same with `--model-class litellm_textbased` and
   gyre/data/harness/mini_textbased.yaml (commands in a ```mswea_bash_command fence).
 - `toy`: gyre/data/harness/toy_harness.py, one or two chat calls, writes `answer.txt`.
+- `claude-code`: Claude Code (npm `@anthropic-ai/claude-code`, CLAUDE_CODE_VERSION),
+  headless `claude -p`, Anthropic Messages against the proxy (HARNESSES.md).
+- `codex`: Codex CLI (npm `@openai/codex`, CODEX_VERSION), `codex exec`, OpenAI
+  Responses through a custom provider in `$CODEX_HOME/config.toml`
+  (gyre/data/harness/codex_config.toml).
+
+The npm harnesses live under `harness_prefix()` (`$GYRE_HARNESS_PREFIX`, else
+`<checkout>/.harnesses`, where ops/install.sh puts them), world-readable so the sandbox
+uid runs them; node comes from /usr/bin. `installed(name)` says whether a profile's
+program is there.
 
 Execution keys (DESIGN.md "Processes": per-execution key): `execution_key(secret, e)` =
 `gyre-<e>-<first 32 hex digits of HMAC-SHA256(secret, e)>`; the proxy recovers and
@@ -21,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import json
 import os
 import sys
 from pathlib import Path
@@ -31,6 +42,33 @@ from gyre.tasks import DATA_DIR, Task
 HARNESS_DIR = DATA_DIR / "harness"
 KEY_PREFIX = "gyre-"
 _MAC_HEX = 32
+CLAUDE_CODE_VERSION = "2.1.197"
+CODEX_VERSION = "0.171.0"
+CLAUDE_CODE_TOOLS = "Bash Write Read Edit Agent"
+"""Tools Claude Code may use without asking (`--allowedTools`)."""
+CODEX_KEY_ENV = "GYRE_CODEX_API_KEY"
+"""Environment variable Codex reads the execution key from (the provider's `env_key`)."""
+
+
+def harness_prefix() -> Path:
+    """npm prefix of the Claude Code / Codex installation: `$GYRE_HARNESS_PREFIX`, else
+    `<checkout>/.harnesses` (ops/install.sh)."""
+    env = os.environ.get("GYRE_HARNESS_PREFIX")
+    return Path(env).resolve() if env else Path(__file__).resolve().parent.parent / ".harnesses"
+
+
+NPM_PROGRAMS = {"claude-code": "claude", "codex": "codex"}
+
+
+def installed(profile: str) -> bool:
+    """True when the program behind `profile` can be started (npm harnesses: its binary is
+    under harness_prefix(); mini-swe-agent: `mini` beside this interpreter; toy: always)."""
+    program = NPM_PROGRAMS.get(profile)
+    if profile.startswith("mini-swe-agent"):
+        return os.access(Path(sys.executable).parent / "mini", os.X_OK)
+    if program is None:
+        return profile in PROFILES
+    return os.access(harness_prefix() / "bin" / program, os.X_OK)
 
 
 def execution_key(secret: bytes, execution: str) -> str:
@@ -168,10 +206,79 @@ def toy(req: LaunchRequest) -> HarnessCommand:
     return HarnessCommand(argv=argv, env=env, files=files, readonly=python_installation(req.python))
 
 
+def _npm_readonly(prefix: Path) -> tuple[str, ...]:
+    """The npm prefix plus the real directories its bin links point into, when outside it."""
+    paths = [str(prefix)]
+    real = Path(os.path.realpath(prefix))
+    if str(real) != str(prefix):
+        paths.append(str(real))
+    return tuple(paths)
+
+
+def _own_tmp(req: LaunchRequest) -> tuple[dict[str, str], dict[str, str]]:
+    """(env, files) giving the harness a temporary directory of its own, <home>/tmp: the
+    sandbox's private /tmp is not writable by the sandbox uid, and Claude Code exits 0
+    silently, before its first call, when it cannot write its temporary files."""
+    return {"TMPDIR": str(req.home / "tmp")}, {"tmp/.keep": ""}
+
+
+def claude_code(req: LaunchRequest) -> HarnessCommand:
+    """Claude Code, headless (HARNESSES.md "Claude Code"): `claude -p TASK --output-format
+    json --permission-mode acceptEdits --allowedTools "Bash Write Read Edit Agent" --model
+    <model>`, Anthropic Messages at the proxy's base URL, non-essential traffic, telemetry,
+    auto-update and error reporting off, HOME = the execution's home. `max_calls` becomes
+    `--max-turns`."""
+    prefix = harness_prefix()
+    argv = [str(prefix / "bin" / "claude"), "-p", req.task.problem_statement, "--output-format", "json",
+            "--permission-mode", "acceptEdits", "--allowedTools", CLAUDE_CODE_TOOLS, "--model", req.model]
+    if req.max_calls > 0:
+        argv += ["--max-turns", str(req.max_calls)]
+    env = {
+        "ANTHROPIC_BASE_URL": req.proxy_url.rstrip("/"),
+        "ANTHROPIC_API_KEY": req.api_key,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "DISABLE_BUG_COMMAND": "1",
+        "SHELL": "/bin/bash",
+        "NO_COLOR": "1",
+    }
+    tmp_env, files = _own_tmp(req)
+    env.update(tmp_env)
+    return HarnessCommand(argv=argv, env=env, files=files, readonly=_npm_readonly(prefix),
+                          path_dirs=(str(prefix / "bin"),))
+
+
+def codex_config(proxy_url: str, model: str) -> str:
+    """`$CODEX_HOME/config.toml` for one execution: a custom provider at `<proxy>/v1`
+    speaking Responses, the key from CODEX_KEY_ENV, no approvals, no sandbox of its own (gyre
+    confines it), no update check, analytics off."""
+    template = (HARNESS_DIR / "codex_config.toml").read_text()
+    return template.replace("@BASE_URL@", json.dumps(f"{proxy_url.rstrip('/')}/v1")).replace(
+        "@MODEL@", json.dumps(model)).replace("@ENV_KEY@", json.dumps(CODEX_KEY_ENV))
+
+
+def codex(req: LaunchRequest) -> HarnessCommand:
+    """Codex CLI (HARNESSES.md "Codex CLI"): `codex exec --skip-git-repo-check --json TASK`
+    with CODEX_HOME = <home>/.codex holding `codex_config`."""
+    prefix = harness_prefix()
+    argv = [str(prefix / "bin" / "codex"), "exec", "--skip-git-repo-check", "--json", req.task.problem_statement]
+    env = {"CODEX_HOME": str(req.home / ".codex"), CODEX_KEY_ENV: req.api_key, "SHELL": "/bin/bash",
+           "NO_COLOR": "1"}
+    tmp_env, files = _own_tmp(req)
+    env.update(tmp_env)
+    files[".codex/config.toml"] = codex_config(req.proxy_url, req.model)
+    return HarnessCommand(argv=argv, env=env, files=files, readonly=_npm_readonly(prefix),
+                          path_dirs=(str(prefix / "bin"),))
+
+
 PROFILES: Mapping[str, Profile] = {
     "mini-swe-agent": mini_swe_agent,
     "mini-swe-agent-text": mini_swe_agent_text,
     "toy": toy,
+    "claude-code": claude_code,
+    "codex": codex,
 }
 DEFAULT_PROFILE = "mini-swe-agent"
 

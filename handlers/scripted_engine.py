@@ -22,14 +22,29 @@ Fault injection: `fail_next(n, status)` answers the next n `/generate` calls wit
 `status` (503 = engine unavailable); `abort_next(n)` finishes them with `abort` (a cell
 leaving rollout); `delay_s` holds each generation that long (abortable).
 
+Playbooks (`Playbook`, `Rule`): a callback that drives a real harness to the end of its
+task deterministically, whatever the order or concurrency of its calls. The prompt ids
+are decoded (special tokens kept) and split into ChatML turns; the first rule whose
+conditions all hold answers `turns[k]`, k = the number of assistant turns already in the
+prompt (the last turn repeats once k runs past the end). Conditions (substrings, '' =
+any): `system` in the first system turn, `last` in the last non-assistant turn,
+`first` in the first user turn, `contains` anywhere in the prompt, `execution` in the
+request's `gyre_execution`. So a sub-agent is told apart by its delegated prompt (its first
+user turn) or its own system prompt, a compaction by its instructions in the last user
+turn, and each harness by its execution id. `tool_call(name, args)` writes
+a call in Qwen3's format: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`.
+
 CLI: `python -m handlers.scripted_engine --script file.jsonl --port N` where each line is
-a JSON string or an object with a `text` field.
+a JSON string or an object with a `text` field, or a rule object (`turns` plus
+conditions), which makes the file a playbook.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import inspect
+import json
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,7 +55,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from gyre.tokenizer import IM_END
+from gyre.tokenizer import IM_END, IM_START
 
 log = structlog.get_logger(__name__)
 
@@ -215,25 +230,143 @@ class ScriptedEngine:
             self._runner = None
 
 
+def tool_call(name: str, arguments: dict, content: str = "") -> str:
+    """A completion text calling tool `name` in Qwen3's format, after optional `content`."""
+    call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{content}\n\n<tool_call>\n{call}\n</tool_call>" if content else f"<tool_call>\n{call}\n</tool_call>"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Turns:
+    """A decoded prompt split into ChatML turns.
+
+    system: text of the first system turn ('' if none). first: text of the first user
+    turn. last: text of the last turn that is not the assistant's. assistant_turns: completed assistant turns in the prompt (the
+    generation prompt excluded). text: the whole decoded prompt.
+    """
+
+    system: str
+    first: str
+    last: str
+    assistant_turns: int
+    text: str
+
+
+def split_turns(text: str) -> Turns:
+    """`Turns` of a decoded ChatML prompt (`<|im_start|>role\n…<|im_end|>` blocks)."""
+    blocks = text.split("<|im_start|>")[1:]
+    system, first, last, assistant = "", None, "", 0
+    for i, block in enumerate(blocks):
+        role, _, body = block.partition("\n")
+        body = body.split("<|im_end|>", 1)[0]
+        if role == "assistant":
+            if i < len(blocks) - 1 or "<|im_end|>" in block:
+                assistant += 1
+            continue
+        if role == "system" and not system:
+            system = body
+        if role == "user" and first is None:
+            first = body
+        last = body
+    return Turns(system=system, first=first or "", last=last, assistant_turns=assistant, text=text)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rule:
+    """One conversation of a playbook: its completions by assistant turn and when it applies
+    (all conditions are substrings; '' matches anything)."""
+
+    turns: tuple[str, ...]
+    system: str = ""
+    first: str = ""
+    last: str = ""
+    contains: str = ""
+    execution: str = ""
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.turns or not all(isinstance(t, str) for t in self.turns):
+            raise ValueError("Rule.turns must be a non-empty sequence of completion texts")
+
+    def matches(self, turns: Turns, execution: str) -> bool:
+        return (self.system in turns.system and self.first in turns.first and self.last in turns.last and self.contains in turns.text
+                and self.execution in execution)
+
+    @classmethod
+    def from_json(cls, item: dict) -> "Rule":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(item) - fields
+        if unknown:
+            raise ValueError(f"unknown rule fields {sorted(unknown)}; known: {sorted(fields)}")
+        return cls(**{**item, "turns": tuple(item.get("turns") or ())})
+
+
+class Playbook:
+    """Rules tried in order (see the module docstring); `callback(tokenizer)` plugs it
+    into a ScriptedEngine. `matched` records (execution, rule name or index, k) per call.
+    Raises LookupError from the callback (→ HTTP 500) when no rule applies."""
+
+    def __init__(self, rules: Sequence[Rule]):
+        if not rules:
+            raise ValueError("a playbook needs at least one rule")
+        self.rules = list(rules)
+        self.matched: list[tuple[str, str, int]] = []
+
+    def answer(self, turns: Turns, execution: str = "") -> str:
+        for i, rule in enumerate(self.rules):
+            if rule.matches(turns, execution):
+                k = turns.assistant_turns
+                self.matched.append((execution, rule.name or str(i), k))
+                return rule.turns[min(k, len(rule.turns) - 1)]
+        raise LookupError(f"no playbook rule for execution {execution!r}; last turn {turns.last[-300:]!r}")
+
+    def callback(self, tokenizer: Any) -> Callback:
+        def cb(body: dict) -> str:
+            text = tokenizer.decode(body["input_ids"], skip_special_tokens=False)
+            return self.answer(split_turns(text), str(body.get("gyre_execution") or ""))
+        return cb
+
+
 def load_script(path: str | Path) -> list[str]:
     """Completion texts from a JSONL file: each line a JSON string or {"text": ...}."""
-    texts = []
+    texts, rules = _load(path)
+    if rules:
+        raise ValueError(f"{path}: holds playbook rules; use load_playbook")
+    return texts
+
+
+def load_playbook(path: str | Path) -> Playbook:
+    """A playbook from a JSONL file of rule objects (`Rule` fields)."""
+    texts, rules = _load(path)
+    if texts or not rules:
+        raise ValueError(f"{path}: a playbook file holds rule objects only")
+    return Playbook(rules)
+
+
+def _load(path: str | Path) -> tuple[list[str], list[Rule]]:
+    texts: list[str] = []
+    rules: list[Rule] = []
     for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         item = orjson.loads(line)
-        if isinstance(item, dict) and isinstance(item.get("text"), str):
+        if isinstance(item, dict) and "turns" in item:
+            try:
+                rules.append(Rule.from_json(item))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{path}:{n}: {exc}") from None
+        elif isinstance(item, dict) and isinstance(item.get("text"), str):
             texts.append(item["text"])
         elif isinstance(item, str):
             texts.append(item)
         else:
-            raise ValueError(f"{path}:{n}: expected a JSON string or an object with 'text'")
-    return texts
+            raise ValueError(f"{path}:{n}: expected a JSON string, an object with 'text', or a rule with 'turns'")
+    return texts, rules
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m handlers.scripted_engine", description=__doc__.splitlines()[0])
-    p.add_argument("--script", required=True, help="JSONL file of completion texts (cycled)")
+    p.add_argument("--script", required=True, help="JSONL file of completion texts (cycled) or playbook rules")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--model-dir", help="tokenizer from this HF checkpoint (default: the built-in Qwen3 tokenizer)")
@@ -248,7 +381,14 @@ def main(argv: list[str] | None = None) -> int:
         from gyre.tokenizer import build_tokenizer
 
         tokenizer = build_tokenizer()
-    engine = ScriptedEngine(tokenizer, load_script(a.script), delay_s=a.delay_s, policy_version=a.policy_version)
+    texts, rules = _load(a.script)
+    if rules and texts:
+        raise SystemExit(f"{a.script}: mixes completion texts and playbook rules")
+    if rules:
+        engine = ScriptedEngine(tokenizer, callback=Playbook(rules).callback(tokenizer), delay_s=a.delay_s,
+                                policy_version=a.policy_version)
+    else:
+        engine = ScriptedEngine(tokenizer, texts, delay_s=a.delay_s, policy_version=a.policy_version)
 
     async def _serve() -> None:
         url = await engine.start(a.host, a.port)

@@ -5,6 +5,10 @@
 #    under /root (pyenv) is unreadable to them.
 #  - torch 2.13.0 (CPU build) goes in first so nothing pulls a CUDA build.
 #  - bubblewrap confines harness processes; installed from Debian when we are root.
+#  - Claude Code and Codex CLI (npm) go into ./.harnesses (world-readable, so the
+#    sandbox uid can run them), pinned to the versions docs/tasks.md names; skipped when
+#    already there at that version, or when npm is missing (their tests then skip,
+#    or fail under CI=true).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -33,4 +37,34 @@ fi
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 "$VENV/bin/python" -m pip install -q -e ".[test,harness]"
 chmod -R a+rX "$VENV" 2>/dev/null || true
+
+HARNESS_PREFIX=${GYRE_HARNESS_PREFIX:-.harnesses}
+CLAUDE_CODE_VERSION=2.1.197
+CODEX_VERSION=0.171.0
+npm_harness() {  # package version binary
+  local pkg=$1 version=$2 bin=$3 have=""
+  if [ -x "$HARNESS_PREFIX/bin/$bin" ]; then
+    have=$(node -p "require('./$HARNESS_PREFIX/lib/node_modules/$pkg/package.json').version" 2>/dev/null || true)
+  fi
+  if [ "$have" = "$version" ]; then
+    echo "install: $pkg $version already in $HARNESS_PREFIX"
+  else
+    echo "install: $pkg@$version into $HARNESS_PREFIX"
+    npm install -g --prefix "$HARNESS_PREFIX" --no-audit --no-fund --loglevel=error "$pkg@$version" >/dev/null
+    # Claude Code's postinstall copies its native binary over a stub; newer npm may skip it.
+    if [ -f "$HARNESS_PREFIX/lib/node_modules/$pkg/install.cjs" ] && ! "$HARNESS_PREFIX/bin/$bin" --version >/dev/null 2>&1; then
+      (cd "$HARNESS_PREFIX/lib/node_modules/$pkg" && node install.cjs >/dev/null)
+    fi
+  fi
+  "$HARNESS_PREFIX/bin/$bin" --version >/dev/null 2>&1 || { echo "install: $HARNESS_PREFIX/bin/$bin does not run" >&2; return 1; }
+}
+if command -v npm >/dev/null 2>&1 && command -v node >/dev/null 2>&1; then
+  mkdir -p "$HARNESS_PREFIX"
+  npm_harness @anthropic-ai/claude-code "$CLAUDE_CODE_VERSION" claude
+  npm_harness @openai/codex "$CODEX_VERSION" codex
+  chmod -R a+rX "$HARNESS_PREFIX" 2>/dev/null || true
+  echo "install: harnesses: $("$HARNESS_PREFIX/bin/claude" --version), $("$HARNESS_PREFIX/bin/codex" --version)"
+else
+  echo "install: npm/node not found; Claude Code and Codex CLI not installed (their tests skip)" >&2
+fi
 echo "install: done ($("$VENV/bin/python" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__)'))"

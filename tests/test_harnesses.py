@@ -1,0 +1,400 @@
+"""Real, unmodified harnesses through the real proxy, launched confined by the runner.
+
+Claude Code (`claude -p`, Anthropic Messages), mini-swe-agent (tool-call and text-based
+configurations, Chat Completions) and Codex CLI (`codex exec`, Responses) run
+concurrently behind one proxy, on a real nats-server:
+- against the scripted engine driven by a playbook (handlers/scripted_engine.py), each
+  completes its task through tool calls: the files it wrote are asserted on its
+  workspace; Claude Code delegates to a sub-agent and is then compacted
+  (`claude -p /compact --resume <session>`), so its call tree has `main`, `sub-agent`
+  and `main-summary` leaves;
+- against the tiny random model behind the embedded engine (handlers/engine_server.py),
+  each runs to its end (exits by itself, or its timeout stops it).
+Every call must be recorded on the bus (`call.completed`, read back from JetStream) with
+status ok and drift 0, and no proxy response may carry a 4xx/5xx status.
+
+A harness that is not installed (ops/install.sh) is skipped, or fails when CI=true; one
+whose API the proxy does not serve yet (its route is missing) is skipped.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import orjson
+import pytest
+from aiohttp import web
+
+import schemas
+from bus import Bus, BusConfig
+from gyre import harness as harnesses
+from gyre.sandbox import SandboxConfig, base_env, confine
+from gyre.tasks import load_tasks
+from gyre.tokenizer import build_tokenizer
+from gyre.trajectory import build_tree
+from handlers import runner as runner_mod
+from handlers.engine_client import make_session
+from handlers.proxy import Config as ProxyConfig
+from handlers.proxy import ProxyState, make_app
+from handlers.runner import Config as RunnerConfig
+from handlers.runner import Paths, wait_or_kill
+from handlers.scripted_engine import Playbook, Rule, ScriptedEngine, tool_call
+from schemas import ids
+
+pytestmark = pytest.mark.harness
+
+SECRET = bytes(range(7, 39))
+CI = os.environ.get("CI", "").lower() == "true"
+ADD_PY = "def add(a, b):\n    return a + b\n"
+TASK = {
+    "instance_id": "add",
+    "problem_statement": "Create add.py defining add(a, b), which returns a + b.",
+    "test_files": {"test_add.py": "from add import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"},
+    "timeout_s": 180,
+}
+API_ROUTES = {"mini-swe-agent": "/v1/chat/completions", "mini-swe-agent-text": "/v1/chat/completions",
+              "claude-code": "/v1/messages", "codex": "/v1/responses"}
+SUBTASK = "SUBTASK-7f3: write sub.txt holding the word delegated, then report back."
+COMPACT_MARK = "Your task is to create a detailed summary of the conversation"
+
+
+def proxy_routes() -> set[str]:
+    """Paths the proxy's application serves (POST routes included)."""
+    cfg = ProxyConfig(run="probe", key_secret=SECRET)
+    app = make_app(ProxyState(cfg, None, None))
+    return {r.resource.canonical for r in app.router.routes() if r.resource is not None}
+
+
+def wanted(profiles: list[str]) -> list[str]:
+    """The profiles to run here: installed and served by the proxy (else skipped, or a
+    failure under CI=true for a missing installation)."""
+    routes = proxy_routes()
+    out, missing, unserved = [], [], []
+    for p in profiles:
+        if not harnesses.installed(p):
+            missing.append(p)
+        elif API_ROUTES[p] not in routes:
+            unserved.append(p)
+        else:
+            out.append(p)
+    if missing and CI:
+        pytest.fail(f"harnesses not installed (run ops/install.sh): {missing}")
+    if not out:
+        pytest.skip(f"no harness to run: not installed {missing}, API not served by the proxy {unserved}")
+    if missing or unserved:
+        print(f"skipping harnesses: not installed {missing}, API not served by the proxy {unserved}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture
+def run_dir():
+    """A run directory outside /tmp's sticky root, traversable by the sandbox uid."""
+    base = Path(tempfile.mkdtemp(prefix="gyre-harness-"))
+    os.chmod(base, 0o711)
+    yield base / "run"
+    shutil.rmtree(base, ignore_errors=True)
+
+
+class Stack:
+    """Proxy (recording every response status) + runner + bus reader over one engine URL."""
+
+    def __init__(self, tok, nats_server, run_id: str, run_dir: Path):
+        self.tok, self.nats, self.run_id, self.run_dir = tok, nats_server, run_id, run_dir
+        self.statuses: list[tuple[str, str, int]] = []  # (method, path, status) of every proxy response
+        self.tasks_file = run_dir.parent / "tasks.jsonl"
+        self.tasks_file.write_text(json.dumps(TASK) + "\n")
+        self.finished: dict[str, schemas.ExecutionFinished] = {}
+        self.calls: dict[str, dict[int, schemas.CallCompleted]] = {}
+        self._bg: list[asyncio.Task] = []
+        self.stop = asyncio.Event()
+
+    async def start(self, engine_url: str, **proxy_overrides) -> None:
+        self.bus = await Bus.connect(self.nats.url, token=self.nats.token, run=self.run_id, name="test",
+                                     config=BusConfig(connect_timeout_s=5.0, drain_timeout_s=5.0))
+        await self.bus.ensure_streams()
+        cfg = ProxyConfig(run=self.run_id, key_secret=SECRET, engine_url=engine_url, retry_timeout_s=30.0,
+                          shutdown_grace_s=5.0, **proxy_overrides)
+        self.session = make_session()
+        self.state = ProxyState(cfg, self.tok, self.session, self.bus)
+        app = make_app(self.state)
+
+        async def record(request: web.Request, response: web.StreamResponse) -> None:
+            self.statuses.append((request.method, request.path, response.status))
+
+        app.on_response_prepare.append(record)
+        self.web = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self.web.setup()
+        site = web.TCPSite(self.web, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.web.addresses[0][1]}"
+        rcfg = RunnerConfig(run=self.run_id, nats_url=self.nats.url, nats_token=self.nats.token,
+                            run_dir=self.run_dir, tasks=str(self.tasks_file), key_secret=SECRET.hex(),
+                            proxy_url=self.url, concurrency=8)
+        self.runner_cfg = rcfg
+        self._bg.append(asyncio.create_task(runner_mod.run(rcfg, self.stop)))
+        self._bg.append(asyncio.create_task(self.bus.replay(["execution.started", "execution.finished", "call.completed"],
+                                                            self._seen,
+                                                            stop=self.stop, poll_s=0.2)))
+
+    async def _seen(self, event) -> None:
+        # The proxy learns each execution's harness from execution.started, as in `gyre run`;
+        # execution.finished is not passed on, so Claude Code's later /compact still extends.
+        if isinstance(event, schemas.ExecutionStarted):
+            await self.state.handle_event(event)
+        elif isinstance(event, schemas.ExecutionFinished):
+            self.finished[event.info.execution] = event
+        elif isinstance(event, schemas.CallCompleted):
+            self.calls.setdefault(event.execution, {})[event.seq] = event
+
+    async def dispatch(self, execution: str, profile: str, *, timeout_s: float, max_calls: int = 0) -> None:
+        info = schemas.ExecutionInfo(execution=execution, task="add", group="s0-g0", step=0, harness=profile,
+                                     group_size=1, step_groups=1)
+        await self.bus.publish(schemas.ExecutionDispatched(event_id=ids.dispatched(self.run_id, execution),
+                                                           info=info, timeout_s=timeout_s, max_calls=max_calls))
+
+    async def wait_finished(self, executions, bound_s: float) -> None:
+        async def poll():
+            while not set(executions) <= set(self.finished):
+                await asyncio.sleep(0.2)
+        await asyncio.wait_for(poll(), bound_s)
+
+    async def recorded_calls(self, execution: str, bound_s: float = 30.0) -> list[schemas.CallCompleted]:
+        """Every call.completed of `execution`, once the bus holds as many as the proxy served."""
+        ex = self.state.executions.get(execution)
+        expected = ex.next_seq if ex else 0
+
+        async def poll():
+            while len(self.calls.get(execution, {})) < expected:
+                await asyncio.sleep(0.1)
+        await self.state.drain(bound_s)
+        await asyncio.wait_for(poll(), bound_s)
+        return [self.calls[execution][s] for s in sorted(self.calls.get(execution, {}))]
+
+    def log(self, execution: str) -> str:
+        path = Paths.of(self.run_dir, execution).log
+        return path.read_text(errors="replace")[-4000:] if path.exists() else "(no log)"
+
+    async def close(self) -> None:
+        self.stop.set()
+        await asyncio.gather(*self._bg, return_exceptions=True)
+        await self.state.drain(5)
+        await self.web.cleanup()
+        await self.session.close()
+        await self.bus.close()
+
+
+def assert_recorded(stack: Stack, execution: str, calls: list[schemas.CallCompleted], *, statuses=("ok",)) -> None:
+    assert calls, f"{execution}: no call recorded\n{stack.log(execution)}"
+    bad = [(c.seq, c.status, c.finish_reason) for c in calls if c.status not in statuses]
+    assert not bad, f"{execution}: calls not ok {bad}\n{stack.log(execution)}"
+    drift = [(c.seq, c.drift) for c in calls if c.drift]
+    assert not drift, f"{execution}: drift {drift}"
+
+
+def assert_no_proxy_errors(stack: Stack) -> None:
+    errors = [s for s in stack.statuses if s[2] >= 400]
+    assert not errors, f"the proxy answered errors: {errors}"
+
+
+# ---- the scripted playbook --------------------------------------------------------------------
+
+def write_add(workspace: Path) -> str:
+    return "printf 'def add(a, b):\\n    return a + b\\n' > add.py && echo written"
+
+
+def playbook(run_dir: Path) -> Playbook:
+    ws = lambda e: str(Paths.of(run_dir, e).workspace)  # noqa: E731
+    done = "The task is complete: add.py defines add(a, b)."
+    rules = [
+        # mini-swe-agent (bash tool), then its text-based variant (fenced commands)
+        Rule(name="mini-tool", execution="mini-tool", turns=(
+            tool_call("bash", {"command": write_add(Path(ws("mini-tool")))}),
+            tool_call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}))),
+        Rule(name="mini-text", execution="mini-text", turns=(
+            f"THOUGHT: write the file.\n\n```mswea_bash_command\n{write_add(Path(ws('mini-text')))}\n```",
+            "THOUGHT: done.\n\n```mswea_bash_command\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```")),
+        # Claude Code: compaction, the sub-agent, then the main line
+        Rule(name="claude-compact", execution="claude", last=COMPACT_MARK, turns=(
+            "<analysis>The user asked for add.py; it was written, and a sub-agent wrote sub.txt.</analysis>\n\n"
+            "<summary>\n1. Primary Request and Intent: create add.py with add(a, b).\n"
+            "2. Files: add.py written; sub.txt written by a sub-agent.\n3. Pending Tasks: none.\n</summary>",)),
+        Rule(name="claude-sub", execution="claude", first="SUBTASK-7f3", turns=(
+            tool_call("Bash", {"command": "printf delegated > sub.txt", "description": "Write sub.txt"}),
+            "sub.txt written.")),
+        Rule(name="claude-main", execution="claude", first="add.py", turns=(
+            tool_call("Agent", {"description": "Write sub.txt", "prompt": SUBTASK, "subagent_type": "general-purpose"}),
+            tool_call("Write", {"file_path": ws("claude") + "/add.py", "content": ADD_PY}),
+            done)),
+        Rule(name="claude-side", execution="claude", turns=("OK",)),
+        # Codex CLI
+        Rule(name="codex", execution="codex", turns=(
+            tool_call("exec_command", {"cmd": write_add(Path(ws("codex")))}),
+            done)),
+    ]
+    return Playbook(rules)
+
+
+async def compact_claude(stack: Stack, execution: str) -> int:
+    """`claude -p /compact --resume <session>` in the execution's home and workspace, confined
+    like the runner does; returns its exit code."""
+    paths = Paths.of(stack.run_dir, execution)
+    text = paths.log.read_text(errors="replace")
+    found = re.findall(r'"session_id"\s*:\s*"([0-9a-f-]{36})"', text)
+    assert found, f"no session id in Claude Code's output\n{text[-3000:]}"
+    task = load_tasks(str(stack.tasks_file))[0]
+    req = harnesses.LaunchRequest(execution=execution, task=task, workspace=paths.workspace, home=paths.home,
+                                  proxy_url=stack.url, api_key=harnesses.execution_key(SECRET, execution),
+                                  model="gyre")
+    cmd = harnesses.get_profile("claude-code")(req)
+    argv = [cmd.argv[0], "-p", "/compact", "--resume", found[-1], "--output-format", "json", "--model", "gyre"]
+    env = base_env(home=paths.home, path_dirs=cmd.path_dirs, extra=cmd.env)
+    launch = confine(argv, cwd=paths.workspace, env=env, cfg=SandboxConfig(), writable=[paths.home],
+                     readonly=cmd.readonly)
+    with open(paths.log, "ab") as out:
+        proc = await asyncio.create_subprocess_exec(*launch.argv, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                                                    **launch.popen_kwargs())
+        outcome = await wait_or_kill(proc, 120, None)
+    assert outcome == "ok", f"/compact did not finish\n{stack.log(execution)}"
+    return proc.returncode
+
+
+EXECUTIONS = {"mini-tool": "mini-swe-agent", "mini-text": "mini-swe-agent-text", "claude": "claude-code",
+              "codex": "codex"}
+
+
+async def test_harnesses_complete_their_task_through_the_proxy(tok, nats_server, run_id, run_dir):
+    profiles = wanted(list(EXECUTIONS.values()))
+    execs = {e: p for e, p in EXECUTIONS.items() if p in profiles}
+    book = playbook(run_dir)
+    engine = ScriptedEngine(tok, callback=book.callback(tok))
+    await engine.start()
+    stack = Stack(tok, nats_server, run_id, run_dir)
+    try:
+        await stack.start(engine.url)
+        for e, p in execs.items():
+            await stack.dispatch(e, p, timeout_s=150.0, max_calls=12)
+        await stack.wait_finished(execs, 240.0)
+        for e in execs:
+            done = stack.finished[e]
+            assert (done.status, done.exit_code) == ("ok", 0), f"{e}: {done.status} {done.exit_code}\n{stack.log(e)}"
+            ws = Paths.of(run_dir, e).workspace
+            assert (ws / "add.py").is_file(), f"{e}: add.py missing; matched {book.matched}\n{stack.log(e)}"
+            assert (ws / "add.py").read_text() == ADD_PY
+        if "claude" in execs:
+            ws = Paths.of(run_dir, "claude").workspace
+            assert (ws / "sub.txt").read_text() == "delegated", stack.log("claude")
+            assert await compact_claude(stack, "claude") == 0, stack.log("claude")
+        for e in execs:
+            calls = await stack.recorded_calls(e)
+            assert_recorded(stack, e, calls)
+        assert_no_proxy_errors(stack)
+        if "mini-tool" in execs:
+            calls = await stack.recorded_calls("mini-tool")
+            assert len(calls) == 2 and calls[1].parent_call == calls[0].call and calls[1].prefix_len > 0
+        if "codex" in execs:
+            calls = await stack.recorded_calls("codex")
+            assert {c.api for c in calls} == {"responses"}
+        if "claude" in execs:
+            calls = await stack.recorded_calls("claude")
+            assert {c.api for c in calls} == {"messages"}
+            tree = build_tree("claude", calls)
+            leaves = {tree.role(leaf) for leaf in tree.leaves()}
+            assert {"main", "sub-agent", "main-summary"} <= leaves, (
+                leaves, [(c.seq, c.role, c.parent_call) for c in calls], book.matched)
+    finally:
+        await stack.close()
+        await engine.stop()
+
+
+async def test_harnesses_run_to_their_end_on_the_random_model(tok, nats_server, run_id, run_dir, tmp_path):
+    from gyre.engine import Engine, EngineConfig
+    from gyre.model import init_model
+    from handlers import engine_server
+
+    profiles = wanted(list(EXECUTIONS.values()))
+    execs = {e: p for e, p in EXECUTIONS.items() if p in profiles}
+    model_dir = init_model(tmp_path / "model")
+    engine = Engine(EngineConfig(model_dir=str(model_dir), max_completion_tokens=32))
+    _app, eng_runner, engine_url = await engine_server.serve(engine)
+    stack = Stack(tok, nats_server, run_id, run_dir)
+    try:
+        await stack.start(engine_url, max_completion_tokens=32)
+        for e, p in execs.items():
+            await stack.dispatch(e, p, timeout_s=90.0, max_calls=3)
+        await stack.wait_finished(execs, 200.0)
+        for e in execs:
+            done = stack.finished[e]
+            assert done.status in ("ok", "timeout"), f"{e}: {done.status}\n{stack.log(e)}"
+            calls = await stack.recorded_calls(e)
+            # a harness stopped by its timeout may leave one call aborted
+            assert_recorded(stack, e, calls, statuses=("ok", "aborted") if done.status == "timeout" else ("ok",))
+        assert_no_proxy_errors(stack)
+    finally:
+        await stack.close()
+        await eng_runner.cleanup()
+
+
+# ---- pure: profiles and the playbook -----------------------------------------------------------
+
+def test_npm_profiles_build_their_command_lines(tmp_path):
+    import tomllib
+
+    task = load_tasks("toy")[0]
+    req = harnesses.LaunchRequest(execution="e1", task=task, workspace=tmp_path / "ws", home=tmp_path / "home",
+                                  proxy_url="http://127.0.0.1:9/", api_key="gyre-e1-k", model="gyre", max_calls=4)
+    cc = harnesses.get_profile("claude-code")(req)
+    assert cc.argv[0].endswith("/bin/claude") and cc.argv[1:3] == ["-p", task.problem_statement]
+    assert cc.argv[cc.argv.index("--allowedTools") + 1] == "Bash Write Read Edit Agent"
+    assert cc.argv[cc.argv.index("--permission-mode") + 1] == "acceptEdits"
+    assert cc.argv[cc.argv.index("--max-turns") + 1] == "4" and "--output-format" in cc.argv
+    assert cc.env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9" and cc.env["ANTHROPIC_API_KEY"] == "gyre-e1-k"
+    for flag in ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "DISABLE_TELEMETRY", "DISABLE_AUTOUPDATER",
+                 "DISABLE_ERROR_REPORTING", "DISABLE_BUG_COMMAND"):
+        assert cc.env[flag] == "1"
+    assert cc.env["TMPDIR"] == str(tmp_path / "home" / "tmp") and "tmp/.keep" in cc.files
+    assert str(harnesses.harness_prefix()) in cc.readonly
+    cx = harnesses.get_profile("codex")(req)
+    assert cx.argv[1:] == ["exec", "--skip-git-repo-check", "--json", task.problem_statement]
+    assert cx.env["CODEX_HOME"] == str(tmp_path / "home" / ".codex")
+    assert cx.env[harnesses.CODEX_KEY_ENV] == "gyre-e1-k"
+    conf = tomllib.loads(cx.files[".codex/config.toml"])
+    provider = conf["model_providers"][conf["model_provider"]]
+    assert provider == {"name": "gyre", "base_url": "http://127.0.0.1:9/v1", "env_key": harnesses.CODEX_KEY_ENV,
+                        "wire_api": "responses"}
+    assert (conf["model"], conf["approval_policy"], conf["sandbox_mode"]) == ("gyre", "never", "danger-full-access")
+    assert conf["check_for_update_on_startup"] is False and conf["analytics"]["enabled"] is False
+
+
+def test_playbook_picks_rule_and_turn_from_the_prompt(tok):
+    book = Playbook([
+        Rule(name="compact", last="summary of the conversation", turns=("S",)),
+        Rule(name="sub", first="SUBTASK", turns=("s0", "s1")),
+        Rule(name="main", execution="ex", turns=("m0", "m1", "m2")),
+    ])
+    cb = book.callback(tok)
+
+    def prompt(*turns):
+        text = "".join(f"<|im_start|>{r}\n{t}<|im_end|>\n" for r, t in turns) + "<|im_start|>assistant\n"
+        return {"input_ids": tok(text, add_special_tokens=False)["input_ids"], "gyre_execution": "ex"}
+
+    sys_, task = ("system", "You are an agent."), ("user", "Write add.py")
+    assert cb(prompt(sys_, task)) == "m0"
+    assert cb(prompt(sys_, task, ("assistant", "call"), ("user", "<tool_response>ok</tool_response>"))) == "m1"
+    many = [sys_, task] + [("assistant", "a"), ("user", "r")] * 5
+    assert cb(prompt(*many)) == "m2"  # past the end: the last turn repeats
+    assert cb(prompt(sys_, ("user", "SUBTASK-1: do it"))) == "s0"
+    assert cb(prompt(sys_, task, ("assistant", "a"), ("user", "Write a summary of the conversation"))) == "S"
+    assert [m[1] for m in book.matched] == ["main", "main", "main", "sub", "compact"]
+    with pytest.raises(LookupError):
+        Playbook([Rule(execution="other", turns=("x",))]).callback(tok)(prompt(sys_, task))
+    assert "<tool_call>\n" in tool_call("bash", {"command": "ls"})
