@@ -188,7 +188,7 @@ def _bwrap_argv(bwrap: str, *, root: bool, uid: int, gid: int, cwd: str, writabl
         elif os.path.isdir(p):
             args += ["--ro-bind", p, p]
             mirrored.append(p)
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp"]
     binds = [(p, "--ro-bind-try") for p in readonly] + [(p, "--bind") for p in writable]
     binds.sort(key=lambda b: b[0].count("/"))
     created: set[str] = set()

@@ -184,3 +184,25 @@ def test_unreachable_ancestor(tmp_path):
     os.chmod(tmp_path / "x", 0o711)
     blocked = unreachable_ancestor(d, UID, UID)
     assert blocked is None or not str(d).startswith(blocked + "/x")
+
+
+def test_private_tmp_is_writable_by_the_unprivileged_uid(tmp_path):
+    """Harnesses (Claude Code) write to /tmp; the sandbox's private /tmp must allow it."""
+    import shutil
+    import subprocess
+
+    from gyre.sandbox import SandboxConfig, base_env, confine, own_tree, resolve_mode
+
+    cfg = SandboxConfig()
+    mode, _warning = resolve_mode(cfg)
+    if mode != "bwrap":
+        import pytest
+        pytest.skip("bubblewrap not available")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    own_tree(ws, cfg.uid, cfg.gid)
+    launch = confine(["/bin/sh", "-c", "echo hi > /tmp/probe && cat /tmp/probe && id -u"], cwd=ws,
+                     env=base_env(home=str(ws)), cfg=cfg)
+    out = subprocess.run(launch.argv, cwd=str(ws), env=launch.env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["hi", str(cfg.uid)]
