@@ -143,9 +143,9 @@ class CallTree:
             self.invalid.add(call.call)
             bind.warning("trajectory.call.invalid", reason="prefix_len beyond parent", prefix_len=call.prefix_len, parent_len=parent.full_len)
             return
-        prompt = np.asarray(tokens.prompt_ids, dtype=np.int32).reshape(-1)
-        completion = np.asarray(tokens.completion_ids, dtype=np.int32).reshape(-1)
-        lp = np.asarray(tokens.logprobs, dtype=np.float32).reshape(-1)
+        prompt = _array(tokens.prompt_ids, np.int32)
+        completion = _array(tokens.completion_ids, np.int32)
+        lp = _array(tokens.logprobs, np.float32)
         n_p, n_c = prompt.shape[0], completion.shape[0]
         spans = np.asarray(call.versions, dtype=np.int64).reshape(-1, 3)
         if lp.shape[0] != n_c or not _spans_cover(spans, n_c):
@@ -217,10 +217,14 @@ class CallTree:
             node = self._nodes[node.parent]
         return np.asarray(ranges[::-1], dtype=np.int64).reshape(-1, 2)
 
+    def path_index(self, call: str) -> np.ndarray:
+        """(T,) int64 store indices of full(call), in order (index the `arrays()` columns with it)."""
+        return _gather_index(self.path_ranges(call))
+
     def full_ids(self, call: str) -> np.ndarray:
         """(T,) int32 full sequence of any placed call."""
         ids = self.arrays()[0]
-        return ids[_gather_index(self.path_ranges(call))]
+        return ids[self.path_index(call)]
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         """The token store: (ids int32, policy bool, logp float32, version int32, temperature float32)."""
@@ -291,9 +295,10 @@ def trajectories(
     taken = np.zeros(ids.shape[0], dtype=bool)  # trained by a kept trajectory
     counted = np.zeros(ids.shape[0], dtype=bool)  # stale tokens already reported
     kept: list[Trajectory] = []
+    cs = np.zeros(ids.shape[0] + 1, dtype=np.int64)  # cs[i] = available tokens before store index i
     while j_max is None or len(kept) < j_max:
         avail = trainable & ~taken
-        cs = np.concatenate([[0], np.cumsum(avail, dtype=np.int64)])
+        np.cumsum(avail, out=cs[1:])
         counts = np.bincount(seg_leaf, weights=cs[segs[:, 1]] - cs[segs[:, 0]], minlength=len(leaves))
         live = counts > 0
         if not live.any():
@@ -318,6 +323,14 @@ def trajectories(
         log.warning("trajectory.stale_masked", execution=tree.execution, tokens=n_stale,
                     trained_step=trained_step, max_staleness=max_staleness)
     return kept
+
+
+def _array(values, dtype) -> np.ndarray:
+    """(n,) array of a token or log-prob sequence; decoded events hold tuples of Python
+    numbers, which np.fromiter converts faster than np.asarray."""
+    if isinstance(values, (tuple, list)):
+        return np.fromiter(values, dtype, len(values))
+    return np.asarray(values, dtype=dtype).reshape(-1)
 
 
 def _gather_index(ranges: np.ndarray) -> np.ndarray:

@@ -1,0 +1,136 @@
+"""Synthetic Claude-Code-shaped executions (gyre.synth): shape, sizes, proxy-like structure."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import schemas
+from gyre.synth import SynthSpec, synth_execution, synth_executions
+from gyre.tokenizer import IM_END, IM_START
+from gyre.trajectory import build_tree, trajectories
+
+
+def _fulls(calls):
+    """Full sequence of every call, rebuilt the way CallTree does (parent[:prefix] + prompt + completion)."""
+    full = {}
+    for c in calls:
+        head = full[c.parent_call][:c.prefix_len] if c.parent_call else []
+        full[c.call] = head + list(c.tokens.prompt_ids) + list(c.tokens.completion_ids)
+    return full
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_shape_and_proxy_structure(seed):
+    spec = SynthSpec(target_tokens=50_000)
+    calls, shape = synth_execution("e0", spec, seed, run="r1")
+    by_id = {c.call: c for c in calls}
+    full = _fulls(calls)
+    assert [c.seq for c in calls] == list(range(len(calls)))
+    assert calls[0].parent_call is None and calls[0].role == "main"
+    assert spec.compactions[0] <= shape.compactions <= spec.compactions[1]
+    assert len(shape.sub_agent_calls) <= 6 and all(5 <= n <= 40 for n in shape.sub_agent_calls)
+    roles = [c.role for c in calls]
+    assert roles.count("main-summary") == shape.compactions
+    assert roles.count("sub-agent") == sum(shape.sub_agent_calls)
+    assert roles.count("main") == shape.main_calls
+    assert sum(len(c.tokens.prompt_ids) + len(c.tokens.completion_ids) for c in calls) == shape.tokens
+    assert abs(shape.tokens - 50_000) <= 0.1 * 50_000
+    for c in calls:
+        assert c.event_id == schemas.ids.call("r1", "e0", c.seq)
+        assert schemas.decode("call.completed", schemas.encode(c)) == c  # a valid wire event
+        n = len(c.tokens.completion_ids)
+        assert 50 <= n <= 2000 and c.tokens.completion_ids[-1] == IM_END
+        assert c.versions == ((0, n, 0),)
+        if c.parent_call is None:
+            continue
+        parent = by_id[c.parent_call]
+        assert parent.seq < c.seq
+        plen = len(full[parent.call])
+        if c.prefix_len == plen:
+            # Extension: the next turn of the same line (tool result or compaction instruction).
+            assert c.role == parent.role or (c.role == "main-summary" and parent.role == "main")
+            assert c.tokens.prompt_ids[1] == IM_START
+            if c.role != "main-summary":
+                assert 100 <= len(c.tokens.prompt_ids) <= 5000
+        else:
+            # Branch at the longest common prefix: the next ids differ from the parent's.
+            assert 3 <= c.prefix_len < plen
+            assert full[c.call][:c.prefix_len] == full[parent.call][:c.prefix_len]
+            assert full[c.call][c.prefix_len] != full[parent.call][c.prefix_len]
+    tree = build_tree("e0", calls)
+    assert not tree.invalid and tree.pending == 0 and tree.n_tokens == shape.tokens
+    leaves = tree.leaves()
+    assert len(leaves) == 1 + shape.compactions + len(shape.sub_agent_calls)
+    assert sorted(tree.role(leaf) for leaf in leaves).count("main") == 1
+    for leaf in leaves:
+        assert tree.full_ids(leaf).tolist() == full[leaf]
+
+
+def test_deterministic_and_sizes():
+    a = synth_executions(3, SynthSpec(target_tokens=200_000), seed=7)
+    b = synth_executions(3, SynthSpec(target_tokens=200_000), seed=7)
+    for (ca, sa), (cb, sb) in zip(a, b):
+        assert sa == sb
+        assert [(c.call, c.parent_call, c.prefix_len, c.role, c.tokens) for c in ca] == \
+               [(c.call, c.parent_call, c.prefix_len, c.role, c.tokens) for c in cb]
+        assert abs(sa.tokens - 200_000) <= 0.05 * 200_000
+    c = synth_executions(3, SynthSpec(target_tokens=200_000), seed=8)
+    assert [s for _, s in c] != [s for _, s in a]
+
+
+def test_j_max_keeps_main_lines_before_sub_agents():
+    calls, shape = synth_execution("e0", SynthSpec(target_tokens=50_000), 3)
+    kept = trajectories(build_tree("e0", calls), j_max=None)
+    roles = [t.role for t in kept]
+    assert roles[0] == "main" and roles.count("main-summary") == shape.compactions
+    assert roles.count("sub-agent") == len(shape.sub_agent_calls)
+
+
+def test_spec_validation():
+    with pytest.raises(ValueError, match="target_tokens"):
+        SynthSpec(target_tokens=0)
+    with pytest.raises(ValueError, match="sub_agent_share"):
+        SynthSpec(sub_agent_share=1.5)
+    with pytest.raises(ValueError, match="compactions"):
+        SynthSpec(compactions=(2, 1))
+
+
+def test_bench_trajectories_smoke(tmp_path):
+    """`gyre bench trajectories` end to end on tiny sizes (CI exercises the code path).
+
+    Run as a subprocess: the command configures process-wide logging."""
+    import json
+
+    from gyre.model import ModelSpec, init_model
+    from handlers.bench_trajectories import expand_all
+
+    model = init_model(tmp_path / "model", ModelSpec(layers=1, hidden=16, heads=2, kv_heads=1, head_dim=8,
+                                                     intermediate=32))  # the real vocabulary, a tiny body
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, "-m", "handlers.cli", "bench", "trajectories", "--sizes", "1000,1500",
+                           "--executions", "2", "--reps", "1", "--fwd-bwd-executions", "1", "--model", str(model),
+                           "--json", str(out)], cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "fwd_bwd_saving_jmax5" in done.stdout and "builder_tokens_per_s" in done.stdout
+    doc = json.loads(out.read_text())
+    for key in ("trained_tokens", "trained_tokens_by_size", "fwd_bwd_s", "fwd_bwd_s_min", "fwd_bwd_s_max",
+                "fwd_bwd_s_by_size", "fwd_bwd_saving_jmax5", "token_saving_jmax5", "builder_tokens_per_s",
+                "builder_tokens_per_s_min", "builder_tokens_per_s_max", "builder_tokens_per_s_by_size", "machine"):
+        assert key in doc, key
+    assert set(doc["trained_tokens"]) == {"jmax1", "jmax5", "uncapped"}
+    for sizes in doc["trained_tokens_by_size"].values():
+        assert sizes["jmax1"] <= sizes["jmax5"] <= sizes["uncapped"]
+    assert doc["builder_tokens_per_s"] > 0 and set(doc["machine"]) >= {"cores", "python", "torch"}
+    assert "forward-backward ran on 1 of the 2" in doc["notes"][0]
+
+    # The uncapped expansion repeats shared prefixes: never fewer trained tokens than J = None.
+    calls, _ = synth_execution("e0", SynthSpec(target_tokens=50_000), 0)
+    tree = build_tree("e0", calls)
+    expanded = expand_all(tree)
+    assert len(expanded) == len(tree.leaves())
+    assert sum(t.n_trained for t in expanded) >= sum(t.n_trained for t in trajectories(tree, j_max=None))
