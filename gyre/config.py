@@ -52,6 +52,11 @@ class TasksSection:
 
     def __post_init__(self) -> None:
         _positive(self, "groups_per_step", "group_size")
+        from gyre.tasks import TaskError, load_tasks
+        try:
+            load_tasks(self.set)
+        except (TaskError, OSError) as exc:
+            raise RecipeError(f"tasks.set {self.set!r}: {exc}") from None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,6 +68,9 @@ class HarnessSection:
 
     def __post_init__(self) -> None:
         _positive(self, "timeout_s", "concurrency")
+        from gyre.harness import PROFILES
+        if self.name not in PROFILES:
+            raise RecipeError(f"harness.name {self.name!r} is not a harness profile; known: {sorted(PROFILES)}")
         if self.max_calls < 0:
             raise RecipeError("harness.max_calls must be >= 0 (0 = no cap)")
 
@@ -152,14 +160,32 @@ def recipe_from_dict(data: dict[str, Any]) -> Recipe:
             raise RecipeError(f"[{key}] must be a table")
         cls = hints[key]
         fields = {f.name for f in dataclasses.fields(cls)}
-        for k in value:
+        field_hints = typing.get_type_hints(cls)
+        for k, v in value.items():
             if k not in fields:
                 raise RecipeError(f"unknown key {key}.{k}; known: {sorted(fields)}")
+            _check_type(f"{key}.{k}", v, field_hints[k])
         try:
             sections[key] = cls(**value)
         except TypeError as exc:
             raise RecipeError(f"[{key}]: {exc}") from None
     return Recipe(**sections)
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    """A recipe value must have its field's type (TOML gives int, float, str, bool)."""
+    if typing.get_origin(hint) is Literal:
+        if value not in typing.get_args(hint):
+            raise RecipeError(f"{name} must be one of {list(typing.get_args(hint))}, got {value!r}")
+        return
+    ok = {
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+        bool: isinstance(value, bool),
+    }.get(hint, True)
+    if not ok:
+        raise RecipeError(f"{name} must be {getattr(hint, '__name__', hint)}, got {value!r}")
 
 
 def load_recipe(name_or_path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:

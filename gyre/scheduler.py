@@ -74,6 +74,7 @@ class ColocatePolicy:
     dispatched: dict[int, set[str]] = dataclasses.field(default_factory=dict)
     finished: dict[int, set[str]] = dataclasses.field(default_factory=dict)
     completed_steps: set[int] = dataclasses.field(default_factory=set)
+    targets: dict[str, CellRole] = dataclasses.field(default_factory=dict)  # role last asked of each cell
 
     def __post_init__(self) -> None:
         if not self.tasks:
@@ -131,8 +132,11 @@ class ColocatePolicy:
         if (self.phase == "rollout" and step == self.step
                 and self.finished[step] >= self.dispatched.get(step, set())):
             self.phase = "training"
-            return [Switch(cell=c, from_role="rollout", to_role="training", reason="burst finished", step=step)
-                    for c in self.cells if self.roles[c] == "rollout"]
+            switches = [Switch(cell=c, from_role="rollout", to_role="training", reason="burst finished", step=step)
+                        for c in self.cells if self.roles[c] == "rollout"]
+            for sw in switches:
+                self.targets[sw.cell] = "training"
+            return switches
         return []
 
     def on_step_completed(self, step: int) -> list[Action]:
@@ -142,5 +146,10 @@ class ColocatePolicy:
         self.completed_steps.add(step)
         self.step = step + 1
         self.phase = "returning"
-        return [Switch(cell=c, from_role="training", to_role="rollout", reason="step completed", step=step)
-                for c in self.cells if self.roles[c] == "training"]
+        # Every cell that was sent to training returns, also one whose `cell.switched`
+        # has not arrived yet (a step can complete while that event is in flight).
+        switches = [Switch(cell=c, from_role="training", to_role="rollout", reason="step completed", step=step)
+                    for c in self.cells if self.targets.get(c) == "training"]
+        for sw in switches:
+            self.targets[sw.cell] = "rollout"
+        return switches

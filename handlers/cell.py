@@ -117,10 +117,6 @@ class Cell:
             durations["load_s"] = time.perf_counter() - t1
             self.role = "training"
             self._start_training()
-            # A step sealed while we were still rolling out (e.g. with no micro-steps at
-            # all) must still be applied: nothing else would trigger it.
-            for step in sorted(self.sealed):
-                await self._maybe_apply(step)
         elif event.to_role == "rollout":
             await self._stop_training()
             durations["release_s"] = time.perf_counter() - t0
@@ -135,6 +131,12 @@ class Cell:
         durations["total_s"] = time.perf_counter() - t0
         await self._switched(event.seq, event.from_role, event.to_role, durations)
         log.info("cell.switched", cell=self.cfg.cell, to_role=event.to_role, policy_version=self.version, **durations)
+        if self.role == "training":
+            # A step sealed while we were still rolling out (e.g. one with no micro-steps)
+            # must still be applied: nothing else would trigger it. Announced after
+            # `cell.switched`, so the scheduler sees the role before the step completes.
+            for step in sorted(self.sealed):
+                await self._maybe_apply(step)
 
     # --- training -------------------------------------------------------------------
     def _start_training(self) -> None:

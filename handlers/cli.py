@@ -3,7 +3,7 @@
     gyre run RECIPE [--set table.key=value ...]   start everything, show progress, exit 0
     gyre tap [PATTERN] [--run ID | --all-runs]    print live events of the current run
     gyre init-model DIR                           write the embedded default model
-    gyre bench NAME [--json PATH]                 a benchmark of ../shared/BENCHMARKS.md (proxy, trajectories, …)
+    gyre bench NAME [--json PATH]                 a benchmark of docs/BENCHMARKS.md (proxy, trajectories)
     gyre proxy|cell|scheduler|builder|runner|evaluator --run-dir DIR   one daemon
 """
 from __future__ import annotations

@@ -26,6 +26,7 @@ import orjson
 import schemas
 from bus import Bus
 from bus.server import NatsServer
+from bus.subjects import check_run
 from gyre.config import Recipe, RecipeError, load_recipe
 
 DAEMONS = ("proxy", "runner", "evaluator", "builder")
@@ -91,9 +92,9 @@ class Progress:
             done = sum(1 for e in self.finished if e.startswith(f"s{step}-"))
             self._emit("execution.finished", execution=event.info.execution, status=event.status,
                        duration_s=event.duration_s)
+            running = len(self.started - self.finished.keys())
             self._say(f"step {step}: execution {event.info.execution} {event.status} "
-                      f"({event.duration_s:.1f}s) — {done}/{per_step} done, "
-                      f"{len(self.started) - len(self.finished)} running")
+                      f"({event.duration_s:.1f}s) — {done}/{per_step} done, {running} running")
         elif isinstance(event, schemas.ExecutionScored):
             step = event.info.step
             if event.outcome == "excluded":
@@ -162,7 +163,11 @@ def _print_summary(s: dict) -> None:
     print(f"grad norm        {[round(g, 5) for g in s['grad_norm_per_step']]}")
     print(f"policy version   {s['policy_version']}")
     print(f"wall             {s['wall_s']} s")
-    if s["steps"] and s["tokens_trained"] == 0:
+    failed = {k: v for k, v in s["executions_by_status"].items() if k != "ok"}
+    if failed:
+        print(f"note             executions that did not finish ok: {failed}; their reasons are in\n"
+              f"                 runs/{s['run']}/logs/runner.log and logs/executions/")
+    elif s["steps"] and s["tokens_trained"] == 0:
         print("note             every group had zero reward variance, so GSPO had nothing to push: a random\n"
               "                 policy scores alike on every execution of a task. `gyre run toy` grades\n"
               "                 properties of a single answer, so rewards differ and a step has a gradient.")
@@ -259,6 +264,15 @@ async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float) -> int
     else:
         server = NatsServer.start(run_dir / "nats")
         url, token = server.url, server.token
+    try:
+        return await _run_with_server(recipe, run, run_dir, timeout_s, url, token, key_secret)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: float, url: str,
+                           token: str | None, key_secret: str) -> int:
     info = {"run": run, "url": url, "pid": os.getpid()}
     if token:
         info["token"] = token
@@ -297,8 +311,6 @@ async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float) -> int
     finally:
         sup.stop()
         await bus.close()
-        if server is not None:
-            server.stop()
     summary = progress.summary(run, time.monotonic() - t0)
     summary["outcome"] = outcome
     (run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
@@ -321,6 +333,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     run = a.run_id or f"{recipe.run.name}-{stamp}-{secrets.token_hex(2)}"
+    try:
+        check_run(run)
+    except ValueError as exc:
+        print(f"gyre run: --run-id: {exc}", file=sys.stderr)
+        return 2
     run_dir = runs_root() / run
     if run_dir.exists():
         print(f"gyre run: {run_dir} exists already", file=sys.stderr)

@@ -55,16 +55,32 @@ def _short(v) -> str:
     return str(v)
 
 
-def _locate(args) -> tuple[str, str | None, str | None]:
-    """(url, token, run) of the run to tap."""
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return True  # unknown owner: assume it runs
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _locate(args) -> tuple[str, str | None, str | None, int | None]:
+    """(url, token, run, pid of the `gyre run` owning the server or None) of the run to tap."""
     if args.run_dir or not os.environ.get("GYRE_NATS_URL"):
         run_dir = Path(args.run_dir) if args.run_dir else runs_root() / "latest"
         info = read_nats_info(run_dir)
-        return info["url"], info.get("token"), None if args.all_runs else (args.run or info["run"])
-    return os.environ["GYRE_NATS_URL"], os.environ.get("GYRE_NATS_TOKEN"), None if args.all_runs else args.run
+        if not _alive(info.get("pid")):
+            raise RuntimeError(f"run {info['run']} has ended (its `gyre run` process {info.get('pid')} is gone); "
+                               f"its summary is in {run_dir.resolve() / 'summary.json'}")
+        return info["url"], info.get("token"), None if args.all_runs else (args.run or info["run"]), info.get("pid")
+    return (os.environ["GYRE_NATS_URL"], os.environ.get("GYRE_NATS_TOKEN"),
+            None if args.all_runs else args.run, None)
 
 
-async def _tap(url: str, token: str | None, run: str | None, pattern: str, width: int) -> None:
+async def _tap(url: str, token: str | None, run: str | None, pattern: str, width: int, pid: int | None) -> None:
     stop = asyncio.Event()
     install_signals(stop)
     run_part = run if run else "*"
@@ -77,7 +93,14 @@ async def _tap(url: str, token: str | None, run: str | None, pattern: str, width
 
     try:
         await bus.tap(subject, show)
-        await stop.wait()
+        while not stop.is_set():
+            if not _alive(pid):
+                print("gyre tap: the run has ended", file=sys.stderr, flush=True)
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
     finally:
         await bus.close()
 
@@ -95,12 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     from handlers.daemon import configure_logging
     configure_logging("tap", level=logging.WARNING)
     try:
-        url, token, run = _locate(a)
+        url, token, run, pid = _locate(a)
     except Exception as exc:  # noqa: BLE001 - tell the user, exit 2
         print(f"gyre tap: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_tap(url, token, run, a.pattern, a.width))
+        asyncio.run(_tap(url, token, run, a.pattern, a.width, pid))
     except KeyboardInterrupt:
         pass
     return 0

@@ -37,3 +37,17 @@ def test_task_order_is_seeded():
     a = ColocatePolicy(tasks=list("abcdef"), cells=["c0"], steps=1, groups_per_step=3, group_size=1, seed=7)
     b = ColocatePolicy(tasks=list("abcdef"), cells=["c0"], steps=1, groups_per_step=3, group_size=1, seed=7)
     assert [e.task for e in a.plan(0).executions] == [e.task for e in b.plan(0).executions]
+
+
+def test_step_completed_before_training_switch_arrives_still_returns_the_cell():
+    """All executions failed at once: the step can complete before the cell's
+    `cell.switched` (to training) reaches the scheduler. The cell must still be sent back."""
+    p = ColocatePolicy(tasks=["a"], cells=["c0"], steps=2, groups_per_step=1, group_size=1)
+    (burst,) = p.on_cell_switched("c0", "rollout")
+    (to_training,) = p.on_execution_finished(0, burst.executions[0].execution)
+    assert to_training.to_role == "training"
+    (back,) = p.on_step_completed(0)  # the cell's switched event is still in flight
+    assert back == Switch("c0", "training", "rollout", "step completed", 0)
+    assert p.on_cell_switched("c0", "training") == []
+    (burst1,) = p.on_cell_switched("c0", "rollout")
+    assert burst1.step == 1
