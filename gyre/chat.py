@@ -8,12 +8,17 @@
   content, and tool calls (`<tool_call>{"name": …, "arguments": {…}}</tool_call>`).
   It never raises: a malformed or unclosed block stays in the content as plain text.
 
+- `render_appended` / `render_assistant_turn` render only what a conversation's tail adds,
+  for gyre's own template (`uses_gyre_template`); `is_query` / `shows_reasoning` are the
+  two facts about earlier messages that tail depends on (section "incremental rendering").
+
 Rendering a conversation and then appending an assistant turn (without generation
 prompt) yields a string prefix of the rendering of any continuation that adds tool
 results or assistant turns; TITO prefix matching (gyre.tito) relies on it.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -231,3 +236,192 @@ def _parse(text: str, id_prefix: str) -> Parsed:
         kept.append(content[pos:])
         content = "".join(kept).strip()
     return Parsed(content=content, reasoning=reasoning, tool_calls=tuple(calls))
+
+
+# --------------------------------------------------------------------------- incremental rendering
+#
+# TITO (gyre.tito) renders only the messages a call adds to its parent's conversation.
+# That is exact for gyre's own template (gyre/templates/qwen3_chat.jinja), where a
+# message's rendering depends on the rest of the conversation only through:
+#   - whether it is the first message (a leading system message becomes the tools header;
+#     never the case for an appended message),
+#   - the previous message's role (a run of tool messages is one user turn; an appended
+#     run always follows an assistant answer),
+#   - the position of the last real user query (`is_query`): an assistant shows its
+#     reasoning only after it.
+# Other templates (a checkpoint's own) are rendered in full; `uses_gyre_template` says which.
+
+_SENTINEL_TEXT = "gyre"
+
+
+def uses_gyre_template(tokenizer: Any) -> bool:
+    """True when `tokenizer` renders with gyre's bundled Qwen3 template, whose locality
+    `render_appended` relies on (a checkpoint saved by gyre carries the same text)."""
+    return getattr(tokenizer, "chat_template", None) == _gyre_template()
+
+
+@functools.lru_cache(maxsize=1)
+def _gyre_template() -> str:
+    from gyre.tokenizer import chat_template
+
+    return chat_template()
+
+
+def is_query(message: Mapping[str, Any]) -> bool:
+    """True for a real user query as gyre's template sees it: a `user` message whose text
+    is not one wrapped tool response (`<tool_response>…</tool_response>`).
+    Errors: `ValueError` for content `content_text` rejects (rendering would reject it too)."""
+    if message.get("role") != "user":
+        return False
+    text = content_text(message.get("content"))
+    return not (text.startswith("<tool_response>") and text.endswith("</tool_response>"))
+
+
+def shows_reasoning(message: Mapping[str, Any]) -> bool:
+    """True for an assistant message whose reasoning gyre's template renders when it comes
+    after the last real user query: `reasoning_content` when it is a string, else the text
+    between `<think>` and `</think>` in the content, non-empty once stripped."""
+    if message.get("role") != "assistant":
+        return False
+    reasoning = message.get("reasoning_content")
+    if not isinstance(reasoning, str):
+        content = content_text(message.get("content"))
+        reasoning = content.split("</think>")[0].split("<think>")[-1] if "</think>" in content else ""
+    return bool(reasoning.strip("\n").strip())
+
+
+_compiled_cache: dict[str, Any] = {}
+
+
+def _render_fast(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    """gyre's template on already-normalised messages, without tools: the compiled template
+    transformers caches, called directly (apply_chat_template's per-call copying and
+    conversion cost more than the template itself on a few messages). Falls back to
+    `render` when that private helper is missing."""
+    template = tokenizer.chat_template
+    compiled = _compiled_cache.get(template)
+    if compiled is None:
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+        except ImportError:  # pragma: no cover - depends on the transformers version
+            return render(tokenizer, messages, None, add_generation_prompt)
+        compiled = _compiled_cache[template] = _compile_jinja_template(template)
+    return compiled.render(messages=messages, tools=None, add_generation_prompt=add_generation_prompt)
+
+
+def _cut_after_last_im_end(text: str) -> str:
+    cut = text.rfind(STOP_TEXTS[0])
+    if cut < 0:
+        raise ValueError("the template rendered no <|im_end|>")
+    return text[: cut + len(STOP_TEXTS[0])]
+
+
+def _sentinel(after_query: bool) -> dict[str, str]:
+    # A query sentinel keeps the last query before what follows; a system sentinel (not the
+    # tools header: no tools are passed) keeps "no query yet".
+    return {"role": "user" if after_query else "system", "content": _SENTINEL_TEXT}
+
+
+_STAND_IN = {"role": "assistant", "content": _SENTINEL_TEXT}
+_heads: dict[tuple[str, bool, bool], str] = {}
+
+
+def _head(tokenizer: Any, after_query: bool, with_assistant: bool) -> str:
+    """The rendered sentinel turn (+ a stand-in assistant), cut after its last <|im_end|>."""
+    key = (tokenizer.chat_template, after_query, with_assistant)
+    head = _heads.get(key)
+    if head is None:
+        msgs = [_sentinel(after_query), _STAND_IN] if with_assistant else [_sentinel(after_query)]
+        head = _heads[key] = _cut_after_last_im_end(_render_fast(tokenizer, msgs, False))
+    return head
+
+
+def _check_template(tokenizer: Any) -> None:
+    if not uses_gyre_template(tokenizer):
+        raise ValueError("incremental rendering needs gyre's chat template (gyre/templates/qwen3_chat.jinja)")
+
+
+def render_appended(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, after_query: bool,
+                    add_generation_prompt: bool = True) -> str:
+    """The text `messages` (+ the generation prompt) add after a conversation that ends
+    with an assistant message, in gyre's template: starting right after that assistant
+    turn's `<|im_end|>`, so with "\n<|im_start|>" ("" for no messages and no prompt).
+
+    For `conv` ending with an assistant message and `after_query` = any(is_query(m) for m
+    in conv):  render(conv + messages, tools, g) == cut(render(conv, tools, False)) + this,
+    where cut(t) ends right after t's last `<|im_end|>` — whenever that prefix relation
+    holds at all: it fails exactly when `messages` hold a query while an assistant after
+    conv's last query shows reasoning (`shows_reasoning`), which the new query hides.
+    Cost: one render of a sentinel turn, a stand-in assistant and `messages`, whatever
+    conv's length. Errors: `ValueError` for malformed messages (as `render`) or a
+    tokenizer on another template (`uses_gyre_template`).
+    """
+    _check_template(tokenizer)
+    norm = normalize_messages(messages)
+    if all(m["role"] != "assistant" for m in norm):
+        return _appended_without_assistant(norm, add_generation_prompt)
+    head = _head(tokenizer, after_query, True)
+    text = _render_fast(tokenizer, [_sentinel(after_query), _STAND_IN, *norm], add_generation_prompt)
+    if not text.startswith(head):
+        raise ValueError("the template does not render appended messages as a continuation")
+    return text[len(head):]
+
+
+def _appended_without_assistant(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    """`render_appended` for normalised user / system / tool messages (what harnesses
+    append: tool results, observations, reminders), written out from gyre's template —
+    the same strings its loop emits for these roles after an assistant turn (tests check it
+    against the template) — without the Jinja machinery, whose per-render cost is larger
+    than the whole rest of a call's matching."""
+    out = ["\n"]
+    for i, m in enumerate(messages):
+        role, content = m["role"], m["content"]
+        if role == "tool":
+            if i == 0 or messages[i - 1]["role"] != "tool":
+                out.append("<|im_start|>user")
+            out.append("\n<tool_response>\n" + content + "\n</tool_response>")
+            if i == len(messages) - 1 or messages[i + 1]["role"] != "tool":
+                out.append("<|im_end|>\n")
+        else:  # system (never the first message here) and user turns
+            out.append("<|im_start|>" + role + "\n" + content + "<|im_end|>\n")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
+    text = "".join(out)
+    return text if len(text) > 1 else ""
+
+
+def render_assistant_turn(tokenizer: Any, message: Mapping[str, Any], *, after_query: bool) -> str:
+    """What an assistant `message` renders to in gyre's template when it ends a
+    conversation (`after_query`: a real user query precedes it), starting right after the
+    previous turn's `<|im_end|>` and ending with its own: "\n<|im_start|>assistant\n…<|im_end|>".
+    Errors: as `render_appended`."""
+    _check_template(tokenizer)
+    if message.get("role") != "assistant":
+        raise ValueError(f"render_assistant_turn renders an assistant message, got role {message.get('role')!r}")
+    return "\n<|im_start|>assistant\n" + _assistant_body(normalize_messages([message])[0], after_query) + "<|im_end|>"
+
+
+def _assistant_body(message: dict[str, Any], shows: bool) -> str:
+    """The text gyre's template writes between an assistant turn's header and its
+    `<|im_end|>`, for a normalised message (content a string, tool-call arguments JSON
+    text); `shows`: the turn comes after the last real user query. Written out from the
+    template's assistant branch (tests check it against the template)."""
+    content = message["content"]
+    reasoning = message.get("reasoning_content")
+    if not isinstance(reasoning, str):
+        reasoning = ""
+        if "</think>" in content:
+            reasoning = content.split("</think>")[0].split("<think>")[-1]
+            content = content.split("</think>")[-1].lstrip("\n")
+    reasoning = reasoning.strip("\n")
+    if shows and reasoning.strip():
+        out = ["<think>\n" + reasoning + "\n</think>\n\n" + content.lstrip("\n")]
+    else:
+        out = [content]
+    for i, call in enumerate(message.get("tool_calls") or ()):
+        fn = call["function"]
+        if i or content:
+            out.append("\n")
+        out.append('<tool_call>\n{"name": ' + json.dumps(fn["name"], ensure_ascii=False) + ', "arguments": '
+                   + fn["arguments"] + "}\n</tool_call>")
+    return "".join(out)

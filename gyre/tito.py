@@ -15,16 +15,24 @@ Contract:
 - `CallStore.match(messages, tools) -> Match`:
   1. *Extension.* Find the recorded call c (same tools; the system prompt is a message)
      whose `c.messages + [c.answer]` is the longest message-level prefix of the request.
-     The matched messages are replaced by c's recorded ones and the request is rendered;
-     c's conversation rendered without a generation prompt, cut right after its last
-     `<|im_end|>`, must be a string prefix of it. Then
+     The matched messages are replaced by c's recorded ones; c's conversation rendered
+     without a generation prompt, cut right after its last `<|im_end|>`, must be a string
+     prefix of the request's rendering. Then
      `prompt_ids = c.full_ids (+ <|im_end|> unless c's completion ended with it) + encode(suffix)`,
      the suffix starting with "\\n<|im_start|>". parent = c, prefix_len = len(c.full_ids).
+     With gyre's template (`gyre.chat.uses_gyre_template`) only the new messages are
+     rendered (`gyre.chat.render_appended`) and the prefix relation is decided from two
+     facts kept per call (does the conversation hold a real user query; does an assistant
+     after the last one show reasoning), so the cost does not grow with the history; with
+     another template both conversations are rendered in full and compared.
   2. *Branch.* Otherwise (no such call, or the rendered text is not an extension, e.g. a
      template that drops earlier thinking) the whole request is rendered and encoded, and
      the recorded call sharing the longest common token prefix with it becomes the parent
      (prefix_len = that length; parent None and 0 when nothing is shared). Never raises
      for a mismatch.
+  Messages are normalised and hashed incrementally: a request is compared (as parsed
+  JSON, in C) with the few latest requests of the execution, and only the messages after
+  the common part are normalised and hashed again.
 - `CallStore.fresh(messages, tools) -> Match`: the request rendered alone, parent None
   (auxiliary calls: counted, answered and published, never recorded).
 - `CallStore.record(match, call=, seq=, answer=, completion_ids=)` adds a served call; its
@@ -41,9 +49,24 @@ a chunk without sampled positions is compared in full, a length difference count
 disagreement; an unpaired chunk counts all its unsampled positions. It is 0 for a
 BPE-stable template (every template boundary is a special token). A branch is a fresh
 tokenisation, so its drift is 0.
-
+Counted incrementally with gyre's template: every rendered message starts right after a
+`<|im_end|>`, a special token, and the tokenizer splits special tokens out before BPE, so
+`encode(a + b) == encode(a) + encode(b)` whenever `a` ends with `<|im_end|>`. The request's
+rendering is c's conversation cut after its last `<|im_end|>` followed by the suffix, and
+its encoding splits the same way: the suffix region agrees by construction, and the
+prefix chunks are c's prompt chunks (counted when c was matched: `c.drift`) plus c's last
+turn — the generation prompt and c's completion (+ the closing `<|im_end|>`) against
+`encode(render_assistant_turn(c.answer))`, counted from the stored ids at every
+extension. So `drift = c.drift + that turn's count`, O(one turn). It equals the
+full-request count (`CallStore.full_drift`, kept as the reference) except where a sampled
+span re-tokenises to a different number of `<|im_end|>` chunks (the model wrote
+"<|im_end|>" as plain text, or sampled `<|im_end|>` mid-completion): the full count
+then compares every later message against the wrong one, the incremental one stays
+inside that message. `check_drift=False` skips the count (drift 0).
 Memory: a call stores only the ids after its prefix (`own_ids`, int32) and a reference to
-its parent, so an execution of N calls over L tokens keeps O(L) ids, not O(N·L).
+its parent, so an execution of N calls over L tokens keeps O(L) ids, not O(N·L). The
+normalisation memo holds the latest `MEMO_REQUESTS` requests' messages, sharing the
+message objects they have in common.
 """
 from __future__ import annotations
 
@@ -55,9 +78,19 @@ from typing import Any
 import numpy as np
 import orjson
 
+from gyre.chat import is_query, render_appended, render_assistant_turn, shows_reasoning, uses_gyre_template
 from gyre.tokenizer import IM_END
 
 IM_END_TEXT = "<|im_end|>"
+
+MEMO_REQUESTS = 4
+"""Latest requests per execution whose normalised messages are reused (main line,
+sub-agents and side calls interleave)."""
+
+LIST_CACHE = 8
+"""Latest calls per execution whose full ids are also kept whole (an array and a list of
+Python ints), so extending one costs copies in C, not a walk over the call chain and a
+conversion of every id to a Python int."""
 
 Renderer = Callable[..., str]
 
@@ -199,6 +232,12 @@ class CallRecord:
     messages: normalised request messages (shared with the parent's where reused).
     tools: normalised tools. answer: the assistant message returned to the harness
     (normalised; tool-call arguments are the raw payload the model emitted).
+    drift: the drift of this call's prompt (module docstring). conv_query / conv_shown:
+    facts of `messages + [answer]` in gyre's template (a real user query is present; an
+    assistant after the last one shows reasoning). turn_start: index in `full_ids()` of
+    the last prompt turn (right after the prompt's last `<|im_end|>`). turn_ids: (T,)
+    int32, `encode(render_assistant_turn(answer))`, what an extension re-renders that
+    turn to (None when drift is not counted or the template is not gyre's).
     """
 
     call: str
@@ -211,6 +250,11 @@ class CallRecord:
     tools: tuple[dict, ...]
     answer: dict
     conv_key: bytes
+    drift: int = 0
+    conv_query: bool = False
+    conv_shown: bool = False
+    turn_start: int = 0
+    turn_ids: np.ndarray | None = None
 
     @property
     def full_len(self) -> int:
@@ -243,6 +287,34 @@ class CallRecord:
         segs = self.segments()
         return np.concatenate(segs) if segs else np.zeros(0, np.int32)
 
+    def tail_ids(self, start: int) -> np.ndarray:
+        """(L - start,) int32: `full_ids()[start:]`, reading only the calls that hold it."""
+        out: list[np.ndarray] = []
+        limit = self.full_len
+        rec: CallRecord | None = self
+        while rec is not None and limit > start:
+            if limit > rec.prefix_len:
+                out.append(rec.own_ids[max(start, rec.prefix_len) - rec.prefix_len: limit - rec.prefix_len])
+                limit = rec.prefix_len
+            rec = rec.parent
+        out.reverse()
+        return np.concatenate(out) if out else np.zeros(0, np.int32)
+
+    def sampled_range(self, start: int, end: int) -> np.ndarray:
+        """(end - start,) bool: `sampled_mask(end)[start:]`, walking only the calls whose
+        completions can reach past `start`."""
+        mask = np.zeros(end - start, bool)
+        limit = min(end, self.full_len)
+        rec: CallRecord | None = self
+        while rec is not None and limit > start:
+            lo = max(rec.full_len - rec.completion_len, start)
+            hi = min(limit, rec.full_len)
+            if lo < hi:
+                mask[lo - start:hi - start] = True
+            limit = min(limit, rec.prefix_len)
+            rec = rec.parent
+        return mask
+
     def sampled_mask(self, length: int) -> np.ndarray:
         """(length,) bool: positions of `full_ids()[:length]` sampled by the model (in
         this call or an ancestor whose ids it reuses)."""
@@ -267,6 +339,10 @@ class Match:
     prompt_ids: (P,) int32, the whole prompt to send to the engine.
     extended: True for a message-level extension (ids reused), False for a branch/root.
     drift: see module docstring. messages/tools: what was rendered (normalised).
+    digest: names (tools, messages) for message-level matching. query / shown: facts of
+    `messages` in gyre's template (see CallRecord.conv_query / conv_shown).
+    prompt_list: `prompt_ids` as a Python list when the store built one on the way (read
+    it through `prompt_id_list()`; never mutate it).
     """
 
     parent: CallRecord | None
@@ -277,6 +353,16 @@ class Match:
     messages: tuple[dict, ...]
     tools: tuple[dict, ...]
     digest: bytes
+    query: bool = False
+    shown: bool = False
+    prompt_list: list[int] | None = None
+
+    def prompt_id_list(self) -> list[int]:
+        """`prompt_ids` as a list of Python ints (what the engine's JSON API takes), without
+        converting the whole array when the store already holds it as a list."""
+        if self.prompt_list is not None:
+            return self.prompt_list
+        return self.prompt_ids.tolist()
 
     @property
     def new_prompt_ids(self) -> np.ndarray:
@@ -346,17 +432,52 @@ def _lcp(a: Sequence[np.ndarray], b: np.ndarray) -> int:
 # --------------------------------------------------------------------------- store
 
 
+def conversation_facts(messages: Sequence[dict], after: tuple[bool, bool] = (False, False)) -> tuple[bool, bool]:
+    """(query, shown) of a conversation in gyre's template: does it hold a real user query
+    (`gyre.chat.is_query`), and does an assistant after the last one show reasoning
+    (`gyre.chat.shows_reasoning`). `after`: the facts of the conversation `messages`
+    continue (default: an empty one), so the cost is O(len(messages)).
+    Errors: `ValueError` for content the renderer rejects."""
+    last = -1
+    for i in range(len(messages) - 1, -1, -1):
+        if is_query(messages[i]):
+            last = i
+            break
+    if last >= 0:
+        return True, any(shows_reasoning(m) for m in messages[last + 1:])
+    query, shown = after
+    return query, shown or (query and any(shows_reasoning(m) for m in messages))
+
+
+@dataclasses.dataclass(slots=True)
+class _Seen:
+    """One recent request, normalised: raw messages as received (compared with the next
+    requests), their normalised forms and the cumulative digests (`_chain`, len(raw) + 1).
+    unknown: tool-call id → index of the first message that used it while `tool_args`
+    lacked it (that message would normalise differently once the id is known)."""
+
+    tools_raw: Any
+    tools: tuple[dict, ...]
+    raw: list
+    norm: list[dict]
+    digests: list[bytes]
+    unknown: dict[str, int]
+
+
 class CallStore:
     """The calls of one execution and the raw tool-call payloads we emitted.
 
     tokenizer: an HF tokenizer (`gyre.tokenizer.build_tokenizer()` or the model's).
-    render: `gyre.chat.render(tokenizer, messages, tools, add_generation_prompt)`.
-    check_drift: encode the whole rendered request on extensions to count drift
-      (O(prompt) tokenizer work per call); False skips it and reports drift 0.
+    render: `gyre.chat.render(tokenizer, messages, tools, add_generation_prompt)`; None =
+      that function, with incremental rendering when the tokenizer is on gyre's template.
+    check_drift: count drift on extensions (module docstring; O(one turn) on gyre's
+      template, O(prompt) re-tokenisation otherwise); False reports drift 0.
+    Attributes: `incremental` (only new messages are rendered; module docstring).
     Not thread-safe; one event loop owns it.
     """
 
     def __init__(self, tokenizer: Any, *, render: Renderer | None = None, check_drift: bool = True):
+        self.incremental = render is None and uses_gyre_template(tokenizer) and _special_tokens_split(tokenizer)
         if render is None:
             from gyre.chat import render as chat_render
 
@@ -367,12 +488,40 @@ class CallStore:
         self.calls: list[CallRecord] = []
         self.tool_args: dict[str, str] = {}
         self._by_conv: dict[bytes, CallRecord] = {}
+        self._by_call: dict[str, CallRecord] = {}
         self._extended: set[str] = set()
+        self._seen: list[_Seen] = []
+        self._tips: dict[str, tuple[list[int], np.ndarray]] = {}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        split = getattr(tokenizer, "split_special_tokens", False)  # the backend would parse them
+        self._backend_encode = backend.encode if backend is not None and not split else None
 
     # -- helpers
+    def encode_list(self, text: str) -> list[int]:
+        """Ids of `text` as a list, no special tokens added (special-token text is parsed)."""
+        if self._backend_encode is not None:  # the fast tokenizer's own encoder: same ids, less overhead
+            return self._backend_encode(text, add_special_tokens=False).ids
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def encode(self, text: str) -> np.ndarray:
         """(N,) int32 ids of `text`, no special tokens added (special-token text is parsed)."""
-        return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
+        return np.asarray(self.encode_list(text), dtype=np.int32)
+
+    def _prompt(self, c: CallRecord, suffix: list[int]) -> tuple[np.ndarray, list[int]]:
+        """The prompt extending c: c's full ids (+ <|im_end|> unless c stopped) + suffix, as
+        an array and as a list. c's cached copies (`LIST_CACHE`) are used when present (c
+        leaves the cache: its extension holds the newest), so no pass over the history runs
+        in Python."""
+        cached = self._tips.pop(c.call, None)
+        if cached is None:
+            arr = c.full_ids()
+            lst = arr.tolist()
+        else:
+            lst, arr = cached
+        close = [] if c.stopped else [IM_END]
+        lst.extend(close)
+        lst.extend(suffix)
+        return np.concatenate([arr, np.asarray(close + suffix, np.int32)]), lst
 
     def _render(self, messages: Sequence[dict], tools: Sequence[dict], gen: bool) -> str:
         return self.render(self.tokenizer, list(messages), list(tools) or None, gen)
@@ -380,21 +529,60 @@ class CallStore:
     def normalise(self, messages: Iterable[dict]) -> list[dict]:
         return normalise(messages, self.tool_args)
 
+    def _normalised(self, messages: Sequence[dict], tools: Any) -> tuple[list[dict], tuple[dict, ...], list[bytes]]:
+        """(normalised messages, normalised tools, cumulative digests), reusing the latest
+        requests' work for the messages they share with this one (module docstring)."""
+        if not isinstance(messages, list):
+            messages = list(messages)
+        args = self.tool_args
+        best: _Seen | None = None
+        n = 0
+        for seen in self._seen:
+            if seen.tools_raw != tools:
+                continue
+            top = min(len(seen.raw), len(messages))
+            for tc_id, index in seen.unknown.items():
+                if index < top and tc_id in args:
+                    top = index
+            k, raw = 0, seen.raw
+            while k < top and (messages[k] is raw[k] or messages[k] == raw[k]):
+                k += 1
+            if best is None or k > n:
+                best, n = seen, k
+        if best is not None:
+            tools_n, digests = best.tools, best.digests[: n + 1]
+            raw, norm = best.raw[:n], best.norm[:n]
+            unknown = {i: x for i, x in best.unknown.items() if x < n}
+            self._seen.remove(best)
+        else:
+            tools_n = tuple(normalise_tools(tools))
+            digests = _chain(orjson.dumps(list(tools_n), option=orjson.OPT_SORT_KEYS), ())
+            raw, norm, unknown = [], [], {}
+        for m in messages[n:]:
+            nm = normalise_message(m, args)
+            for tc in nm.get("tool_calls", ()):
+                if tc["id"] and tc["id"] not in args:
+                    unknown.setdefault(tc["id"], len(norm))
+            raw.append(m)
+            norm.append(nm)
+            digests.append(hashlib.sha256(digests[-1] + message_key(nm)).digest())
+        self._seen.insert(0, _Seen(tools_raw=tools, tools=tools_n, raw=raw, norm=norm, digests=digests,
+                                   unknown=unknown))
+        del self._seen[MEMO_REQUESTS:]
+        return list(norm), tools_n, digests
+
     # -- matching
     def match(self, messages: Sequence[dict], tools: Any = None) -> Match:
         """Attach a request to the recorded calls (module docstring). Raises ValueError
         on malformed messages or tools, and whatever `render` raises on a request the
         template cannot render."""
-        msgs = self.normalise(messages)
-        tools_n = tuple(normalise_tools(tools))
-        seed = orjson.dumps(list(tools_n), option=orjson.OPT_SORT_KEYS)
-        keys = [message_key(m) for m in msgs]
-        digests = _chain(seed, keys)
+        msgs, tools_n, digests = self._normalised(messages, tools)
         for k in range(len(msgs), 0, -1):
             c = self._by_conv.get(digests[k])
             if c is None:
                 continue
-            found = self._extend(c, msgs[k:], tools_n, digests[-1])
+            extend = self._extend_appended if self.incremental else self._extend
+            found = extend(c, msgs[k:], tools_n, digests[-1])
             if found is not None:
                 return found
             break  # the longest message-level match is not a token-level extension
@@ -406,11 +594,12 @@ class CallStore:
         tree. Raises like `match`."""
         msgs = self.normalise(messages)
         tools_n = tuple(normalise_tools(tools))
-        prompt = self.encode(self._render(msgs, tools_n, True))
-        return Match(parent=None, prefix_len=0, prompt_ids=prompt, extended=False, drift=0,
-                     messages=tuple(msgs), tools=tools_n, digest=b"")
+        ids = self.encode_list(self._render(msgs, tools_n, True))
+        return Match(parent=None, prefix_len=0, prompt_ids=np.asarray(ids, np.int32), extended=False, drift=0,
+                     messages=tuple(msgs), tools=tools_n, digest=b"", prompt_list=ids)
 
     def _extend(self, c: CallRecord, rest: list[dict], tools: tuple[dict, ...], digest: bytes) -> Match | None:
+        """Extension with both conversations rendered in full (any template)."""
         conv = (*c.messages, c.answer)
         text = self._render((*conv, *rest), tools, True)
         prev = self._render(conv, tools, False)
@@ -420,22 +609,54 @@ class CallStore:
         prev = prev[: cut + len(IM_END_TEXT)]
         if not text.startswith(prev):
             return None
-        head = c.full_ids()
-        parts = [head]
-        if not c.stopped:
-            parts.append(np.asarray([IM_END], np.int32))
-        parts.append(self.encode(text[len(prev):]))
-        prompt = np.concatenate(parts)
+        prompt, prompt_list = self._prompt(c, self.encode_list(text[len(prev):]))
         drift = 0
         if self.check_drift:
             sampled = np.zeros(len(prompt), bool)
-            sampled[: len(head)] = c.sampled_mask(len(head))
+            sampled[: c.full_len] = c.sampled_mask(c.full_len)
             drift = count_drift(prompt, sampled, self.encode(text))
-        return Match(parent=c, prefix_len=len(head), prompt_ids=prompt, extended=True, drift=drift,
-                     messages=(*conv, *rest), tools=tools, digest=digest)
+        return Match(parent=c, prefix_len=c.full_len, prompt_ids=prompt, extended=True, drift=drift,
+                     messages=(*conv, *rest), tools=tools, digest=digest, prompt_list=prompt_list)
+
+    def _extend_appended(self, c: CallRecord, rest: list[dict], tools: tuple[dict, ...],
+                         digest: bytes) -> Match | None:
+        """Extension rendering only `rest` (gyre's template; module docstring)."""
+        query, shown = conversation_facts(rest, (c.conv_query, c.conv_shown))
+        if c.conv_shown and any(is_query(m) for m in rest):
+            return None  # the new query hides reasoning c's conversation shows: not a prefix
+        prompt, prompt_list = self._prompt(c, self.encode_list(render_appended(self.tokenizer, rest,
+                                                                               after_query=c.conv_query)))
+        drift = c.drift + self._turn_drift(c) if self.check_drift else 0
+        return Match(parent=c, prefix_len=c.full_len, prompt_ids=prompt, extended=True, drift=drift,
+                     messages=(*c.messages, c.answer, *rest), tools=tools, digest=digest, query=query, shown=shown,
+                     prompt_list=prompt_list)
+
+    def _turn_drift(self, c: CallRecord) -> int:
+        """Drift of c's last turn as an extension reuses it: the stored ids from the
+        prompt's last turn start to the end (+ the closing <|im_end|>) against the fresh
+        encoding of the turn as rendered (module docstring)."""
+        if c.turn_ids is None:
+            return 0
+        ids = c.tail_ids(c.turn_start)
+        sampled = c.sampled_range(c.turn_start, c.full_len)
+        if not c.stopped:
+            ids = np.append(ids, np.int32(IM_END))
+            sampled = np.append(sampled, False)
+        return count_drift(ids, sampled, c.turn_ids)
+
+    def full_drift(self, match: Match) -> int:
+        """The drift of an extension counted on the whole request: `match.prompt_ids`
+        against a fresh `encode(render(...))` of its messages, O(prompt) — the reference
+        definition (module docstring), for tests and audits. 0 for a branch."""
+        if not match.extended or match.parent is None:
+            return 0
+        sampled = np.zeros(len(match.prompt_ids), bool)
+        sampled[: match.prefix_len] = match.parent.sampled_mask(match.prefix_len)
+        return count_drift(match.prompt_ids, sampled, self.encode(self._render(match.messages, match.tools, True)))
 
     def _branch(self, msgs: list[dict], tools: tuple[dict, ...], digest: bytes) -> Match:
-        prompt = self.encode(self._render(msgs, tools, True))
+        ids = self.encode_list(self._render(msgs, tools, True))
+        prompt = np.asarray(ids, np.int32)
         best: CallRecord | None = None
         best_len = 0
         for rec in self.calls:
@@ -449,33 +670,75 @@ class CallStore:
             best = best.parent
         if best_len == 0:
             best = None
+        query, shown = conversation_facts(msgs) if self.incremental else (False, False)
         return Match(parent=best, prefix_len=best_len, prompt_ids=prompt, extended=False, drift=0,
-                     messages=tuple(msgs), tools=tools, digest=digest)
+                     messages=tuple(msgs), tools=tools, digest=digest, query=query, shown=shown, prompt_list=ids)
 
     # -- recording
     def record(self, match: Match, *, call: str, seq: int, answer: dict,
                completion_ids: Sequence[int]) -> CallRecord:
         """Add a served call. answer: the assistant message returned to the harness, with
         tool-call `arguments` exactly as emitted; they are cached by tool-call id.
-        completion_ids: (C,) sampled ids, stop token included when the engine stopped."""
+        completion_ids: (C,) sampled ids, stop token included when the engine stopped.
+        With gyre's template and drift counted, the answer's turn is rendered and encoded
+        here (after delivery) for the next extension's drift."""
         answer_n = normalise_message(answer)
         for tc in answer_n.get("tool_calls", ()):
             if tc["id"]:
                 self.tool_args[tc["id"]] = tc["function"]["arguments"]
-        comp = np.asarray(completion_ids, dtype=np.int32)
+        comp_list = [int(i) for i in completion_ids]
+        comp = np.asarray(comp_list, dtype=np.int32)
         own = np.concatenate([match.new_prompt_ids, comp]).astype(np.int32, copy=False)
         conv_key = hashlib.sha256(match.digest + message_key(answer_n)).digest()
+        prompt_len = len(match.prompt_ids)
+        turn_start, turn_ids = 0, None
+        conv_shown = match.shown
+        if self.incremental:
+            conv_shown = conv_shown or (match.query and shows_reasoning(answer_n))
+            ends = np.flatnonzero(match.prompt_ids[match.prefix_len:] == IM_END)
+            if len(ends):
+                turn_start = match.prefix_len + int(ends[-1]) + 1
+            elif match.parent is not None:
+                turn_start = _last_im_end_before(match.parent, match.prefix_len) + 1
+            if self.check_drift:
+                turn_ids = self.encode(render_assistant_turn(self.tokenizer, answer_n, after_query=match.query))
         rec = CallRecord(call=call, seq=seq, parent=match.parent, prefix_len=match.prefix_len, own_ids=own,
                          completion_len=len(comp), messages=match.messages, tools=match.tools,
-                         answer=answer_n, conv_key=conv_key)
+                         answer=answer_n, conv_key=conv_key, drift=match.drift, conv_query=match.query,
+                         conv_shown=conv_shown, turn_start=min(turn_start, prompt_len), turn_ids=turn_ids)
         self.calls.append(rec)
         self._by_conv[conv_key] = rec
+        self._by_call[call] = rec
+        self._tips[call] = (match.prompt_id_list() + comp_list, np.concatenate([match.prompt_ids, comp]))
+        while len(self._tips) > LIST_CACHE:
+            del self._tips[next(iter(self._tips))]
         if match.parent is not None and match.prefix_len == match.parent.full_len:
             self._extended.add(match.parent.call)
         return rec
 
     def get(self, call: str) -> CallRecord | None:
-        for rec in reversed(self.calls):
-            if rec.call == call:
-                return rec
-        return None
+        return self._by_call.get(call)
+
+
+def _last_im_end_before(rec: CallRecord, limit: int) -> int:
+    """Index of the last <|im_end|> in `rec.full_ids()[:limit]`, -1 when there is none."""
+    r: CallRecord | None = rec
+    limit = min(limit, rec.full_len)
+    while r is not None and limit > 0:
+        if limit > r.prefix_len:
+            hits = np.flatnonzero(r.own_ids[: limit - r.prefix_len] == IM_END)
+            if len(hits):
+                return r.prefix_len + int(hits[-1])
+            limit = r.prefix_len
+        r = r.parent
+    return -1
+
+
+def _special_tokens_split(tokenizer: Any) -> bool:
+    """True when `<|im_end|>` is an added token that strips no neighbouring whitespace, so
+    encoding splits at it (incremental drift relies on `encode(a + b) == encode(a) + encode(b)`
+    for `a` ending with it)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None)
+    token = decoder.get(IM_END) if isinstance(decoder, dict) else None
+    return token is not None and str(token) == IM_END_TEXT and not getattr(token, "lstrip", True) \
+        and not getattr(token, "rstrip", True)

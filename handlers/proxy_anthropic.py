@@ -40,7 +40,7 @@ from typing import Any
 
 import orjson
 
-from handlers.proxy_api import Answer, Api, ApiError, ModelRequest, StreamStart, parse_sampling, pieces, sse
+from handlers.proxy_api import Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, parse_sampling, pieces, sse
 from schemas.call import SamplingParams
 
 BILLING_PREFIX = "x-anthropic-billing-header:"
@@ -145,8 +145,25 @@ def _assistant(content: Any, where: str) -> dict:
     return msg
 
 
-def anthropic_messages(body: dict) -> list[dict]:
-    """`system` + `messages` → internal chat messages (module docstring). Raises ApiError(400)."""
+def _message(i: int, m: Any) -> list[dict]:
+    """Internal messages of `messages[i]`. Raises ApiError(400)."""
+    where = f"messages[{i}].content"
+    if not isinstance(m, dict):
+        raise ApiError(400, f"messages[{i}] must be an object", param="messages")
+    role = m.get("role")
+    if role == "user":
+        return _user(m.get("content"), where)
+    if role == "assistant":
+        return [_assistant(m.get("content"), where)]
+    if role == "system":
+        return [{"role": "system", "content": system_text(m.get("content"))}]
+    raise ApiError(400, f"messages[{i}].role must be user, assistant or system, got {role!r}", param="messages")
+
+
+def anthropic_messages(body: dict, memo: MessageMemo | None = None) -> list[dict]:
+    """`system` + `messages` → internal chat messages (module docstring). memo: the
+    execution's `MessageMemo` (messages seen in its earlier requests are not converted
+    again). Raises ApiError(400)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
@@ -154,20 +171,11 @@ def anthropic_messages(body: dict) -> list[dict]:
     system = system_text(body.get("system"))
     if system:
         out.append({"role": "system", "content": system})
-    for i, m in enumerate(messages):
-        where = f"messages[{i}].content"
-        if not isinstance(m, dict):
-            raise ApiError(400, f"messages[{i}] must be an object", param="messages")
-        role = m.get("role")
-        if role == "user":
-            out.extend(_user(m.get("content"), where))
-        elif role == "assistant":
-            out.append(_assistant(m.get("content"), where))
-        elif role == "system":
-            out.append({"role": "system", "content": system_text(m.get("content"))})
-        else:
-            raise ApiError(400, f"messages[{i}].role must be user, assistant or system, got {role!r}",
-                           param="messages")
+    if memo is not None:
+        out.extend(memo.convert(messages, _message))
+    else:
+        for i, m in enumerate(messages):
+            out.extend(_message(i, m))
     return out
 
 
@@ -201,11 +209,12 @@ def _session_of(metadata: Any) -> dict:
     return {}
 
 
-def parse_messages_request(body: Any, defaults: SamplingParams) -> ModelRequest:
-    """Validate a Messages (or count_tokens) body (module docstring). Raises ApiError(400)."""
+def parse_messages_request(body: Any, defaults: SamplingParams, memo: MessageMemo | None = None) -> ModelRequest:
+    """Validate a Messages (or count_tokens) body (module docstring); memo: see
+    `anthropic_messages`. Raises ApiError(400)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    messages = anthropic_messages(body)
+    messages = anthropic_messages(body, memo)
     tools = anthropic_tools(body.get("tools"))
     sampling = parse_sampling(body, defaults, ("max_tokens",))
     json_output = False

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import orjson
@@ -170,6 +170,46 @@ def number(body: dict, name: str, default: float, lo: float, hi: float, lo_open:
     if value < lo or value > hi or (lo_open and value == lo):
         raise ApiError(400, f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", param=name)
     return float(value)
+
+
+class MessageMemo:
+    """One execution's memo of per-message conversions (an API's message → internal
+    messages), so a request that resends its history converts only what is new.
+
+    Holds the latest `size` requests' raw messages (parsed JSON) and what each converted
+    to; `convert` reuses the conversions of the longest common prefix with one of them
+    (compared as parsed JSON, in C) and converts the rest. Exact for conversions that
+    depend on the message alone (and its index, used only in error messages). The raw
+    messages must not be mutated once passed in.
+    """
+
+    def __init__(self, size: int = 4):
+        self.size = size
+        self._seen: list[tuple[list, list[list[dict]]]] = []
+
+    def convert(self, raw: list, one: Callable[[int, Any], list[dict]]) -> list[dict]:
+        """Internal messages of `raw`, `one(i, raw[i])` converting message i. Raises what
+        `one` raises (the memo is then left as it was)."""
+        best, n = -1, 0
+        for j, (old, _) in enumerate(self._seen):
+            k, top = 0, min(len(old), len(raw))
+            while k < top and (raw[k] is old[k] or raw[k] == old[k]):
+                k += 1
+            if k > n:
+                best, n = j, k
+        if best >= 0:
+            old, parts = self._seen[best]
+            kept_raw, kept = old[:n], parts[:n]
+        else:
+            kept_raw, kept = [], []
+        new = [one(i, raw[i]) for i in range(n, len(raw))]
+        if best >= 0:
+            del self._seen[best]
+        kept_raw.extend(raw[n:])
+        kept.extend(new)
+        self._seen.insert(0, (kept_raw, kept))
+        del self._seen[self.size:]
+        return [m for part in kept for m in part]
 
 
 def parse_sampling(body: dict, defaults: SamplingParams, max_names: Iterable[str]) -> SamplingParams:

@@ -60,6 +60,7 @@ class Reply:
         self.keepalive_s = keepalive_s
         self.resp: web.StreamResponse | None = None
         self.start_info: StreamStart | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task | None = None
 
     async def _prepare(self, content_type: str) -> web.StreamResponse:
@@ -73,21 +74,29 @@ class Reply:
         self.start_info = start
         if self.stream:
             resp = await self._prepare("text/event-stream; charset=utf-8")
-            for frame in preamble:
-                await resp.write(frame)
+            if preamble:
+                await resp.write(b"".join(preamble))
+        # A timer, not a task: most calls are answered long before the first keep-alive.
+        self._timer = asyncio.get_running_loop().call_later(self.keepalive_s, self._start_keepalive)
+
+    def _start_keepalive(self) -> None:
+        self._timer = None
         self._task = asyncio.ensure_future(self._keepalive())
 
     async def _keepalive(self) -> None:
         try:
             while True:
-                await asyncio.sleep(self.keepalive_s)
                 if self.resp is None:
                     await self._prepare("application/json")
                 await self.resp.write(self.api.keepalive if self.stream else b"\n")
+                await asyncio.sleep(self.keepalive_s)
         except (ConnectionResetError, asyncio.CancelledError):
             pass
 
     async def stop_keepalive(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._task is not None:
             self._task.cancel()
             try:
@@ -97,12 +106,12 @@ class Reply:
             self._task = None
 
     async def send(self, body: dict | list[bytes]) -> web.StreamResponse:
-        """Deliver the answer (a body object, or the stream's remaining frames) and end it."""
+        """Deliver the answer (a body object, or the stream's remaining frames, written at
+        once) and end it."""
         await self.stop_keepalive()
         if self.stream:
             resp = self.resp
-            for frame in body:
-                await resp.write(frame)
+            await resp.write(b"".join(body))
         else:
             data = orjson.dumps(body)
             if self.resp is None:

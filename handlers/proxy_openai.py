@@ -37,8 +37,9 @@ from schemas.call import SamplingParams
 # --------------------------------------------------------------------------- Chat Completions
 
 
-def parse_chat_request(body: Any, defaults: SamplingParams) -> ModelRequest:
-    """Validate a Chat Completions body; unknown fields are ignored. Raises ApiError(400)."""
+def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) -> ModelRequest:
+    """Validate a Chat Completions body; unknown fields are ignored (messages pass through
+    as sent, so `memo` is unused). Raises ApiError(400)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     messages = body.get("messages")
@@ -222,8 +223,9 @@ def responses_tools(tools: Any) -> list[dict] | None:
     return out or None
 
 
-def parse_responses_request(body: Any, defaults: SamplingParams) -> ModelRequest:
-    """Validate a Responses body (module docstring). Raises ApiError(400)."""
+def parse_responses_request(body: Any, defaults: SamplingParams, memo: Any = None) -> ModelRequest:
+    """Validate a Responses body (module docstring). `memo` is unused: input items are
+    grouped across items, not converted one by one. Raises ApiError(400)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     messages = responses_messages(body)

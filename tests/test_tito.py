@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import numpy as np
 import pytest
@@ -238,3 +239,262 @@ def test_fresh_match_is_a_root_and_leaves_the_store_alone(tok):
     m = store.fresh([SYSTEM, TASK], TOOLS)
     assert (m.parent, m.prefix_len, m.extended) == (None, 0, False) and len(store.calls) == 1
     assert m.prompt_ids.tolist() == encode(tok, render(tok, [SYSTEM, TASK], TOOLS))
+
+
+# --------------------------------------------------------------------------- incremental rendering and drift
+
+from hypothesis import HealthCheck, event, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from gyre.chat import render_appended, render_assistant_turn, uses_gyre_template  # noqa: E402
+from gyre.tito import conversation_facts  # noqa: E402
+
+_WORDS = ["ls", "done", "fix", " it", "\n", "\n\n", "a.py", "ok", "café", "{}", "  ", "x"]
+_text = st.lists(st.sampled_from(_WORDS), max_size=5).map("".join)
+_reasoning = st.one_of(st.none(), st.just(""), st.just("\n"), _text)
+
+
+@st.composite
+def _completion(draw):
+    """What the model writes: optional reasoning, text, 0-2 tool calls (Qwen3 form)."""
+    parts = [draw(st.sampled_from(["", "", "\n", " "]))]  # a leading newline re-tokenises with the header
+    reasoning = draw(_reasoning)
+    if reasoning is not None:
+        parts.append(f"<think>\n{reasoning}\n</think>\n\n")
+    parts.append(draw(_text))
+    for _ in range(draw(st.integers(0, 2))):
+        cmd = draw(st.sampled_from(["ls", "cat a.py", "pytest -q"]))
+        parts.append(f'\n<tool_call>\n{{"name": "bash", "arguments": {{"command": "{cmd}"}}}}\n</tool_call>')
+    return "".join(parts)
+
+
+@st.composite
+def _appended(draw, answer):
+    """What a harness sends after an answer: tool results for its calls, then any of a user
+    message, a wrapped tool response as user text, a mid-conversation system message."""
+    out = [{"role": "tool", "tool_call_id": tc["id"], "content": draw(_text)} for tc in answer.get("tool_calls", ())]
+    for _ in range(draw(st.integers(0 if out else 1, 2))):
+        kind = draw(st.sampled_from(["user", "user", "wrapped", "system", "tool", "assistant"]))
+        if kind == "assistant":  # a turn the harness wrote itself (spliced history, a canned reply)
+            out.append(answer_of(draw(_completion()), "call_y_0"))
+        elif kind == "user":
+            out.append({"role": "user", "content": draw(_text) or "go on"})
+        elif kind == "wrapped":
+            out.append({"role": "user", "content": f"<tool_response>\n{draw(_text)}\n</tool_response>"})
+        elif kind == "system":
+            out.append({"role": "system", "content": draw(_text)})
+        else:
+            out.append({"role": "tool", "tool_call_id": "call_foreign", "content": draw(_text)})
+    return out
+
+
+@st.composite
+def _session(draw):
+    """A start (system? + user task, or a lone user/system message) and per call: the
+    completion, how the model sampled it, whether the harness keeps reasoning when echoing."""
+    start = []
+    if draw(st.booleans()):
+        start.append({"role": "system", "content": "You are a careful coding agent."})
+    start.append({"role": "user", "content": draw(st.sampled_from(["List the files.", "<tool_response>\nx\n</tool_response>"]))})
+    steps = []
+    for _ in range(draw(st.integers(1, 4))):
+        steps.append((draw(_completion()), draw(st.sampled_from(["plain", "chars", "truncated"])), draw(st.booleans()),
+                      draw(st.integers(0, 2**32 - 1))))
+    return start, steps, draw(st.booleans())
+
+
+def _play(store, tok, session):
+    """Serve a session through `store`: per call (match, record)."""
+    start, steps, with_tools = session
+    tools = TOOLS if with_tools else None
+    msgs = list(start)
+    out = []
+    for seq, (text, sampling, keep_reasoning, seed) in enumerate(steps):
+        rnd = random.Random(seed)
+        m = store.match(msgs, tools)
+        if sampling == "chars":  # a sampled split the tokenizer would not produce
+            ids = [j for ch in text for j in encode(tok, ch)] + [IM_END]
+        else:
+            ids = encode(tok, text) + ([] if sampling == "truncated" else [IM_END])
+        answer = answer_of(text, f"call_s{seq}_0")
+        rec = store.record(m, call=f"e:{seq}", seq=seq, answer=answer, completion_ids=ids)
+        out.append((m, rec))
+        echoed = dict(answer)
+        if not keep_reasoning:
+            echoed.pop("reasoning_content", None)
+        for tc in echoed.get("tool_calls", ()):  # the harness re-serialises arguments
+            tc["function"]["arguments"] = json.dumps(json.loads(tc["function"]["arguments"]), separators=(",", ":"))
+        msgs = [*msgs, echoed, *rnd.choice(_FOLLOWS)(answer, rnd)]
+    return out
+
+
+def _follow_tools_then_user(answer, rnd):
+    res = [{"role": "tool", "tool_call_id": tc["id"], "content": rnd.choice(_WORDS)} for tc in answer.get("tool_calls", ())]
+    return res or [{"role": "user", "content": "go on"}]
+
+
+def _follow_user(answer, rnd):
+    res = [{"role": "tool", "tool_call_id": tc["id"], "content": rnd.choice(_WORDS)} for tc in answer.get("tool_calls", ())]
+    return [*res, {"role": "user", "content": rnd.choice(["next", "<tool_response>\nok\n</tool_response>"])}]
+
+
+def _follow_system(answer, rnd):
+    res = [{"role": "tool", "tool_call_id": tc["id"], "content": rnd.choice(_WORDS)} for tc in answer.get("tool_calls", ())]
+    return [*res, {"role": "system", "content": "Reminder: " + rnd.choice(_WORDS)}]
+
+
+def _follow_text_observation(answer, rnd):
+    return [{"role": "user", "content": "<returncode>0</returncode>\n" + rnd.choice(_WORDS)}]
+
+
+def _follow_spliced_assistant(answer, rnd):
+    res = [{"role": "tool", "tool_call_id": tc["id"], "content": rnd.choice(_WORDS)} for tc in answer.get("tool_calls", ())]
+    spliced = {"role": "assistant", "content": rnd.choice(["", "noted", "<think>\nhm\n</think>\n\nnoted"])}
+    return [*res, spliced, {"role": "user", "content": rnd.choice(["next", "<tool_response>\nok\n</tool_response>"])}]
+
+
+_FOLLOWS = [_follow_tools_then_user, _follow_user, _follow_system, _follow_text_observation, _follow_spliced_assistant]
+
+
+def _cut(text):
+    return text[: text.rfind("<|im_end|>") + len("<|im_end|>")]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(head=st.lists(st.sampled_from(["user", "wrapped", "system", "tool_turn", "assistant"]), max_size=4),
+       last=_completion(), data=st.data())
+def test_appended_rendering_equals_the_full_render_suffix(tok, head, last, data):
+    """For conversations ending with an assistant answer, render_appended is exactly the
+    suffix the full render adds, whenever the full render extends the conversation's — and
+    conversation_facts predicts when it does not."""
+    conv = [{"role": "system", "content": "sys"}]
+    for kind in head:
+        if kind == "user":
+            conv.append({"role": "user", "content": "do it"})
+        elif kind == "wrapped":
+            conv.append({"role": "user", "content": "<tool_response>\nr\n</tool_response>"})
+        elif kind == "system":
+            conv.append({"role": "system", "content": "mid"})
+        elif kind == "tool_turn":
+            conv += [answer_of(CALL_TEXT, "call_h_0"), {"role": "tool", "tool_call_id": "call_h_0", "content": "r"}]
+        else:
+            conv.append(answer_of(data.draw(_completion()), "call_x_0"))
+    answer = answer_of(last, "call_l_0")
+    if "reasoning_content" in answer and data.draw(st.booleans()):  # reasoning inline in the content
+        answer = {k: v for k, v in answer.items() if k != "reasoning_content"}
+        answer["content"] = f"<think>\n{answer_of(last)['reasoning_content']}\n</think>\n\n{answer['content'] or ''}"
+    conv.append(answer)
+    new = data.draw(_appended(answer))
+    tools = data.draw(st.sampled_from([None, TOOLS]))
+    query, shown = conversation_facts(conv)
+    full = render(tok, conv + new, tools, True)
+    prev = _cut(render(tok, conv, tools, False))
+    extends = not (shown and any(m["role"] == "user" and not m["content"].startswith("<tool_response>") for m in new))
+    assert full.startswith(prev) == extends
+    event("extends" if extends else "hidden reasoning: no extension")
+    if extends:
+        assert full[len(prev):] == render_appended(tok, new, after_query=query)
+    # The answer's own turn as the full render has it.
+    before = _cut(render(tok, conv[:-1], tools, False)) if len(conv) > 1 else ""
+    turn = prev[len(before):] if prev.startswith(before) else None
+    if turn is not None:
+        assert turn == render_assistant_turn(tok, answer, after_query=conversation_facts(conv[:-1])[0])
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(session=_session())
+def test_incremental_store_matches_the_full_render_store(tok, session):
+    """The same session through the incremental store and through one that renders in full
+    (another renderer disables the incremental path): the same parents, prefixes, prompt ids
+    and drift, and the drift equals the full-request count."""
+    fast, slow = CallStore(tok), CallStore(tok, render=render)
+    assert fast.incremental and not slow.incremental
+    for (mf, rf), (ms, rs) in zip(_play(fast, tok, session), _play(slow, tok, session)):
+        assert (mf.extended, mf.prefix_len, rf.seq) == (ms.extended, ms.prefix_len, rs.seq)
+        assert (mf.parent.call if mf.parent else None) == (ms.parent.call if ms.parent else None)
+        assert mf.prompt_ids.tolist() == ms.prompt_ids.tolist() == mf.prompt_id_list() == ms.prompt_id_list()
+        assert mf.drift == ms.drift == fast.full_drift(mf)
+        event("extension" if mf.extended else "branch" if mf.parent else "root")
+        if mf.drift:
+            event("drift > 0")
+        if mf.extended:
+            assert mf.prompt_ids.tolist()[len(mf.prompt_ids) - len(encode(tok, "\n<|im_start|>assistant\n")):] == \
+                encode(tok, "\n<|im_start|>assistant\n")
+
+
+def test_special_token_boundaries_split_encoding(tok):
+    """What incremental drift relies on: encoding splits at <|im_end|>."""
+    store = CallStore(tok)
+    for a, b in [("x<|im_end|>", "\nfoo"), ("a\n\n<|im_end|>", "\n\n<|im_start|>user\n  b"), ("é<|im_end|>", "\u0301x")]:
+        assert store.encode(a + b).tolist() == store.encode(a).tolist() + store.encode(b).tolist()
+        assert store.encode(a + b).tolist() == encode(tok, a + b)
+
+
+def test_bpe_drift_at_a_turn_boundary_is_counted(tok):
+    """A completion starting with a newline: the template's "assistant\\n" + "\\n" re-tokenises
+    as one "\\n\\n", so the reused header id disagrees: drift 1, as the full count says."""
+    store = CallStore(tok)
+    serve(store, tok, [SYSTEM, TASK], TOOLS, "\nHello", "e:0", 0)
+    m = store.match([SYSTEM, TASK, {"role": "assistant", "content": "\nHello"}, {"role": "user", "content": "more"}],
+                    TOOLS)
+    assert m.extended and m.drift == 1 == store.full_drift(m)
+    assert CallStore(tok, render=render).match(
+        [SYSTEM, TASK, {"role": "assistant", "content": "\nHello"}, {"role": "user", "content": "more"}], TOOLS
+    ).drift == 0  # a store without that call: a root, no drift
+
+
+def test_corrupted_recorded_ids_show_drift(tok):
+    """A call whose prompt held a template id that does not re-render (here: planted in
+    the ids sent to the engine): the next extensions reuse it and report it as drift."""
+    store = CallStore(tok)
+    msgs = [SYSTEM, TASK]
+    _, c0, a0 = serve(store, tok, msgs, TOOLS, CALL_TEXT, "e:0", 0)
+    msgs = [*msgs, a0, {"role": "tool", "tool_call_id": a0["tool_calls"][0]["id"], "content": "a.txt"}]
+    m1 = store.match(msgs, TOOLS)
+    assert m1.drift == 0
+    # The "assistant" id of the generation prompt (a template position, not sampled).
+    header = len(m1.prompt_ids) - 2
+    assert m1.prompt_ids[header] == encode(tok, "assistant")[0]
+    wrong = encode(tok, "user")[0]
+    m1.prompt_ids[header] = wrong
+    m1.prompt_id_list()[header] = wrong
+    a1 = answer_of("Done.", "call_e1_0")
+    c1 = store.record(m1, call="e:1", seq=1, answer=a1, completion_ids=encode(tok, "Done.") + [IM_END])
+    nxt = [*msgs, a1, {"role": "user", "content": "thanks"}]
+    m2 = store.match(nxt, TOOLS)
+    assert m2.parent is c1 and m2.prompt_ids[header] == wrong
+    assert m2.drift == 1 == store.full_drift(m2)
+    c2 = store.record(m2, call="e:2", seq=2, answer={"role": "assistant", "content": "ok"},
+                      completion_ids=encode(tok, "ok") + [IM_END])
+    # The drift stays in the prompt of every later call that reuses those ids.
+    m3 = store.match([*nxt, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "bye"}], TOOLS)
+    assert m3.parent is c2 and m3.drift == 1 == store.full_drift(m3)
+    # Once the store's whole-ids cache is gone (an older call extended again), the
+    # recorded ids are read from the call chain: the same prompt, the same drift.
+    store._tips.clear()
+    m3b = store.match([*nxt, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "bye"}], TOOLS)
+    assert m3b.prompt_id_list() == m3.prompt_id_list() and m3b.drift == 1
+
+
+def test_normalisation_is_reused_only_while_it_is_still_valid(tok):
+    """A tool call whose id the store did not know normalises with the harness's
+    arguments; once the id is known (restored payload), it is normalised again."""
+    store = CallStore(tok)
+    resent = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_x", "type": "function", "function": {"name": "bash", "arguments": '{"command":"ls"}'}}]}
+    msgs = [SYSTEM, TASK, resent, {"role": "tool", "tool_call_id": "call_x", "content": "a"}]
+    m1 = store.match(json.loads(json.dumps(msgs)), TOOLS)
+    assert m1.messages[2]["tool_calls"][0]["function"]["arguments"] == '{"command":"ls"}'
+    store.tool_args["call_x"] = '{"command": "ls"}'
+    m2 = store.match(json.loads(json.dumps(msgs)), TOOLS)
+    assert m2.messages[2]["tool_calls"][0]["function"]["arguments"] == '{"command": "ls"}'
+    assert m2.digest == m1.digest  # the same message for matching either way
+    # An interleaved second conversation (a sub-agent) does not evict the main one's work.
+    store.match([SYSTEM, {"role": "user", "content": "sub task"}], TOOLS)
+    m3 = store.match(json.loads(json.dumps(msgs)), TOOLS)
+    assert m3.digest == m1.digest and [*m3.messages] == [*m2.messages]
+
+
+def test_the_bundled_tokenizer_renders_incrementally(tok):
+    assert uses_gyre_template(tok) and CallStore(tok).incremental
+    assert not CallStore(tok, render=render).incremental
