@@ -36,7 +36,7 @@ from gyre import harness as harnesses
 from gyre.sandbox import SandboxConfig, base_env, confine
 from gyre.tasks import load_tasks
 from gyre.tokenizer import build_tokenizer
-from gyre.trajectory import build_tree
+from gyre.trajectory import build_tree, trajectories
 from handlers import runner as runner_mod
 from handlers.engine_client import make_session
 from handlers.proxy import Config as ProxyConfig
@@ -311,6 +311,15 @@ async def test_harnesses_complete_their_task_through_the_proxy(tok, nats_server,
             leaves = {tree.role(leaf) for leaf in tree.leaves()}
             assert {"main", "sub-agent", "main-summary"} <= leaves, (
                 leaves, [(c.seq, c.role, c.parent_call) for c in calls], book.matched)
+            # The sample the trajectory processor keeps from this tree: main first, then
+            # main-summary, then sub-agent (role priority), each policy token once.
+            kept = trajectories(tree, j_max=5)
+            roles = [t.role for t in kept]
+            assert set(roles) == {"main", "sub-agent", "main-summary"}, roles
+            order = ["main", "main-summary", "sub-agent", "sub-agent-summary"]
+            assert roles == sorted(roles, key=order.index), roles
+            assert sum(t.n_trained for t in kept) == sum(
+                len(c.tokens.completion_ids) for c in calls if c.role != "auxiliary" and c.status == "ok")
     finally:
         await stack.close()
         await engine.stop()
