@@ -51,6 +51,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from handlers.daemon import run_async
 import time
 import uuid
 from pathlib import Path
@@ -339,7 +340,7 @@ def serve_engine(url_file: str, completion_ids: list[int], seed: int = 0) -> Non
         await _until_signalled()
         await runner.cleanup()
 
-    asyncio.run(serve())
+    run_async(serve())
 
 
 def serve_proxy(url_file: str, engine_url: str, nats_url: str, nats_token: str | None, run: str,
@@ -359,7 +360,7 @@ def serve_proxy(url_file: str, engine_url: str, nats_url: str, nats_token: str |
             loop.add_signal_handler(sig, stop.set)
         await proxy_run(cfg, stop)
 
-    asyncio.run(main())
+    run_async(main())
 
 
 async def _until_signalled() -> None:

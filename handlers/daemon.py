@@ -112,6 +112,20 @@ def configure_logging(name: str, *, json_lines: bool | None = None, level: int =
     structlog.contextvars.bind_contextvars(daemon=name)
 
 
+def run_async(main: Awaitable[object]) -> object:
+    """Run a daemon's top coroutine on uvloop when installed (faster sockets and
+    timers for the HTTP hot path), else on asyncio's default loop. GYRE_NO_UVLOOP=1
+    forces the default loop."""
+    if not os.environ.get("GYRE_NO_UVLOOP"):
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)
+
+
 def install_signals(stop: asyncio.Event) -> None:
     """SIGTERM/SIGINT set `stop`; a second signal exits at once."""
     loop = asyncio.get_running_loop()
@@ -159,7 +173,7 @@ def daemon_main(name: str, description: str,
         await run(cfg, stop)
 
     try:
-        asyncio.run(_main())
+        run_async(_main())
     except FatalError as exc:
         log.error("daemon.fatal", error=str(exc))
         return 1
