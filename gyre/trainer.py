@@ -5,16 +5,32 @@ Contract:
   mode) with AdamW. `policy_version` is the version of its current weights.
 - `accumulate(ms)` runs forward-backward on one micro-step and adds the gradient of the
   micro-step's *summed* GSPO loss (`gyre.gspo`); the weights do not change, so every
-  micro-step of a step sees the same policy. Trajectories are run one at a time (each with
-  positions from 0), the sequence is cut after its last loss position, and the output head
-  runs only at the positions that predict a trained token (hidden state at t − 1), in
-  chunks whose logits are recomputed in backward, so the 151,936-wide head never
-  materialises for the whole sequence.
+  micro-step of a step sees the same policy. Each trajectory's sequence is cut after its
+  last loss position, and the output head runs only at the positions that predict a
+  trained token (hidden state at t − 1), in chunks whose logits are recomputed in
+  backward, so the 151,936-wide head never materialises for the whole sequence.
+- Shared prefixes (DESIGN.md "Trajectory processing": several kept trajectories of one
+  execution share e.g. a system prompt): the micro-step's cut sequences form a trie
+  (`prefix_forest`); a common prefix of ≥ `shared_prefix_min_tokens` tokens is run once
+  with a KV cache, and each branch continues from a copy of that cache with positions
+  counting on from the prefix length. A prefix position that carries loss for several
+  trajectories still gets one head row per trajectory (each trajectory's K_τ is its own),
+  so the loss is unchanged; the gradient of a trie group is the sum of its trajectories'
+  gradients, taken in one backward pass. A trajectory sharing nothing long enough runs on
+  its own from position 0 and is backwarded at once, as before. A trie group holds its
+  whole autograd graph until its backward: at most the group's distinct positions, which
+  the micro-step's token budget bounds. Attention of a branch over its cached prefix is
+  computed without a (q, kv) mask: on CPU as two flash-attention blocks (prefix: full,
+  branch: causal) merged by log-sum-exp (the backward of each block is the flash backward
+  with the merged output and log-sum-exp, as in blockwise/ring attention, Liu et al. 2023,
+  arXiv:2310.01889); elsewhere with SDPA and a lower-right causal bias.
 - `apply(num_executions)` divides the accumulated gradients by |E| (DESIGN.md "Learning":
   L = (1/|E|) Σ_e ...), clips the global norm, steps AdamW, zeroes gradients and increments
   `policy_version`.
 - `save(out_dir)` writes an HF checkpoint (config.json + model.safetensors, tokenizer files
   copied from the source directory) that an engine can load.
+
+Gradients with and without sharing agree to float tolerance (summation order differs).
 
 Log-probs are of the temperature-scaled distribution log_softmax(logits / T_t), T_t the
 sampling temperature of the call that produced the token, before top-p/top-k.
@@ -50,6 +66,8 @@ class TrainerConfig:
     behaviour_logprobs: `proxy` uses the log-probs the proxy recorded as π_old;
       `recompute` uses the trainer's own log-probs under the step's (fixed) weights.
     head_chunk_tokens: loss positions per output-head chunk (bounds the (K, V) logits).
+    shared_prefix_min_tokens: run a token prefix common to several trajectories of a
+      micro-step once when it is at least this long; 0 = never (every trajectory on its own).
     device: torch device string. seed: torch seed set at construction.
     """
 
@@ -62,6 +80,7 @@ class TrainerConfig:
     eps_high: float = 4e-4
     behaviour_logprobs: Literal["proxy", "recompute"] = "proxy"
     head_chunk_tokens: int = 512
+    shared_prefix_min_tokens: int = 64
     device: str = "cpu"
     seed: int = 0
 
@@ -80,6 +99,8 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.behaviour_logprobs must be 'proxy' or 'recompute', got {self.behaviour_logprobs!r}")
         if self.head_chunk_tokens < 1:
             raise ValueError(f"TrainerConfig.head_chunk_tokens must be >= 1, got {self.head_chunk_tokens}")
+        if self.shared_prefix_min_tokens < 0:
+            raise ValueError(f"TrainerConfig.shared_prefix_min_tokens must be >= 0, got {self.shared_prefix_min_tokens}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -123,6 +144,11 @@ class Trainer:
         self.model.train()
         self._decoder = getattr(self.model, self.model.base_model_prefix)
         self._head = self.model.get_output_embeddings()
+        self._share_min = cfg.shared_prefix_min_tokens
+        if self._share_min and not _enable_prefix_attention(self.model):
+            log.warning("trainer.shared_prefix.disabled", reason="model attention is not plain full-attention SDPA",
+                        attn_implementation=self.model.config._attn_implementation)
+            self._share_min = 0
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
         )
@@ -146,15 +172,74 @@ class Trainer:
         targets = ids.index_select(0, pos)  # (K,)
         return head_logprobs(self._head, h, targets, temps, self.cfg.head_chunk_tokens)
 
+    def _tree_logprobs(self, root: PrefixNode, ids: torch.Tensor, temps: torch.Tensor,
+                       trajs: list[tuple[int, int, int, np.ndarray]]) -> list[torch.Tensor]:
+        """(K_r,) log-probs of every trajectory r of a trie group, in `root.rows` order.
+
+        ids, temps: the micro-step's (T,) tensors; trajs[r] = (trajectory, start, end, pos).
+        Each node runs its segment once on a copy of its parent's KV cache; its head rows are
+        the loss positions of each of its rows inside the segment.
+        """
+        pieces: dict[int, list[torch.Tensor]] = {r: [] for r in root.rows}
+        stack: list[tuple[PrefixNode, list | None]] = [(root, None)]
+        while stack:
+            node, past = stack.pop()
+            if node.end == node.start:
+                continue  # a trajectory that ends where its parent does: all its rows are above
+            _, a, _, _ = trajs[node.rows[0]]
+            inputs = ids[a + node.start:a + node.end].unsqueeze(0)
+            positions = torch.arange(node.start, node.end, device=self.device).unsqueeze(0)
+            cache = _cache(past)
+            keep = bool(node.children)
+            out = self._decoder(input_ids=inputs, position_ids=positions, cache=cache, use_cache=keep)
+            hidden = out.last_hidden_state[0]  # (end − start, H)
+            rows, targets, tmp, counts = [], [], [], []
+            for r in node.rows:
+                _, a, _, pos = trajs[r]
+                lo, hi = np.searchsorted(pos, node.start + 1), np.searchsorted(pos, node.end, side="right")
+                p = torch.as_tensor(pos[lo:hi], device=self.device)
+                rows.append(p - 1 - node.start)
+                targets.append(ids.index_select(0, a + p))
+                tmp.append(temps.index_select(0, a + p))
+                counts.append(hi - lo)
+            if sum(counts):
+                lp = head_logprobs(self._head, hidden.index_select(0, torch.cat(rows)), torch.cat(targets),
+                                   torch.cat(tmp), self.cfg.head_chunk_tokens)
+                for r, chunk in zip(node.rows, lp.split(counts)):
+                    pieces[r].append(chunk)
+            if keep:
+                kv = [(layer.keys, layer.values) for layer in out.cache.layers]
+                stack.extend((child, kv) for child in reversed(node.children))  # DFS: parents before children
+        return [torch.cat(pieces[r]) for r in root.rows]
+
+    def _groups(self, ms: MicrostepData) -> tuple[list[tuple[int, int, int, np.ndarray]], list[PrefixNode]]:
+        """(trajs, groups): trajs = [(trajectory, start, end, pos)] with ≥ 1 loss position; groups
+        = the trie roots over their cut sequences (`prefix_forest`); a lone trajectory is a
+        root without children."""
+        trajs = list(_loss_positions(ms))
+        if self._share_min == 0 or len(trajs) < 2:
+            return trajs, [PrefixNode(0, int(t[3][-1]), [r]) for r, t in enumerate(trajs)]
+        return trajs, prefix_forest([ms.input_ids[a:a + int(pos[-1])] for _, a, _, pos in trajs], self._share_min)
+
+    def _group_logprobs(self, ids: torch.Tensor, temps_all: torch.Tensor, trajs, root: PrefixNode) -> list[torch.Tensor]:
+        """(K_r,) log-probs of each trajectory of `root.rows`, in that order."""
+        if not root.children:  # a lone trajectory, from position 0
+            _, a, b, pos_np = trajs[root.rows[0]]
+            pos = torch.as_tensor(pos_np, device=self.device)
+            return [self._trajectory_logprobs(ids[a:b], pos, temps_all[a:b][pos])]
+        return self._tree_logprobs(root, ids, temps_all, trajs)
+
     @torch.no_grad()
     def logprobs(self, ms: MicrostepData) -> np.ndarray:
         """(T,) float32 log-probs of the current weights at `ms`'s loss positions, 0 elsewhere."""
         out = np.zeros(ms.n_tokens, dtype=np.float32)
         ids = torch.as_tensor(ms.input_ids, dtype=torch.long, device=self.device)
         temps_all = torch.as_tensor(ms.temperatures, dtype=torch.float32, device=self.device)
-        for _, a, b, pos in _loss_positions(ms):
-            lp = self._trajectory_logprobs(ids[a:b], torch.as_tensor(pos, device=self.device), temps_all[a:b][pos])
-            out[a + pos] = lp.float().cpu().numpy()
+        trajs, groups = self._groups(ms)
+        for root in groups:
+            members = [trajs[r] for r in root.rows]
+            for (_, a, _, pos), lp in zip(members, self._group_logprobs(ids, temps_all, trajs, root)):
+                out[a + pos] = lp.float().cpu().numpy()
         return out
 
     # -- training ---------------------------------------------------------------------
@@ -162,43 +247,53 @@ class Trainer:
         """Forward-backward on one micro-step; gradients add up until `apply`.
 
         Returns stats: `loss_sum` (this micro-step's summed loss, before 1/|E|), `tokens`,
-        `trajectories`, `clipped`, `ratio_mean`, `ratio_min`, `ratio_max`.
+        `trajectories`, `clipped`, `ratio_mean`, `ratio_min`, `ratio_max`, `positions`
+        (decoder positions run) and `shared_positions` (positions a shared prefix saved).
         """
         ids = torch.as_tensor(ms.input_ids, dtype=torch.long, device=self.device)
         temps_all = torch.as_tensor(ms.temperatures, dtype=torch.float32, device=self.device)
         behaviour_all = torch.as_tensor(ms.behaviour_logprobs, dtype=torch.float32, device=self.device)
         adv = torch.as_tensor(ms.advantages, dtype=torch.float32, device=self.device)
         n_e = torch.as_tensor(ms.n_e, dtype=torch.float32, device=self.device)
-        loss_sum, tokens, trajs, clipped = 0.0, 0.0, 0.0, 0.0
+        loss_sum, tokens, trajs_n, clipped, positions, shared = 0.0, 0.0, 0.0, 0.0, 0, 0
         ratios: list[float] = []
         rmin, rmax = math.inf, -math.inf
-        for i, a, b, pos_np in _loss_positions(ms):
-            pos = torch.as_tensor(pos_np, device=self.device)
-            logp = self._trajectory_logprobs(ids[a:b], pos, temps_all[a:b][pos])  # (K,)
-            behaviour = logp.detach() if self.cfg.behaviour_logprobs == "recompute" else behaviour_all[a:b][pos]
-            k = logp.shape[0]
-            loss, st = gspo_loss(
-                logp, behaviour, torch.ones(k, dtype=torch.bool, device=self.device),
-                torch.zeros(k, dtype=torch.long, device=self.device), adv[i:i + 1], n_e[i:i + 1],
-                eps_low=self.cfg.eps_low, eps_high=self.cfg.eps_high,
-            )
-            if float(adv[i]) != 0.0 and st["clipped"] < st["tokens"]:
-                loss.backward()  # otherwise the gradient is exactly zero: skip the backward pass
-            loss_sum += float(loss.detach())
-            tokens += st["tokens"]
-            trajs += st["trajectories"]
-            clipped += st["clipped"]
-            ratios.append(st["ratio_mean"])
-            rmin, rmax = min(rmin, st["ratio_min"]), max(rmax, st["ratio_max"])
+        trajs, groups = self._groups(ms)
+        for root in groups:
+            members = [trajs[r] for r in root.rows]
+            cut = sum(int(pos[-1]) for _, _, _, pos in members)
+            run = root.positions()
+            positions, shared = positions + run, shared + cut - run
+            total = None
+            for (i, a, b, pos_np), logp in zip(members, self._group_logprobs(ids, temps_all, trajs, root)):
+                pos = torch.as_tensor(pos_np, device=self.device)
+                behaviour = logp.detach() if self.cfg.behaviour_logprobs == "recompute" else behaviour_all[a:b][pos]
+                k = logp.shape[0]
+                loss, st = gspo_loss(
+                    logp, behaviour, torch.ones(k, dtype=torch.bool, device=self.device),
+                    torch.zeros(k, dtype=torch.long, device=self.device), adv[i:i + 1], n_e[i:i + 1],
+                    eps_low=self.cfg.eps_low, eps_high=self.cfg.eps_high,
+                )
+                if float(adv[i]) != 0.0 and st["clipped"] < st["tokens"]:
+                    total = loss if total is None else total + loss  # otherwise the gradient is exactly zero
+                loss_sum += float(loss.detach())
+                tokens += st["tokens"]
+                trajs_n += st["trajectories"]
+                clipped += st["clipped"]
+                ratios.append(st["ratio_mean"])
+                rmin, rmax = min(rmin, st["ratio_min"]), max(rmax, st["ratio_max"])
+            if total is not None:
+                total.backward()  # one pass per group: a shared prefix's backward runs once
         self._loss_sum += loss_sum
         self._tokens += int(tokens)
-        self._trajectories += int(trajs)
+        self._trajectories += int(trajs_n)
         self._clipped += clipped
         self._microsteps += 1
         stats = {
-            "loss_sum": loss_sum, "tokens": tokens, "trajectories": trajs, "clipped": clipped,
+            "loss_sum": loss_sum, "tokens": tokens, "trajectories": trajs_n, "clipped": clipped,
             "ratio_mean": float(np.mean(ratios)) if ratios else 1.0,
             "ratio_min": rmin if ratios else 1.0, "ratio_max": rmax if ratios else 1.0,
+            "positions": float(positions), "shared_positions": float(shared),
         }
         log.debug("trainer.microstep.accumulated", step=ms.step, microstep=ms.index, policy_version=self.policy_version, **stats)
         return stats
@@ -336,3 +431,143 @@ def _loss_positions(ms: MicrostepData):
         pos = pos[pos >= 1]  # position 0 has no context to predict it from
         if pos.shape[0]:
             yield i, a, b, pos
+
+
+# -- shared prefixes ------------------------------------------------------------------
+@dataclasses.dataclass(slots=True, eq=False)
+class PrefixNode:
+    """One segment of the trie over a micro-step's cut sequences.
+
+    start, end: token positions [start, end) this node runs (its context [0, start) comes
+    from its parent's KV cache). rows: the trajectories (indices into the list given to
+    `prefix_forest`) whose sequence passes through the segment, in lexicographic order of
+    their sequences. children: nodes continuing after `end`; none for a leaf, whose single
+    row ends at `end`.
+    """
+
+    start: int
+    end: int
+    rows: list[int]
+    children: list[PrefixNode] = dataclasses.field(default_factory=list)
+
+    def positions(self) -> int:
+        """Decoder positions run for the whole subtree."""
+        return self.end - self.start + sum(c.positions() for c in self.children)
+
+
+def prefix_forest(seqs: list[np.ndarray], min_shared: int) -> list[PrefixNode]:
+    """Group token sequences into tries that run each long shared prefix once.
+
+    seqs: (L_r,) non-negative int arrays. A prefix common to ≥ 2 sequences becomes a node of
+    its own only when it adds ≥ min_shared (≥ 1) positions beyond its parent node; shorter
+    common runs stay inside each branch (recomputed). Returns the roots, ordered by their
+    smallest row: a root without children is a lone sequence run from position 0.
+    Σ root.positions() ≤ Σ L_r, with equality when nothing is shared.
+    """
+    if min_shared < 1:
+        raise ValueError(f"min_shared must be >= 1, got {min_shared}")
+    n = len(seqs)
+    order = sorted(range(n), key=lambda r: np.asarray(seqs[r], dtype=">i8").tobytes())
+    lcp = [0] + [_common_prefix(seqs[order[j - 1]], seqs[order[j]]) for j in range(1, n)]
+
+    def build(lo: int, hi: int, ctx: int) -> list[PrefixNode]:
+        if hi - lo == 1:
+            return [PrefixNode(ctx, len(seqs[order[lo]]), [order[lo]])]
+        p = min(lcp[lo + 1:hi])  # common prefix of order[lo:hi]
+        cuts = [lo] + [j for j in range(lo + 1, hi) if lcp[j] == p] + [hi]
+        start = p if p - ctx >= min_shared else ctx
+        kids = [node for s, e in zip(cuts, cuts[1:]) for node in build(s, e, start)]
+        if start == ctx:
+            return kids
+        return [PrefixNode(ctx, p, list(order[lo:hi]), kids)]
+
+    return sorted(build(0, n, 0), key=lambda node: min(node.rows)) if n else []
+
+
+def _cache(past):
+    """A fresh DynamicCache holding copies of `past` [(k, v) per layer] (None → None), so a
+    branch appending to it leaves its parent's tensors as they are."""
+    if past is None:
+        return None
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=past)
+
+
+def _common_prefix(x: np.ndarray, y: np.ndarray) -> int:
+    n = min(len(x), len(y))
+    diff = np.flatnonzero(x[:n] != y[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class _CachedPrefixAttention(torch.autograd.Function):
+    """softmax(q·[k_p; k_s]ᵀ·scale + causal mask on the k_s block)·[v_p; v_s] on CPU.
+
+    q, k_s, v_s: (B, H, S, D) — the branch; k_p, v_p: (B, H, P, D) — its cached prefix,
+    which every query sees. Two flash-attention calls (prefix block full, branch block
+    causal) merged by log-sum-exp: o = Σ_b exp(lse_b − lse)·o_b, lse = logaddexp(lse_p, lse_s).
+    The backward of each block is the flash backward given the merged o and lse (then
+    exp(s − lse) are the true probabilities and rowsum(dO∘o) the true correction), dq summed.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k_p, v_p, k_s, v_s, scale):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        o_p, lse_p = flash(q, k_p, v_p, 0.0, False, scale=scale)
+        o_s, lse_s = flash(q, k_s, v_s, 0.0, True, scale=scale)
+        lse = torch.logaddexp(lse_p, lse_s)  # (B, H, S)
+        out = o_p * torch.exp(lse_p - lse).unsqueeze(-1) + o_s * torch.exp(lse_s - lse).unsqueeze(-1)
+        ctx.save_for_backward(q, k_p, v_p, k_s, v_s, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k_p, v_p, k_s, v_s, out, lse = ctx.saved_tensors
+        flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        g = grad_out.contiguous()
+        dq_p, dk_p, dv_p = flash_bwd(g, q, k_p, v_p, out, lse, 0.0, False, scale=ctx.scale)
+        dq_s, dk_s, dv_s = flash_bwd(g, q, k_s, v_s, out, lse, 0.0, True, scale=ctx.scale)
+        return dq_p + dq_s, dk_p, dv_p, dk_s, dv_s, None
+
+
+def _prefix_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention function (`AttentionInterface`): SDPA, except for a query block
+    continuing a cached prefix (kv longer than q, no mask), which attends to the whole prefix
+    and causally to itself. query (B, H, S, D), key/value (B, H_kv, P + S, D); returns
+    ((B, S, H, D), None) like `sdpa_attention_forward`."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if kv_len == q_len or attention_mask is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if dropout or kwargs.get("sliding_window") is not None:
+        raise ValueError("cached-prefix attention supports neither attention dropout nor sliding windows")
+    n_rep = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
+    p = kv_len - q_len
+    if query.device.type == "cpu":
+        out = _CachedPrefixAttention.apply(query, key[:, :, :p], value[:, :, :p], key[:, :, p:], value[:, :, p:], scaling)
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(q_len, kv_len),
+                                                               scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_ATTENTION = "gyre_cached_prefix_sdpa"
+
+
+def _enable_prefix_attention(model) -> bool:
+    """Switch `model` to `_prefix_attention` when its attention allows it (SDPA, full attention
+    on every layer, no attention dropout); returns whether it did."""
+    from transformers import AttentionInterface
+
+    cfg = model.config
+    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"]
+    if (cfg._attn_implementation != "sdpa" or any(t != "full_attention" for t in layer_types)
+            or getattr(cfg, "use_sliding_window", False) or getattr(cfg, "attention_dropout", 0.0)):
+        return False
+    AttentionInterface.register(_ATTENTION, _prefix_attention)
+    model.set_attn_implementation(_ATTENTION)
+    return model.config._attn_implementation == _ATTENTION

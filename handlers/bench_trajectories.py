@@ -16,9 +16,13 @@ size of 50K, 200K and 700K distinct tokens:
   setting (`gyre.microstep.pack`, same token budget), on the embedded default model
   (`gyre.model.init_model`, default spec), on the 50K executions, repetitions interleaved
   (jmax1, jmax5, uncapped, jmax1, …). A = +1 for every execution so no backward pass is
-  skipped. Keys `fwd_bwd_s` (object per setting, median) with `fwd_bwd_s_min`/`_max`,
-  `fwd_bwd_s_by_size`, `fwd_bwd_saving_jmax5` = 1 − jmax5 / uncapped (seconds, median,
-  with `_min`/`_max` over repetitions).
+  skipped. jmax1/jmax5 run on the trainer's defaults, which compute a token prefix shared
+  by several trajectories of a micro-step once; `uncapped` runs with that sharing off
+  (`shared_prefix_min_tokens=0`), every path on its own, as the expansion is defined.
+  `fwd_bwd_decoder_positions` = decoder positions actually run (after cutting each path at
+  its last trained token and sharing). Keys `fwd_bwd_s` (object per setting, median) with
+  `fwd_bwd_s_min`/`_max`, `fwd_bwd_s_by_size`, `fwd_bwd_saving_jmax5` = 1 − jmax5 /
+  uncapped (seconds, median, with `_min`/`_max` over repetitions).
 Reductions from the definition (e.g. fewer executions for forward-backward, to stay within
 the time limit on two cores) are stated in `notes` and printed.
 """
@@ -173,6 +177,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     fb_times: dict[str, list[float]] = {s: [] for s in SETTINGS}
     fb_trained: dict[str, int] = {}
     fb_positions: dict[str, int] = {}
+    fb_run: dict[str, int] = {}
     n_fb = cfg.fwd_bwd_executions
     if n_fb:
         if n_fb < cfg.executions:
@@ -185,7 +190,12 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
             if not model_dir:
                 from gyre.model import init_model
                 model_dir = str(init_model(Path(tmp) / "model"))
+            # J_max settings use the trainer as configured (a prefix shared inside a micro-step is
+            # run once); the uncapped expansion is defined with shared prefixes repeated, so it
+            # runs every path on its own (sharing off), from the same weights.
             trainer = Trainer(model_dir, TrainerConfig())
+            trainers = {"jmax1": trainer, "jmax5": trainer,
+                        "uncapped": Trainer(model_dir, TrainerConfig(shared_prefix_min_tokens=0))}
             microsteps = {}
             for setting in SETTINGS:
                 samples = [Sample(execution=tree.execution, advantage=1.0, trajectories=tuple(kept(tree, setting, cfg.seed)))
@@ -193,17 +203,20 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
                 microsteps[setting] = pack(samples, cfg.token_budget)
                 fb_trained[setting] = sum(s.n_e for s in samples)
                 fb_positions[setting] = sum(len(t) for s in samples for t in s.trajectories)
-            trainer.accumulate(microsteps["jmax1"][0])  # warm-up (allocator, kernels); not timed
-            trainer.optimizer.zero_grad(set_to_none=True)
+            for t in (trainer, trainers["uncapped"]):
+                t.accumulate(microsteps["jmax1"][0])  # warm-up (allocator, kernels); not timed
+                t.optimizer.zero_grad(set_to_none=True)
             for rep in range(cfg.reps):
                 for setting in SETTINGS:
                     t0 = time.perf_counter()
+                    run = 0.0
                     for ms in microsteps[setting]:
-                        trainer.accumulate(ms)
+                        run += trainers[setting].accumulate(ms)["positions"]
                     fb_times[setting].append(time.perf_counter() - t0)
-                    trainer.optimizer.zero_grad(set_to_none=True)
+                    fb_run[setting] = int(run)
+                    trainers[setting].optimizer.zero_grad(set_to_none=True)
                     log(f"fwd-bwd rep {rep + 1}/{cfg.reps} {setting}: {fb_times[setting][-1]:.1f}s "
-                        f"({fb_positions[setting]:,} positions, {fb_trained[setting]:,} trained)")
+                        f"({fb_positions[setting]:,} positions, {fb_run[setting]:,} run, {fb_trained[setting]:,} trained)")
 
     doc: dict = {"benchmark": "trajectories"}
     by = _label
@@ -225,6 +238,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         doc["fwd_bwd_saving_jmax5_min"], doc["fwd_bwd_saving_jmax5_max"] = min(savings), max(savings)
         doc["fwd_bwd_trained_tokens"] = fb_trained
         doc["fwd_bwd_positions"] = fb_positions
+        doc["fwd_bwd_decoder_positions"] = fb_run
+        doc["fwd_bwd_shared_prefix"] = {s: s != "uncapped" for s in SETTINGS}
         doc["fwd_bwd_executions"] = n_fb
         doc["fwd_bwd_positions_per_s"] = {s: fb_positions[s] / med[s][0] for s in SETTINGS}
     b = _stats(rates[cfg.builder_size])

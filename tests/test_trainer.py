@@ -145,6 +145,8 @@ def test_config_validation():
         TrainerConfig(behaviour_logprobs="guess")
     with pytest.raises(ValueError, match="lr"):
         TrainerConfig(lr=-1)
+    with pytest.raises(ValueError, match="shared_prefix_min_tokens"):
+        TrainerConfig(shared_prefix_min_tokens=-1)
 
 
 def test_head_logprobs_gradcheck_against_autograd():
@@ -169,6 +171,144 @@ class _Lin:
         self.weight, self.bias = weight, bias
 
 
+# -- shared prefixes ----------------------------------------------------------------
+def shared_microstep(first_trained, second_trained=(175, 180, 209), third_trained=(171, 172, 199), *, third_len=200):
+    """Execution A: three trajectories over a common 100-token prefix (a system prompt);
+    the second and third share 70 more tokens; execution B: one unrelated trajectory."""
+    rs = np.random.default_rng(7)
+    pre, mid = rs.integers(0, VOCAB, 100), rs.integers(0, VOCAB, 70)
+    ids = (np.concatenate([pre, rs.integers(0, VOCAB, 50)]), np.concatenate([pre, mid, rs.integers(0, VOCAB, 40)]),
+           np.concatenate([pre, mid, rs.integers(0, VOCAB, third_len - 170)]))
+    a = Sample("A", 1.0, tuple(_traj_of("A", x, t, k, temperature=0.8 if k == 1 else 1.0)
+                               for k, (x, t) in enumerate(zip(ids, (first_trained, second_trained, third_trained)))))
+    b = Sample("B", -0.5, (traj("B", 60, [10, 11, 40, 59], 3, temperature=1.3),))
+    (ms,) = pack([a, b], 10_000)
+    return ms
+
+
+def _traj_of(execution, ids, trained_at, k, temperature=1.0):
+    mask = np.zeros(len(ids), dtype=bool)
+    mask[list(trained_at)] = True
+    return Trajectory(execution=execution, leaf=f"{execution}:{k}", role="main", input_ids=ids.astype(np.int32),
+                      loss_mask=mask, behaviour_logprobs=np.where(mask, -12.0, 0).astype(np.float32),
+                      versions=np.where(mask, 0, -1).astype(np.int32),
+                      temperatures=np.where(mask, temperature, 1.0).astype(np.float32))
+
+
+def _sharing_pair(model_dir, **kw):
+    shared = Trainer(model_dir, TrainerConfig(behaviour_logprobs="recompute", **kw))
+    plain = Trainer(model_dir, TrainerConfig(behaviour_logprobs="recompute", **{**kw, "shared_prefix_min_tokens": 0}))
+    return shared, plain
+
+
+def _assert_same_step(shared, plain, ms):
+    np.testing.assert_allclose(shared.logprobs(ms), plain.logprobs(ms), atol=2e-5)
+    s1, s0 = shared.accumulate(ms), plain.accumulate(ms)
+    for key in ("loss_sum", "tokens", "trajectories", "clipped", "ratio_mean"):
+        assert s1[key] == pytest.approx(s0[key], abs=1e-5), key
+    n = 0
+    for (name, p), q in zip(shared.model.named_parameters(), plain.model.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=2e-6, rtol=1e-4, msg=name)
+            n += 1
+    assert n == len(list(plain.model.parameters()))
+    return s1, s0
+
+
+def test_shared_prefix_gives_the_same_loss_and_gradients(model_dir):
+    # The first trajectory trains 40 positions inside the shared prefix (it was kept first),
+    # plus two after it; the later ones train only after the prefix, as the builder masks.
+    ms = shared_microstep(list(range(20, 60)) + [140, 149])
+    shared, plain = _sharing_pair(model_dir)
+    s1, s0 = _assert_same_step(shared, plain, ms)
+    # Cut lengths: 149, 209, 199 (A) and 59 (B) = 616 positions run one by one. Shared: the
+    # 100-token prefix once, then 49 for the first, 70 shared by the other two, 39 + 29; B alone.
+    assert s0["positions"] == 616 and s0["shared_positions"] == 0
+    assert s1["positions"] == 100 + 49 + 70 + 39 + 29 + 59 and s1["shared_positions"] == 616 - 346
+    assert s1["tokens"] == 42 + 3 + 3 + 4
+
+
+def test_shared_prefix_with_loss_in_every_branch_and_a_path_ending_at_the_fork(model_dir):
+    # Uncapped-style: all three train the same prefix positions (each trajectory keeps its own
+    # head rows, so the loss counts them once per trajectory); the third ends exactly where
+    # the second and third fork (cut length 170) and a fourth is an exact copy of the first.
+    ms = shared_microstep([30, 31, 99, 100, 149], [30, 31, 99, 100, 175, 209], [30, 31, 99, 100, 170], third_len=171)
+    ms4 = pack([Sample("A", 1.0, tuple(_traj_of("A", ms.input_ids[int(ms.cu_seqlens[i]):int(ms.cu_seqlens[i + 1])],
+                                                 np.flatnonzero(ms.loss_mask[int(ms.cu_seqlens[i]):int(ms.cu_seqlens[i + 1])]), i)
+                                        for i in (0, 1, 2, 0)))], 10_000)[0]
+    for m in (ms, ms4):
+        shared, plain = _sharing_pair(model_dir, head_chunk_tokens=3)
+        s1, s0 = _assert_same_step(shared, plain, m)
+        assert s1["shared_positions"] > 0 and s1["tokens"] == s0["tokens"]
+
+
+def test_short_common_prefixes_are_not_shared(model_dir):
+    ms = shared_microstep(list(range(20, 60)) + [140, 149])
+    # 101: the 100 tokens common to all three are too short; the second and third still share 170.
+    shared, plain = _sharing_pair(model_dir, shared_prefix_min_tokens=101)
+    s1, _ = _assert_same_step(shared, plain, ms)
+    assert s1["positions"] == 149 + 170 + 39 + 29 + 59
+    shared, plain = _sharing_pair(model_dir, shared_prefix_min_tokens=171)  # nothing long enough
+    s1, _ = _assert_same_step(shared, plain, ms)
+    assert s1["positions"] == 616 and s1["shared_positions"] == 0
+
+
+def test_output_head_runs_only_at_loss_positions_when_sharing(model_dir, monkeypatch):
+    import gyre.trainer as trainer_mod
+
+    rows = []
+    real = trainer_mod.head_logprobs
+
+    def counting(head, h, targets, temps, chunk=512):
+        rows.append(h.shape[0])
+        return real(head, h, targets, temps, chunk)
+
+    monkeypatch.setattr(trainer_mod, "head_logprobs", counting)
+    ms = shared_microstep(list(range(20, 60)) + [140, 149])
+    shared = Trainer(model_dir, TrainerConfig(behaviour_logprobs="recompute"))
+    stats = shared.accumulate(ms)
+    assert sum(rows) == ms.n_trained == stats["tokens"] == 52
+    assert stats["shared_positions"] > 0
+
+
+def test_prefix_forest_worked_example():
+    from gyre.trainer import prefix_forest
+
+    s = [np.array(x) for x in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9], [7, 7], [1, 2, 3, 4, 5, 8, 8], [1, 2, 3, 4, 5])]
+    roots = prefix_forest(s, 2)
+
+    def shape(n):
+        return (n.start, n.end, n.rows, [shape(c) for c in n.children])
+
+    # 0, 1, 3, 4 share [1 2 3]; 0, 3, 4 share [1 2 3 4 5] (2 more tokens); 4 ends at the fork.
+    assert [shape(r) for r in roots] == [
+        (0, 3, [4, 0, 3, 1], [(3, 5, [4, 0, 3], [(5, 5, [4], []), (5, 6, [0], []), (5, 7, [3], [])]), (3, 5, [1], [])]),
+        (0, 2, [2], []),
+    ]
+    assert sum(r.positions() for r in roots) == 3 + 2 + 0 + 1 + 2 + 2 + 2 == 12  # of 6 + 5 + 2 + 7 + 5 = 25
+    # min_shared 3: the 2-token step [4 5] is not a node of its own; its branches recompute it.
+    (top, lone) = prefix_forest(s, 3)
+    assert shape(top) == (0, 3, [4, 0, 3, 1], [(3, 5, [4], []), (3, 6, [0], []), (3, 7, [3], []), (3, 5, [1], [])])
+    assert prefix_forest(s[:1], 2)[0].children == [] and prefix_forest([], 2) == []
+
+
+def test_cached_prefix_attention_matches_masked_sdpa():
+    from gyre.trainer import _CachedPrefixAttention
+
+    torch.manual_seed(0)
+    P, S, H, D = 13, 7, 3, 8
+    q = torch.randn(1, H, S, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, H, P + S, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, H, P + S, D, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(S, P + S, dtype=torch.bool).tril(P)  # query i sees the prefix and branch keys ≤ i
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: _CachedPrefixAttention.apply(q, k[:, :, :P], v[:, :, :P], k[:, :, P:], v[:, :, P:], 0.3), (q, k, v))
+    got = _CachedPrefixAttention.apply(q, k[:, :, :P], v[:, :, :P], k[:, :, P:], v[:, :, P:], 0.3)
+    torch.testing.assert_close(got, ref)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_matches_cpu(model_dir):
@@ -180,3 +320,16 @@ def test_cuda_matches_cpu(model_dir):
     assert s_gpu["loss_sum"] == pytest.approx(s_cpu["loss_sum"], abs=1e-4)
     a, b = cpu.apply(2), gpu.apply(2)
     assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_shared_prefix_matches_cpu(model_dir):
+    ms = shared_microstep(list(range(20, 60)) + [140, 149])
+    cpu = Trainer(model_dir, TrainerConfig(behaviour_logprobs="recompute", shared_prefix_min_tokens=0))
+    gpu = Trainer(model_dir, TrainerConfig(behaviour_logprobs="recompute", device="cuda"))
+    np.testing.assert_allclose(gpu.logprobs(ms), cpu.logprobs(ms), atol=1e-4)
+    s_cpu, s_gpu = cpu.accumulate(ms), gpu.accumulate(ms)
+    assert s_gpu["loss_sum"] == pytest.approx(s_cpu["loss_sum"], abs=1e-4) and s_gpu["shared_positions"] > 0
+    for p, q in zip(gpu.model.parameters(), cpu.model.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-4, rtol=1e-3)
