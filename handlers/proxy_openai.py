@@ -31,7 +31,9 @@ import uuid
 from typing import Any
 
 from gyre.chat import call_id_prefix
-from handlers.proxy_api import Answer, Api, ApiError, ModelRequest, StreamStart, parse_sampling, pieces, sse
+from handlers.proxy_api import (
+    Answer, Api, ApiError, ModelRequest, StreamStart, internal_message, parse_sampling, pieces, sse,
+)
 from schemas.call import SamplingParams
 
 # --------------------------------------------------------------------------- Chat Completions
@@ -62,14 +64,11 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
 
 
 def answer_message(answer: Answer) -> dict:
-    """The assistant message as OpenAI returns it: content None when only tool calls."""
-    msg: dict[str, Any] = {"role": "assistant",
-                           "content": answer.content if (answer.content or not answer.tool_calls) else None}
-    if answer.reasoning:
-        msg["reasoning_content"] = answer.reasoning
-    if answer.tool_calls:
-        msg["tool_calls"] = [{"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}
-                             for tc in answer.tool_calls]
+    """The assistant message as OpenAI returns it: the recorded message, with content None
+    when there are only tool calls."""
+    msg = internal_message(answer)
+    if not answer.content and answer.tool_calls:
+        msg["content"] = None
     return msg
 
 
