@@ -543,27 +543,7 @@ class Load:
 
     async def run_throughput(self, variant: str, slots: int, duration_s: float, rng: random.Random) -> RunStats:
         """Closed loop, no think time; counts calls answered inside the window."""
-        stats = RunStats()
-        convs = await self.warm_up(variant, slots, rng)
-        t0 = time.perf_counter()
-        t_end = t0 + duration_s
-
-        async def slot(i: int) -> None:
-            conv = convs[i]
-            while time.perf_counter() < t_end:
-                if conv.calls >= CALLS_PER_EXECUTION:
-                    self.finished(conv)
-                    conv = self.new_conversation(variant)
-                try:
-                    await self.proxy_call(conv, stats)
-                except _CallFailed:
-                    conv = self.new_conversation(variant)
-            self.finished(conv)
-
-        await asyncio.gather(*(slot(i) for i in range(slots)))
-        stats.window_s = time.perf_counter() - t0
-        stats.calls = len(stats.latencies)
-        return stats
+        return await self.run_proxy(variant, slots, 0.0, duration_s, rng)
 
 
 class _CallFailed(Exception):

@@ -525,6 +525,17 @@ def _match(store: CallStore, req: ModelRequest, auxiliary: bool, execution: str)
         raise ApiError(400, f"cannot render the conversation: {exc!r}", param="messages") from None
 
 
+async def _parsed(request: web.Request, state: ProxyState,
+                  parse: Callable[[Any, SamplingParams, MessageMemo | None], ModelRequest],
+                  ) -> tuple[str, _Execution, ModelRequest]:
+    """Authenticate, read the body within the size limit, parse it with the execution's
+    memo. Raises ApiError (401, 400, 413, 415) for the caller to answer in its API's shape."""
+    execution = authenticate(state, request)
+    body = await read_json(request, state.cfg.body_limit_bytes, request.app.get(RAW_BODIES, False))
+    ex = state.execution(execution)
+    return execution, ex, parse(body, state.defaults, ex.memo)
+
+
 async def serve_call(request: web.Request, api: Api,
                      parse: Callable[[Any, SamplingParams, MessageMemo | None], ModelRequest]) -> web.StreamResponse:
     """One model call through `api`: authenticate, parse, classify, admit, match, generate,
@@ -533,10 +544,7 @@ async def serve_call(request: web.Request, api: Api,
     cfg = state.cfg
     t0 = time.monotonic()
     try:
-        execution = authenticate(state, request)
-        body = await read_json(request, state.cfg.body_limit_bytes, request.app.get(RAW_BODIES, False))
-        ex = state.execution(execution)
-        req = parse(body, state.defaults, ex.memo)
+        execution, ex, req = await _parsed(request, state, parse)
         if not req.model:
             req = dataclasses.replace(req, model=cfg.model_name)
         roles = state.classify(ex, request.headers, req, api.name)
@@ -640,10 +648,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     state: ProxyState = request.app[STATE]
     t0 = time.monotonic()
     try:
-        execution = authenticate(state, request)
-        body = await read_json(request, state.cfg.body_limit_bytes, request.app.get(RAW_BODIES, False))
-        ex = state.execution(execution)
-        req = parse_messages_request(body, state.defaults, ex.memo)
+        execution, ex, req = await _parsed(request, state, parse_messages_request)
         roles = state.classify(ex, request.headers, req, "count_tokens")
         match = _match(ex.store, req, True, execution)
     except ApiError as err:

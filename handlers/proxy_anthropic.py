@@ -40,7 +40,9 @@ from typing import Any
 
 import orjson
 
-from handlers.proxy_api import Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, parse_sampling, pieces, sse
+from handlers.proxy_api import (
+    Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, function_tool, parse_sampling, pieces, sse,
+)
 from schemas.call import SamplingParams
 
 BILLING_PREFIX = "x-anthropic-billing-header:"
@@ -188,11 +190,7 @@ def anthropic_tools(tools: Any) -> list[dict] | None:
     out = []
     for tool in tools:
         if isinstance(tool, dict) and isinstance(tool.get("name"), str) and isinstance(tool.get("input_schema"), dict):
-            fn = {"name": tool["name"]}
-            if isinstance(tool.get("description"), str):
-                fn["description"] = tool["description"]
-            fn["parameters"] = tool["input_schema"]
-            out.append({"type": "function", "function": fn})
+            out.append(function_tool(tool, tool["input_schema"]))
     return out or None
 
 

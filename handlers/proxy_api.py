@@ -149,6 +149,16 @@ def internal_message(answer: Answer) -> dict:
 # --------------------------------------------------------------------------- helpers
 
 
+def function_tool(tool: dict, parameters: dict) -> dict:
+    """A tool in the chat form the renderer takes, from a client tool with a string `name`
+    and an optional string `description`."""
+    fn: dict[str, Any] = {"name": tool["name"]}
+    if isinstance(tool.get("description"), str):
+        fn["description"] = tool["description"]
+    fn["parameters"] = parameters
+    return {"type": "function", "function": fn}
+
+
 def sse(obj: Any, event: str | None = None) -> bytes:
     """One SSE frame: `event: NAME` (when given) and `data: JSON`."""
     head = b"event: " + event.encode() + b"\n" if event else b""

@@ -32,7 +32,7 @@ from typing import Any
 
 from gyre.chat import call_id_prefix
 from handlers.proxy_api import (
-    Answer, Api, ApiError, ModelRequest, StreamStart, internal_message, parse_sampling, pieces, sse,
+    Answer, Api, ApiError, ModelRequest, StreamStart, function_tool, internal_message, parse_sampling, pieces, sse,
 )
 from schemas.call import SamplingParams
 
@@ -214,11 +214,8 @@ def responses_tools(tools: Any) -> list[dict] | None:
     out = []
     for tool in tools:
         if isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("name"), str):
-            fn = {"name": tool["name"]}
-            if isinstance(tool.get("description"), str):
-                fn["description"] = tool["description"]
-            fn["parameters"] = tool.get("parameters") if isinstance(tool.get("parameters"), dict) else {}
-            out.append({"type": "function", "function": fn})
+            params = tool.get("parameters")
+            out.append(function_tool(tool, params if isinstance(params, dict) else {}))
     return out or None
 
 
