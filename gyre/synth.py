@@ -7,8 +7,9 @@ Shape of one execution (all lengths in tokens, drawn log-uniformly in their rang
   message; every later call's prompt is one tool result (`tool_result_tokens`); every
   completion is `completion_tokens` long and ends with `<|im_end|>`;
 - `compactions` (uniform 0–3): after a main call, a summary call (role `main-summary`)
-  extends it with a compaction instruction and answers with a summary; the main line then
-  restarts: its next call carries the summary as a new user message after the system prompt;
+  sends the segment's conversation again with a compaction instruction and answers with a
+  summary; the main line then restarts: its next call carries the summary as a new user
+  message after the system prompt;
 - `sub_agents` (uniform 0–6) of `sub_agent_calls` (uniform 5–40) calls each (role
   `sub-agent`), spawned after a main call (their calls come before the next main call);
 - the main line grows until the execution holds `target_tokens` distinct ids (sum of all
@@ -20,13 +21,22 @@ parent_call / prefix_len follow the proxy's matching rules (gyre.tito): a call e
 its predecessor in the same agent line has parent = predecessor, prefix_len = its full
 length (the proxy's *extension*); a call that starts a new conversation is a *branch* at
 the longest common token prefix with an earlier call:
+- a summary call is a branch, not an extension: its compaction instruction is a new real
+  user query, so the chat template (Qwen3's, and gyre's) re-renders every earlier assistant
+  turn of the segment without its `<think>…</think>`; the proxy then records it at the
+  longest common prefix — the segment's first prompt (parent = the segment's first call,
+  prefix_len = that call's prompt end) — and its prompt is the segment again, completions
+  without their reasoning, plus the instruction (tests/test_tito.py
+  `test_dropped_thinking_opens_a_branch` shows the proxy doing this);
 - a compaction restart shares the main system prompt plus `<|im_start|>user\\n` with the
   main root (parent = main root, prefix_len = system + 3);
 - the first sub-agent shares `<|im_start|>system\\n` with the main root (prefix_len = 3);
   later sub-agents share the sub-agent system prompt plus `<|im_start|>user\\n` with the
   first sub-agent's root.
-So the leaves are: the last main call, each summary call, each sub-agent's last call
-(1 + compactions + sub_agents).
+So the leaves are: the last main call of every segment, each summary call, each
+sub-agent's last call (1 + 2 · compactions + sub_agents). The re-sent segments count in the
+execution's distinct ids (they are new tree nodes), so the main line is shorter when there
+are compactions.
 
 Token ids are random BPE ids between chat-template special tokens; log-probs are random
 (≤ 0); all completions carry policy version `version`. Deterministic in `seed`.
@@ -113,6 +123,7 @@ class _Writer:
         self.run, self.execution, self.spec, self.rng = run, execution, spec, rng
         self.calls: list[CallCompleted] = []
         self.full: list[int] = []
+        self.parts: list[tuple[np.ndarray, np.ndarray]] = []  # (prompt, completion) per seq
         self.tokens = 0
 
     def chunk(self, head: tuple[int, ...], n: int, tail: tuple[int, ...]) -> np.ndarray:
@@ -145,8 +156,31 @@ class _Writer:
             api="messages", timings={"queue_s": 0.0, "engine_s": 0.0, "total_s": 0.0},
         ))
         self.full.append(prefix_len + prompt.shape[0] + n_completion)
+        self.parts.append((prompt, completion))
         self.tokens += prompt.shape[0] + n_completion
         return seq
+
+    def resent(self, segment: list[int]) -> np.ndarray:
+        """A segment's conversation after its first prompt as the template renders it once a
+        new user query follows: every completion without its reasoning (ids up to and
+        including `</think>`), every later prompt unchanged."""
+        out = []
+        for k, seq in enumerate(segment):
+            prompt, completion = self.parts[seq]
+            if k:
+                out.append(prompt)
+            out.append(completion[_visible_from(completion.shape[0]):])
+        return np.concatenate(out)
+
+
+def _visible_from(n: int) -> int:
+    """Index of the first id after `</think>` in an n-id synthetic completion (0: no reasoning)."""
+    return n // 3 + 1 if n >= 8 else 0
+
+
+def _resent_len(turns: list[tuple[int, int]]) -> int:
+    """Length of `_Writer.resent` for a segment of (prompt, completion) turns."""
+    return sum((r if k else 0) + c - _visible_from(c) for k, (r, c) in enumerate(turns))
 
 
 def _loguniform(rng: np.random.Generator, lo_hi: tuple[int, int], size=None):
@@ -205,13 +239,17 @@ def synth_execution(execution: str, spec: SynthSpec = SynthSpec(), seed: int = 0
 
     budget = spec.target_tokens - sub_size() - sys_main - task - sum(i + s for i, s in summaries)
     turns: list[tuple[int, int]] = []
-    fill(turns, budget, 2 * (n_compact + 1))
+    # Each compacted segment is sent again (shorter by its reasoning): draw the main line as if
+    # it were sent twice, then give what is left to the last segment, which is never re-sent.
+    fill(turns, budget * (n_compact + 1) // (2 * n_compact + 1), n_compact + 2)
     n_main = len(turns)
     compact_after = sorted({max(0, round(n_main * (k + 1) / (n_compact + 1)) - 1) for k in range(n_compact)})
     compact_after = [t for t in compact_after if t < n_main - 1]
     for k, t in enumerate(compact_after):
         turns[t + 1] = (summaries[k][1] + restart_extra, turns[t + 1][1])  # the restart re-reads the summary
-    deficit = budget - sum(r + c for r, c in turns)
+    starts = [0] + [t + 1 for t in compact_after]
+    resent = sum(_resent_len(turns[a:t + 1]) for a, t in zip(starts, compact_after))
+    deficit = budget - resent - sum(r + c for r, c in turns)
     if deficit >= r_lo + c_lo:
         fill(turns, deficit, 0)
     elif deficit < 0 and len(turns) - 1 not in [t + 1 for t in compact_after] and len(turns) > 1:
@@ -225,6 +263,7 @@ def synth_execution(execution: str, spec: SynthSpec = SynthSpec(), seed: int = 0
     root = prev = w.emit(None, 0, root_prompt, turns[0][1], "main")
     first_sub: int | None = None
     restart_len = None
+    segment = [root]  # the main calls since the last (re)start
     n_summaries = 0
     sub_index = 0
     for t in range(n_main):
@@ -234,9 +273,11 @@ def synth_execution(execution: str, spec: SynthSpec = SynthSpec(), seed: int = 0
         elif restart_len is not None:
             # Branch: the restarted conversation shares system prompt + <|im_start|>user\n with the root.
             prev = w.emit(root, sys_main + len(_USER_HEAD), w.chunk((), restart_len, _TURN_TAIL), c, "main")
+            segment = [prev]
             restart_len = None
         else:
             prev = w.emit(prev, w.full[prev], w.chunk(_TOOL_HEAD, r, _TOOL_TAIL), c, "main")
+            segment.append(prev)
         while spawn_after and spawn_after[0] == t:
             spawn_after.pop(0)
             results, completions = subs[sub_index]
@@ -257,7 +298,9 @@ def synth_execution(execution: str, spec: SynthSpec = SynthSpec(), seed: int = 0
             compact_after.pop(0)
             instruction, summary = summaries[n_summaries]
             n_summaries += 1
-            w.emit(prev, w.full[prev], w.chunk(_TOOL_HEAD[:4], instruction, _TURN_TAIL), summary, "main-summary")
+            first = segment[0]
+            prompt = np.concatenate([w.resent(segment), w.chunk(_TOOL_HEAD[:4], instruction, _TURN_TAIL)])
+            w.emit(first, w.full[first] - w.parts[first][1].shape[0], prompt, summary, "main-summary")
             restart_len = turns[t + 1][0]
     shape = SynthShape(main_calls=sum(1 for call in w.calls if call.role == "main"), compactions=n_summaries,
                        sub_agent_calls=tuple(int(n) for n in sub_calls), tokens=w.tokens)

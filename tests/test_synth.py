@@ -10,7 +10,7 @@ import pytest
 
 import schemas
 from gyre.synth import SynthSpec, synth_execution, synth_executions
-from gyre.tokenizer import IM_END, IM_START
+from gyre.tokenizer import IM_END, IM_START, THINK, THINK_END
 from gyre.trajectory import build_tree, trajectories
 
 
@@ -50,12 +50,19 @@ def test_shape_and_proxy_structure(seed):
         parent = by_id[c.parent_call]
         assert parent.seq < c.seq
         plen = len(full[parent.call])
-        if c.prefix_len == plen:
-            # Extension: the next turn of the same line (tool result or compaction instruction).
-            assert c.role == parent.role or (c.role == "main-summary" and parent.role == "main")
+        if c.role == "main-summary":
+            # A new user query: the template drops the segment's reasoning, so the summary call
+            # branches where the parent's completion began with <think> and re-sends the segment.
+            completion = parent.tokens.completion_ids
+            assert parent.role == "main" and c.prefix_len == plen - len(completion)
+            assert completion[0] == THINK and THINK not in c.tokens.prompt_ids
+            visible = completion[completion.index(THINK_END) + 1:]
+            assert c.tokens.prompt_ids[:len(visible)] == visible
+        elif c.prefix_len == plen:
+            # Extension: the next turn of the same line (a tool result).
+            assert c.role == parent.role
             assert c.tokens.prompt_ids[1] == IM_START
-            if c.role != "main-summary":
-                assert 100 <= len(c.tokens.prompt_ids) <= 5000
+            assert 100 <= len(c.tokens.prompt_ids) <= 5000
         else:
             # Branch at the longest common prefix: the next ids differ from the parent's.
             assert 3 <= c.prefix_len < plen
@@ -64,8 +71,8 @@ def test_shape_and_proxy_structure(seed):
     tree = build_tree("e0", calls)
     assert not tree.invalid and tree.pending == 0 and tree.n_tokens == shape.tokens
     leaves = tree.leaves()
-    assert len(leaves) == 1 + shape.compactions + len(shape.sub_agent_calls)
-    assert sorted(tree.role(leaf) for leaf in leaves).count("main") == 1
+    assert len(leaves) == 1 + 2 * shape.compactions + len(shape.sub_agent_calls)
+    assert [tree.role(leaf) for leaf in leaves].count("main") == 1 + shape.compactions  # one per segment
     for leaf in leaves:
         assert tree.full_ids(leaf).tolist() == full[leaf]
 
