@@ -4,8 +4,13 @@ Contract:
 - A `Sample` is the kept trajectories of one execution with its advantage A_e; its
   N_e = Σ_τ |K_τ| over those trajectories (DESIGN.md "Learning").
 - `pack(samples, token_budget)` fills micro-steps in order. A trajectory is never split;
-  the budget is a soft cap: a trajectory that would overflow a non-empty micro-step opens
-  the next one, and a trajectory longer than the budget gets a micro-step of its own. Every
+  the budget is a soft cap on *distinct* positions — a trajectory costs its length minus
+  the longest token prefix it shares with a trajectory already in the micro-step, because
+  the trainer runs a shared prefix once (`gyre.trainer.prefix_forest`; DESIGN.md
+  "Trajectory processing": shared tokens are computed once) — so an execution's kept
+  trajectories, which arrive together and share their system prompt, tend to land in one
+  micro-step. A trajectory that would overflow a non-empty micro-step opens the next one,
+  and a trajectory longer than the budget gets a micro-step of its own. Every
   trajectory records its execution, A_e and N_e (the whole step's N_e, even when the
   execution's trajectories land in several micro-steps), so loss denominators are exact.
 - `to_bytes` / `from_bytes`: a safetensors blob (tensors little-endian, header JSON) with
@@ -106,8 +111,10 @@ class MicrostepData:
         return out
 
 
-def pack(samples: list[Sample], token_budget: int, *, step: int = 0, first_index: int = 0) -> list[MicrostepData]:
-    """Pack samples' trajectories into micro-steps of about `token_budget` positions.
+def pack(samples: list[Sample], token_budget: int, *, step: int = 0, first_index: int = 0,
+         shared_once: bool = True) -> list[MicrostepData]:
+    """Pack samples' trajectories into micro-steps of about `token_budget` distinct positions
+    (`shared_once=False`: every position counts, for a trainer that does not share prefixes).
 
     Trajectories with |K_τ| = 0 are dropped (they would contribute nothing). Samples with
     no trajectory are skipped. Micro-steps are numbered from `first_index`.
@@ -122,14 +129,24 @@ def pack(samples: list[Sample], token_budget: int, *, step: int = 0, first_index
         for traj in sample.trajectories:
             if traj.n_trained == 0:
                 continue
-            if current and size + len(traj) > token_budget:
+            cost = len(traj)
+            if shared_once:
+                cost -= max((_common_prefix(traj.input_ids, t.input_ids) for _, t in current), default=0)
+            if current and size + cost > token_budget:
                 groups.append(current)
-                current, size = [], 0
+                current, size, cost = [], 0, len(traj)
             current.append((sample, traj))
-            size += len(traj)
+            size += cost
     if current:
         groups.append(current)
     return [_build(g, step, first_index + i) for i, g in enumerate(groups)]
+
+
+def _common_prefix(x: np.ndarray, y: np.ndarray) -> int:
+    """Length of the longest common prefix of two 1-D id arrays."""
+    n = min(x.shape[0], y.shape[0])
+    diff = np.flatnonzero(x[:n] != y[:n])
+    return int(diff[0]) if diff.size else n
 
 
 def _build(items: list[tuple[Sample, Trajectory]], step: int, index: int) -> MicrostepData:

@@ -1,6 +1,8 @@
 """Packing samples into micro-steps and the binary micro-step format."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from safetensors.numpy import save
@@ -24,8 +26,9 @@ def traj(execution, n, trained, *, seed=0, leaf="c", role="main", temperature=1.
 
 
 def test_pack_respects_soft_budget_and_never_splits():
-    a = Sample("A", 0.5, (traj("A", 5, 2, leaf="a1"), traj("A", 4, 1, leaf="a2")))
-    b = Sample("B", -1.0, (traj("B", 12, 3, leaf="b1"), traj("B", 7, 0, leaf="b-empty"), traj("B", 3, 3, leaf="b2")))
+    a = Sample("A", 0.5, (traj("A", 5, 2, leaf="a1", seed=1), traj("A", 4, 1, leaf="a2", seed=2)))
+    b = Sample("B", -1.0, (traj("B", 12, 3, leaf="b1", seed=3), traj("B", 7, 0, leaf="b-empty", seed=4),
+                           traj("B", 3, 3, leaf="b2", seed=5)))
     out = pack([a, b], 10, step=4, first_index=2)
     assert [m.n_tokens for m in out] == [9, 12, 3]  # 12 > budget: alone; the |K| = 0 path is dropped
     assert [m.index for m in out] == [2, 3, 4] and all(m.step == 4 for m in out)
@@ -39,6 +42,25 @@ def test_pack_respects_soft_budget_and_never_splits():
     assert m0.seq_index().tolist() == [0] * 5 + [1] * 4
     with pytest.raises(ValueError):
         pack([a], 0)
+
+
+def test_pack_counts_a_shared_prefix_once():
+    """Trajectories of one execution share a system prompt; the trainer runs it once, so the
+    budget counts it once: 3 paths of 1,000 positions sharing 800 cost 1,000 + 2 · 200."""
+    prompt = np.arange(800, dtype=np.int32)
+
+    def path(k, seed):
+        t = traj("A", 1000, 50, seed=seed, leaf=f"a{k}")
+        return dataclasses.replace(t, input_ids=np.concatenate([prompt, t.input_ids[800:]]))
+
+    paths = tuple(path(k, 10 + k) for k in range(3))
+    (one,) = pack([Sample("A", 1.0, paths)], 1400)
+    assert one.n_trajectories == 3 and one.n_tokens == 3000  # stored whole; run once by the trainer
+    assert [m.n_trajectories for m in pack([Sample("A", 1.0, paths)], 1399)] == [2, 1]
+    assert [m.n_trajectories for m in pack([Sample("A", 1.0, paths)], 1400, shared_once=False)] == [1, 1, 1]
+    # Unrelated trajectories still count in full.
+    other = Sample("B", 1.0, (traj("B", 1000, 50, seed=99),))
+    assert [m.n_trajectories for m in pack([Sample("A", 1.0, paths[:1]), other], 1999)] == [1, 1]
 
 
 def test_pack_mixes_executions_in_one_microstep():
