@@ -66,7 +66,7 @@ class BenchConfig:
     executions: int = 8
     reps: int = 3
     fwd_bwd_size: int = 50_000
-    fwd_bwd_executions: int = 3
+    fwd_bwd_executions: int = 6
     token_budget: int = 16384
     seed: int = 0
     model_dir: str = ""
@@ -297,8 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="tokens per execution, comma-separated")
     p.add_argument("--executions", type=int, default=8, help="executions per size (default 8)")
     p.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
-    p.add_argument("--fwd-bwd-executions", type=int, default=3,
-                   help="executions of the smallest size to forward-backward (default 3 of 8, for time)")
+    p.add_argument("--fwd-bwd-executions", type=int, default=6,
+                   help="executions of the smallest size to forward-backward (default 6 of 8: about 15 minutes in all on 2 cores)")
     p.add_argument("--token-budget", type=int, default=16384, help="positions per micro-step (default 16384)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="", help="checkpoint directory (default: write the embedded default)")
