@@ -288,3 +288,79 @@ def build_tokenizer():
         clean_up_tokenization_spaces=False,
         split_special_tokens=False,
     )
+
+
+# --------------------------------------------------------------------------- fast encoding
+#
+# The proxy tokenises every new message of every call. tiktoken encodes the same ranks
+# with the same pre-tokenizer regex several times faster than the HF pipeline (about
+# 0.08 vs 0.3–0.45 ms for a 220-token tool result on the 2-core VM); the HF tokenizer stays
+# the reference (tests/test_tokenizer.py compares the two on arbitrary text).
+
+
+@functools.lru_cache(maxsize=1)
+def _tiktoken_encoding():
+    import tiktoken
+
+    special = {content: ENDOFTEXT + i for i, (content, _) in enumerate(ADDED_TOKENS)}
+    return tiktoken.Encoding("gyre-qwen3", pat_str=PRETOKENIZE_REGEX, mergeable_ranks=_load_ranks(ranks_path()),
+                             special_tokens=special)
+
+
+def _pipeline_digest(tokenizer_json: str) -> str:
+    """sha256 of what decides a tokenizer's ids: the serialised pipeline without padding and
+    truncation, with the BPE affixes '' and None taken as equal (a checkpoint saved by
+    transformers writes '' where gyre's build has None)."""
+    doc = json.loads(tokenizer_json)
+    doc.pop("padding", None)
+    doc.pop("truncation", None)
+    model = doc.get("model") or {}
+    for key in ("continuing_subword_prefix", "end_of_word_suffix"):
+        if model.get(key) == "":
+            model[key] = None
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _reference_digest() -> str:
+    return _pipeline_digest(tokenizer_json_path().read_text(encoding="utf-8"))
+
+
+_FAST: dict[int, tuple[object, object]] = {}  # id(backend) → (backend, encode or None)
+
+
+def fast_encoder(tokenizer):
+    """A faster `encode(text) -> list[int]` giving the same ids as `tokenizer` (no special
+    tokens added, added-token text parsed anywhere), or None when `tokenizer` is not gyre's
+    Qwen3 tokenizer (its backend's pipeline differs — `_pipeline_digest` — or it splits
+    special tokens), e.g. a checkpoint's own tokenizer of another vocabulary.
+
+    The encoder is tiktoken over the same ranks, pre-tokenizer regex and added tokens,
+    after NFC normalisation (the HF pipeline's normaliser). Text tiktoken rejects (e.g.
+    lone surrogates) goes to the HF encoder. The check hashes the backend once per
+    tokenizer object (≈ 1 s with building tiktoken's tables, once per process).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "split_special_tokens", False):
+        return None
+    hit = _FAST.get(id(backend))
+    if hit is not None and hit[0] is backend:
+        return hit[1]
+    encode = None
+    if _pipeline_digest(backend.to_str()) == _reference_digest():
+        import unicodedata
+
+        enc = _tiktoken_encoding()
+        specials = enc.special_tokens_set
+        slow = backend.encode
+
+        def encode(text: str) -> list[int]:
+            if not unicodedata.is_normalized("NFC", text):
+                text = unicodedata.normalize("NFC", text)
+            try:
+                return enc.encode(text, allowed_special=specials)
+            except (UnicodeEncodeError, ValueError):
+                return slow(text, add_special_tokens=False).ids
+
+    _FAST[id(backend)] = (backend, encode)
+    return encode

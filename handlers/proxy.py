@@ -81,6 +81,7 @@ from gyre.chat import parse_completion
 from gyre.harness import verify_key as harness_verify_key
 from gyre.roles import PROFILES, CallFacts, Classification, classify, profile_for_harness
 from gyre.tito import CallStore, Match
+from gyre.tokenizer import fast_encoder
 from handlers.engine_client import EngineClient, EngineRequestError, EngineUnavailable, make_session
 from handlers.proxy_anthropic import MessagesApi, parse_messages_request
 from handlers.proxy_api import Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, internal_message
@@ -742,6 +743,7 @@ async def run(cfg: Config, stop: asyncio.Event,
     from bus import Bus
 
     tokenizer = load_tokenizer(cfg.model_dir)
+    fast_encoder(tokenizer)  # build tiktoken's tables now, not on the first call
     bus = None
     if cfg.nats_url:
         bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="proxy")

@@ -105,6 +105,34 @@ def test_encoding_equals_tiktoken_property(text):
     assert qtok.build_tokenizer().encode(text) == _reference().encode(text)
 
 
+_MARKERS = [c for c, _ in qtok.ADDED_TOKENS] + ["<", "|>", "<|im_", "\u0301", "\ufb01", "e\u0301", "\r\n", "  "]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=30),
+                          st.sampled_from(_MARKERS)), max_size=12))
+def test_fast_encoder_equals_the_hf_pipeline(parts):
+    """The proxy's encoder (tiktoken, NFC first) gives the HF tokenizer's ids on any text,
+    added-token markers and non-NFC text included."""
+    tok = qtok.build_tokenizer()
+    encode = qtok.fast_encoder(tok)
+    text = "".join(parts)
+    assert encode(text) == tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_fast_encoder_only_for_gyre_pipeline(tmp_path):
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    assert qtok.fast_encoder(qtok.build_tokenizer()) is not None
+    assert qtok.fast_encoder(object()) is None
+    other = Tokenizer.from_file(str(qtok.tokenizer_json_path()))
+    other.normalizer = None  # a different pipeline: no tiktoken shortcut
+    path = tmp_path / "tokenizer.json"
+    other.save(str(path))
+    assert qtok.fast_encoder(PreTrainedTokenizerFast(tokenizer_file=str(path))) is None
+
+
 def test_conversion_is_reproducible_and_cached(tmp_path, monkeypatch):
     cached = qtok.tokenizer_json_path()
     assert qtok.tokenizer_json_path() is cached  # in-process cache
