@@ -154,13 +154,21 @@ def render(
     kwargs: dict[str, Any] = {}
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking
-    text = tokenizer.apply_chat_template(
-        normalize_messages(messages),
-        tools=list(tools) if tools else None,
-        add_generation_prompt=add_generation_prompt,
-        tokenize=False,
-        **kwargs,
-    )
+    compiled = _compiled(tokenizer.chat_template) if uses_gyre_template(tokenizer) else None
+    if compiled is not None:
+        # gyre's template reads only messages, tools, add_generation_prompt and
+        # enable_thinking: render it directly, without apply_chat_template's per-call deep
+        # copies of the conversation (tests/test_chat.py checks the two agree).
+        text = compiled.render(messages=normalize_messages(messages), tools=list(tools) if tools else None,
+                               add_generation_prompt=add_generation_prompt, **kwargs)
+    else:
+        text = tokenizer.apply_chat_template(
+            normalize_messages(messages),
+            tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **kwargs,
+        )
     if not isinstance(text, str):  # a template that returns a batch or ids would break TITO
         raise ValueError(f"chat template returned {type(text).__name__}, expected str")
     return text
@@ -298,15 +306,24 @@ def _render_fast(tokenizer: Any, messages: list[dict[str, Any]], add_generation_
     transformers caches, called directly (apply_chat_template's per-call copying and
     conversion cost more than the template itself on a few messages). Falls back to
     `render` when that private helper is missing."""
-    template = tokenizer.chat_template
+    compiled = _compiled(tokenizer.chat_template)
+    if compiled is None:  # pragma: no cover - depends on the transformers version
+        return tokenizer.apply_chat_template(messages, tools=None, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)
+    return compiled.render(messages=messages, tools=None, add_generation_prompt=add_generation_prompt)
+
+
+def _compiled(template: str) -> Any:
+    """The template compiled the way transformers compiles it (its sandboxed Jinja
+    environment and filters), cached; None when that private helper is missing."""
     compiled = _compiled_cache.get(template)
     if compiled is None:
         try:
             from transformers.utils.chat_template_utils import _compile_jinja_template
         except ImportError:  # pragma: no cover - depends on the transformers version
-            return render(tokenizer, messages, None, add_generation_prompt)
+            return None
         compiled = _compiled_cache[template] = _compile_jinja_template(template)
-    return compiled.render(messages=messages, tools=None, add_generation_prompt=add_generation_prompt)
+    return compiled
 
 
 def _cut_after_last_im_end(text: str) -> str:

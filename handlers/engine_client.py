@@ -40,7 +40,8 @@ def make_session(connect_s: float = 10.0, sock_read_s: float = 600.0, limit: int
     connect, `sock_read_s` seconds of socket silence before giving up, up to `limit`
     concurrent connections. Create one per process, inside the running event loop."""
     timeout = aiohttp.ClientTimeout(total=None, connect=connect_s, sock_connect=connect_s, sock_read=sock_read_s)
-    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=limit))
+    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=limit),
+                                 cookie_jar=aiohttp.DummyCookieJar())  # engines set no cookies
 
 
 def _parse(raw: bytes) -> object:

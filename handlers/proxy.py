@@ -372,13 +372,13 @@ class ProxyState:
             client = self.client(url)
             rid = f"{call_id}:{tries}:{uuid.uuid4().hex[:8]}"
             tries += 1
-            attempt.client, attempt.rid, attempt.cell, attempt.evicted = client, rid, cell, asyncio.Event()
+            attempt.client, attempt.rid, attempt.cell, attempt.evicted = client, rid, cell, False
             self.router.track(attempt)
             try:
                 async with self._semaphore:
                     t_engine = time.monotonic()
                     result = await race(client.generate(prompt_ids, engine_sampling(sampling), rid,
-                                                         execution=execution), attempt.evicted)
+                                                         execution=execution), attempt)
             except EngineUnavailable as exc:
                 attempt.client = None
                 clog.info("proxy.engine.unavailable", cell=cell, error=str(exc)[:200], retry_in_s=backoff)

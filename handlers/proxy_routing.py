@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable
+from collections.abc import Coroutine
 from typing import Any
 
 from handlers.engine_client import EngineClient
@@ -21,13 +21,15 @@ from schemas.cell import CellSwitched, RouteUpdated
 
 @dataclasses.dataclass(slots=True, eq=False)
 class Attempt:
-    """The engine request in flight for a call (for aborting it upstream). evicted is set
-    when its cell leaves rollout while the request runs."""
+    """The engine request in flight for a call (for aborting it upstream). `evicted` turns
+    True, and `task` (the request, while `race` awaits it) is cancelled, when its cell
+    leaves rollout while the request runs."""
 
     client: EngineClient | None = None
     rid: str = ""
     cell: str = ""
-    evicted: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    evicted: bool = False
+    task: asyncio.Future | None = None
 
 
 class Router:
@@ -53,7 +55,9 @@ class Router:
 
     def _evict(self, cell: str) -> None:
         for attempt in self.inflight.pop(cell, ()):
-            attempt.evicted.set()
+            attempt.evicted = True
+            if attempt.task is not None:
+                attempt.task.cancel()
 
     def handle_cell_switched(self, event: CellSwitched) -> None:
         old = self.cells.get(event.cell)
@@ -112,22 +116,22 @@ class Router:
             pass
 
 
-async def race(coro: Awaitable[Any], evicted: asyncio.Event) -> Any:
-    """The result of `coro`, or None when `evicted` is set first (`coro` is then cancelled)."""
-    gen = asyncio.ensure_future(coro)
-    gen.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: never "unretrieved"
-    waiter = asyncio.ensure_future(evicted.wait())
+async def race(coro: Coroutine[Any, Any, Any], attempt: Attempt) -> Any:
+    """The result of `coro`, or None when the router evicts `attempt` first (`coro` is then
+    cancelled). Cancelling the caller cancels `coro` and raises CancelledError as usual."""
+    if attempt.evicted:
+        coro.close()
+        return None
+    task = attempt.task = asyncio.ensure_future(coro)
     try:
-        await asyncio.wait({gen, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        return await task
     except asyncio.CancelledError:
-        gen.cancel()
+        me = asyncio.current_task()
+        if attempt.evicted and not (me is not None and me.cancelling()):
+            return None
         raise
     finally:
-        waiter.cancel()
-    if gen.done():
-        return gen.result()
-    gen.cancel()
-    return None
+        attempt.task = None
 
 
 def engine_sampling(sp: SamplingParams) -> dict:

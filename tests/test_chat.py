@@ -265,3 +265,28 @@ def test_parse_never_raises(text):
     assert isinstance(p.content, str)
     for c in p.tool_calls:
         assert isinstance(json.loads(c.arguments), dict)
+
+
+_PIECES = tool_conversation() + [
+    {"role": "user", "content": "Now also the docs."},
+    {"role": "system", "content": "Mid-conversation note."},
+    {"role": "assistant", "content": "<think>\nhm\n</think>\n\nok"},
+    {"role": "assistant", "content": "", "reasoning_content": "only thinking"},
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(range(len(_PIECES))), min_size=1, max_size=8), st.booleans(), st.booleans(),
+       st.sampled_from([None, True, False]))
+def test_render_matches_apply_chat_template(picks, with_tools, gen, thinking):
+    """`render` calls gyre's compiled template directly; it must equal transformers'
+    apply_chat_template on any conversation, with or without tools and thinking switch."""
+    from gyre.chat import normalize_messages
+
+    tok = qtok.build_tokenizer()
+    msgs = [_PIECES[i] for i in picks]
+    tools = [BASH] if with_tools else None
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    expected = tok.apply_chat_template(normalize_messages(msgs), tools=tools, add_generation_prompt=gen,
+                                       tokenize=False, **kwargs)
+    assert render(tok, msgs, tools, gen, enable_thinking=thinking) == expected
