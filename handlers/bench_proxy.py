@@ -12,7 +12,7 @@ one bash tool and a task; each call's answer (the tool call the proxy parsed) is
 back in the history with a ~200-token tool result; after 50 calls the execution ends
 (`execution.finished` is published, as the runner does, so the proxy frees its store) and
 a new one takes its place. Executions start at a uniformly random age in [0, 50) reached
-by an unmeasured warm-up, so histories are in their steady state from the first measured
+by an unmeasured warm-up (the measured window starts once its calls are stored), so histories are in their steady state from the first measured
 call. Variants: `chat` / `chat_stream` (OpenAI Chat Completions) and `messages` /
 `messages_stream` (Anthropic Messages; skipped with a reason while the proxy has no
 `/v1/messages`).
@@ -416,6 +416,7 @@ class Load:
         self.bus = bus
         self.run = run
         self.answered = 0  # calls answered by the proxy (published events expected)
+        self.stored_offset = 0  # calls stored before this load's first (the bench's probe)
         self._finishing: set[asyncio.Task] = set()
 
     def new_conversation(self, variant: str) -> Conversation:
@@ -494,11 +495,19 @@ class Load:
         await asyncio.gather(*(one(c) for c in convs))
         return convs
 
+    async def settle(self, bound_s: float = 60.0) -> None:
+        """Wait until every call answered so far is stored. The warm-up's calls are branches
+        with whole histories (object-store writes, full renders); their publishes finish
+        after the answers, and the measured window starts once they have (steady state)."""
+        if self.bus is not None:
+            await _wait_stored(self.bus, self.run, self.stored_offset + self.answered, bound_s)
+
     async def run_proxy(self, variant: str, slots: int, think_s: float, duration_s: float,
                         rng: random.Random) -> RunStats:
         """`slots` executions at random ages (warm-up unmeasured), then `duration_s` measured."""
         stats = RunStats()
         convs = await self.warm_up(variant, slots, rng)
+        await self.settle()
         t_end = time.perf_counter() + duration_s
 
         async def slot(i: int) -> None:
@@ -656,6 +665,7 @@ async def bench(cfg: BenchConfig, workdir: Path) -> dict:
             skip_messages = await _probe_messages(session, proxy_url)
             # the probe's own call (if answered) is stored before any variant starts counting
             await _wait_stored(bus, run, 0 if skip_messages else 1, 10.0)
+            load.stored_offset = await _stored_calls(bus, run)
             result["machine"] = machine()
             for variant in cfg.variants:
                 if variant.startswith("messages") and skip_messages:

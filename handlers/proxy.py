@@ -611,6 +611,7 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
                   prefix_len=match.prefix_len, extended=match.extended, prompt_tokens=len(prompt),
                   new_prompt_tokens=len(prompt) - match.prefix_len, completion_tokens=len(result.output_ids),
                   finish=result.finish, drift=match.drift, cell=result.cell, stream=req.stream,
+                  queue_s=round(result.queue_s, 4), engine_s=round(result.engine_s, 4),
                   total_s=round(time.monotonic() - t0, 4))
         return resp
     except (asyncio.CancelledError, ConnectionResetError):
