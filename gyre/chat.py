@@ -154,11 +154,13 @@ def render(
     kwargs: dict[str, Any] = {}
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking
-    compiled = _compiled(tokenizer.chat_template) if uses_gyre_template(tokenizer) else None
+    plain = bool(messages) and all(isinstance(t, dict) for t in tools or ())
+    compiled = _compiled(tokenizer.chat_template) if plain and uses_gyre_template(tokenizer) else None
     if compiled is not None:
         # gyre's template reads only messages, tools, add_generation_prompt and
         # enable_thinking: render it directly, without apply_chat_template's per-call deep
-        # copies of the conversation (tests/test_chat.py checks the two agree).
+        # copies of the conversation (tests/test_chat.py checks the two agree). Tools given
+        # as functions or other objects, and empty conversations, take transformers' path.
         text = compiled.render(messages=normalize_messages(messages), tools=list(tools) if tools else None,
                                add_generation_prompt=add_generation_prompt, **kwargs)
     else:

@@ -116,7 +116,7 @@ class TrainSection:
     grad_clip: float = 1.0  # global L2 norm clip
     eps_low: float = 3e-4  # GSPO clip range (Zheng et al. 2025)
     eps_high: float = 4e-4
-    microstep_tokens: int = 16384  # soft token budget of one micro-step
+    microstep_tokens: int = 16384  # soft budget of distinct token positions in one micro-step
     j_max: int = 5  # trajectories kept per execution (DESIGN.md "Trajectory processing")
     max_staleness: int = 1  # S: tokens older than this many versions are masked
 

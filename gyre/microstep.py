@@ -5,8 +5,8 @@ Contract:
   N_e = Σ_τ |K_τ| over those trajectories (DESIGN.md "Learning").
 - `pack(samples, token_budget)` fills micro-steps in order. A trajectory is never split;
   the budget is a soft cap on *distinct* positions — a trajectory costs its length minus
-  the longest token prefix it shares with a trajectory already in the micro-step, because
-  the trainer runs a shared prefix once (`gyre.trainer.prefix_forest`; DESIGN.md
+  the longest token prefix (of at least `shared_min_tokens`) it shares with a trajectory
+  already in the micro-step, because the trainer runs a shared prefix once (`gyre.trainer.prefix_forest`; DESIGN.md
   "Trajectory processing": shared tokens are computed once) — so an execution's kept
   trajectories, which arrive together and share their system prompt, tend to land in one
   micro-step. A trajectory that would overflow a non-empty micro-step opens the next one,
@@ -37,6 +37,7 @@ from safetensors.numpy import save as _st_save
 from gyre.trajectory import Trajectory
 
 FORMAT = "gyre.microstep.v1"
+SHARED_PREFIX_MIN_TOKENS = 64  # the trainer's default: shorter common prefixes are recomputed
 
 
 class MicrostepFormatError(ValueError):
@@ -112,9 +113,12 @@ class MicrostepData:
 
 
 def pack(samples: list[Sample], token_budget: int, *, step: int = 0, first_index: int = 0,
-         shared_once: bool = True) -> list[MicrostepData]:
-    """Pack samples' trajectories into micro-steps of about `token_budget` distinct positions
-    (`shared_once=False`: every position counts, for a trainer that does not share prefixes).
+         shared_min_tokens: int = SHARED_PREFIX_MIN_TOKENS) -> list[MicrostepData]:
+    """Pack samples' trajectories into micro-steps of about `token_budget` distinct positions.
+
+    shared_min_tokens: a common prefix counts once only when it is at least this long — the
+    trainer's `TrainerConfig.shared_prefix_min_tokens`, below which it recomputes a prefix;
+    0 counts every position (a trainer that does not share prefixes).
 
     Trajectories with |K_τ| = 0 are dropped (they would contribute nothing). Samples with
     no trajectory are skipped. Micro-steps are numbered from `first_index`.
@@ -130,8 +134,9 @@ def pack(samples: list[Sample], token_budget: int, *, step: int = 0, first_index
             if traj.n_trained == 0:
                 continue
             cost = len(traj)
-            if shared_once:
-                cost -= max((_common_prefix(traj.input_ids, t.input_ids) for _, t in current), default=0)
+            if shared_min_tokens:
+                shared = max((_common_prefix(traj.input_ids, t.input_ids) for _, t in current), default=0)
+                cost -= shared if shared >= shared_min_tokens else 0
             if current and size + cost > token_budget:
                 groups.append(current)
                 current, size, cost = [], 0, len(traj)

@@ -308,12 +308,10 @@ def _tiktoken_encoding():
 
 
 def _pipeline_digest(tokenizer_json: str) -> str:
-    """sha256 of what decides a tokenizer's ids: the serialised pipeline without padding and
-    truncation, with the BPE affixes '' and None taken as equal (a checkpoint saved by
-    transformers writes '' where gyre's build has None)."""
+    """sha256 of what decides a tokenizer's ids: the serialised pipeline (truncation and
+    padding included), with the BPE affixes '' and None taken as equal (a checkpoint saved
+    by transformers writes '' where gyre's build has None)."""
     doc = json.loads(tokenizer_json)
-    doc.pop("padding", None)
-    doc.pop("truncation", None)
     model = doc.get("model") or {}
     for key in ("continuing_subword_prefix", "end_of_word_suffix"):
         if model.get(key) == "":
@@ -326,6 +324,15 @@ def _reference_digest() -> str:
     return _pipeline_digest(tokenizer_json_path().read_text(encoding="utf-8"))
 
 
+def _is_utf8(text: str) -> bool:
+    """False for text holding lone surrogates (not encodable; tiktoken would replace them)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 _FAST: dict[int, tuple[object, object]] = {}  # id(backend) → (backend, encode or None)
 
 
@@ -335,10 +342,13 @@ def fast_encoder(tokenizer):
     Qwen3 tokenizer (its backend's pipeline differs — `_pipeline_digest` — or it splits
     special tokens), e.g. a checkpoint's own tokenizer of another vocabulary.
 
-    The encoder is tiktoken over the same ranks, pre-tokenizer regex and added tokens,
-    after NFC normalisation (the HF pipeline's normaliser). Text tiktoken rejects (e.g.
-    lone surrogates) goes to the HF encoder. The check hashes the backend once per
-    tokenizer object (≈ 1 s with building tiktoken's tables, once per process).
+    The encoder is tiktoken over the same ranks, pre-tokenizer regex and added tokens, for
+    text that is already NFC (Python's `unicodedata`) and valid UTF-8 — what harness
+    traffic is. Other text goes to the HF encoder: its pipeline finds added tokens before
+    normalising the text between them (NFC of the whole text would, e.g., fuse the `>` of
+    `<think>` with a following U+0338) and uses its own Unicode tables. The check hashes
+    the backend's pipeline once per tokenizer object (≈ 1 s with building tiktoken's
+    tables, once per process).
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "split_special_tokens", False):
@@ -355,12 +365,9 @@ def fast_encoder(tokenizer):
         slow = backend.encode
 
         def encode(text: str) -> list[int]:
-            if not unicodedata.is_normalized("NFC", text):
-                text = unicodedata.normalize("NFC", text)
-            try:
-                return enc.encode(text, allowed_special=specials)
-            except (UnicodeEncodeError, ValueError):
+            if not unicodedata.is_normalized("NFC", text) or not _is_utf8(text):
                 return slow(text, add_special_tokens=False).ids
+            return enc.encode(text, allowed_special=specials)
 
     _FAST[id(backend)] = (backend, encode)
     return encode

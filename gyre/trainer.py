@@ -49,7 +49,7 @@ import structlog
 import torch
 
 from gyre.gspo import gspo_loss
-from gyre.microstep import MicrostepData
+from gyre.microstep import SHARED_PREFIX_MIN_TOKENS, MicrostepData
 
 log = structlog.get_logger()
 
@@ -80,7 +80,7 @@ class TrainerConfig:
     eps_high: float = 4e-4
     behaviour_logprobs: Literal["proxy", "recompute"] = "proxy"
     head_chunk_tokens: int = 512
-    shared_prefix_min_tokens: int = 64
+    shared_prefix_min_tokens: int = SHARED_PREFIX_MIN_TOKENS
     device: str = "cpu"
     seed: int = 0
 

@@ -33,7 +33,7 @@ Output (`--json PATH`, also printed): {"chat": {...}, "chat_stream": {...}, "mes
 {...}, "messages_stream": {...}, "machine": {...}, "config": {...}}; each variant holds
 `added_latency_ms_p50`, `added_latency_ms_p99`, `calls_per_s`, the raw percentiles
 (`proxy_latency_ms`, `direct_latency_ms`: p50/p90/p99), call counts, `errors` (non-2xx
-answers), `unstored`; a skipped variant holds `skipped` and null figures.
+answers), `unstored`, `settle` (per measured run: seconds until the warm-up was stored, and whether that wait timed out); a skipped variant holds `skipped` and null figures.
 Targets: added p50 ≤ 1 ms, p99 ≤ 5 ms; ≥ 1,000 calls/s.
 
 `--smoke` runs the same code paths for about a second each (CI). `--profile PATH` runs
@@ -417,6 +417,7 @@ class Load:
         self.run = run
         self.answered = 0  # calls answered by the proxy (published events expected)
         self.stored_offset = 0  # calls stored before this load's first (the bench's probe)
+        self.settles: list[dict] = []  # per measured run: how long the warm-up took to be stored
         self._finishing: set[asyncio.Task] = set()
 
     def new_conversation(self, variant: str) -> Conversation:
@@ -500,7 +501,11 @@ class Load:
         with whole histories (object-store writes, full renders); their publishes finish
         after the answers, and the measured window starts once they have (steady state)."""
         if self.bus is not None:
-            await _wait_stored(self.bus, self.run, self.stored_offset + self.answered, bound_s)
+            target = self.stored_offset + self.answered
+            stored, waited = await _wait_stored(self.bus, self.run, target, bound_s)
+            self.settles.append({"waited_s": round(waited, 3), "timed_out": stored < target})
+            if stored < target:
+                log.warning("bench.proxy.settle_timeout", stored=stored, expected=target, waited_s=round(waited, 1))
 
     async def run_proxy(self, variant: str, slots: int, think_s: float, duration_s: float,
                         rng: random.Random) -> RunStats:
@@ -674,6 +679,7 @@ async def bench(cfg: BenchConfig, workdir: Path) -> dict:
                     continue
                 vlog = log.bind(variant=variant)
                 before = load.answered
+                load.settles.clear()
                 stored_before = await _stored_calls(bus, run)
                 lat = await load.run_proxy(variant, cfg.executions, cfg.think_s, cfg.duration_s, rng)
                 direct = await load.run_direct(cfg.executions, cfg.think_s, cfg.duration_s, rng)
@@ -690,7 +696,7 @@ async def bench(cfg: BenchConfig, workdir: Path) -> dict:
                     "throughput_window_s": round(thr.window_s, 3),
                     "errors": lat.errors + thr.errors, "error_samples": lat.error_samples + thr.error_samples,
                     "answered": expected, "unstored": max(stored_before + expected - stored, 0),
-                    "drain_s": round(drain_s, 3),
+                    "drain_s": round(drain_s, 3), "settle": list(load.settles),
                 }
                 vlog.info("bench.proxy.variant", **{k: v for k, v in result[variant].items()
                                                     if k in ("added_latency_ms_p50", "added_latency_ms_p99",

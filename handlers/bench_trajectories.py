@@ -202,7 +202,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
             for setting in SETTINGS:
                 samples = [Sample(execution=tree.execution, advantage=1.0, trajectories=tuple(kept(tree, setting, cfg.seed)))
                            for tree in trees[cfg.fwd_bwd_size][:n_fb]]
-                microsteps[setting] = pack(samples, cfg.token_budget, shared_once=setting != "uncapped")
+                microsteps[setting] = pack(samples, cfg.token_budget,
+                                           shared_min_tokens=trainers[setting].cfg.shared_prefix_min_tokens)
                 fb_trained[setting] = sum(s.n_e for s in samples)
                 fb_positions[setting] = sum(len(t) for s in samples for t in s.trajectories)
             for t in (trainer, trainers["uncapped"]):

@@ -23,7 +23,8 @@ log = structlog.get_logger()
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Config:
-    """token_budget: soft token positions per micro-step; j_max, max_staleness: see gyre.builder."""
+    """token_budget: soft budget of distinct token positions per micro-step (gyre.microstep.pack);
+    j_max, max_staleness: see gyre.builder."""
 
     run: str
     nats_url: str

@@ -290,3 +290,23 @@ def test_render_matches_apply_chat_template(picks, with_tools, gen, thinking):
     expected = tok.apply_chat_template(normalize_messages(msgs), tools=tools, add_generation_prompt=gen,
                                        tokenize=False, **kwargs)
     assert render(tok, msgs, tools, gen, enable_thinking=thinking) == expected
+
+
+def test_render_edge_inputs_behave_as_apply_chat_template():
+    tok = qtok.build_tokenizer()
+    with pytest.raises(ValueError):  # transformers refuses an empty conversation; so does render
+        tok.apply_chat_template([], tokenize=False)
+    with pytest.raises(ValueError):
+        render(tok, [])
+
+    def bash(command: str) -> str:
+        """Run a shell command.
+
+        Args:
+            command: the command line
+        """
+        return command
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert render(tok, msgs, [bash]) == tok.apply_chat_template(msgs, tools=[bash], add_generation_prompt=True,
+                                                                tokenize=False)

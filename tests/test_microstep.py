@@ -57,7 +57,9 @@ def test_pack_counts_a_shared_prefix_once():
     (one,) = pack([Sample("A", 1.0, paths)], 1400)
     assert one.n_trajectories == 3 and one.n_tokens == 3000  # stored whole; run once by the trainer
     assert [m.n_trajectories for m in pack([Sample("A", 1.0, paths)], 1399)] == [2, 1]
-    assert [m.n_trajectories for m in pack([Sample("A", 1.0, paths)], 1400, shared_once=False)] == [1, 1, 1]
+    assert [m.n_trajectories for m in pack([Sample("A", 1.0, paths)], 1400, shared_min_tokens=0)] == [1, 1, 1]
+    # A prefix shorter than the trainer's sharing minimum is recomputed, so it counts in full.
+    assert [m.n_trajectories for m in pack([Sample("A", 1.0, paths)], 1400, shared_min_tokens=801)] == [1, 1, 1]
     # Unrelated trajectories still count in full.
     other = Sample("B", 1.0, (traj("B", 1000, 50, seed=99),))
     assert [m.n_trajectories for m in pack([Sample("A", 1.0, paths[:1]), other], 1999)] == [1, 1]

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import schemas
@@ -141,3 +142,43 @@ def test_bench_trajectories_smoke(tmp_path):
     expanded = expand_all(tree)
     assert len(expanded) == len(tree.leaves())
     assert sum(t.n_trained for t in expanded) >= sum(t.n_trained for t in trajectories(tree, j_max=None))
+
+
+def _lcp(a, b):
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_branch_points_are_the_longest_common_prefix_and_summaries_resend_their_segment(seed):
+    """What the proxy would record: every call attaches at its longest common token prefix
+    with any earlier call, and a summary call re-sends exactly its segment — the segment's
+    completions without reasoning and its later prompts — then the instruction."""
+    calls, shape = synth_execution("e0", SynthSpec(target_tokens=50_000), seed)
+    assert shape.compactions >= 1
+    full = {k: np.asarray(v) for k, v in _fulls(calls).items()}
+    for i, c in enumerate(calls):
+        if c.parent_call is not None:
+            assert c.prefix_len == max(_lcp(full[c.call], full[p.call]) for p in calls[:i]), c.call
+    by_id = {c.call: c for c in calls}
+
+    def visible(completion):
+        return list(completion[completion.index(THINK_END) + 1:])
+
+    for s in (c for c in calls if c.role == "main-summary"):
+        segment = [by_id[s.parent_call]]
+        for c in calls[segment[0].seq + 1:s.seq]:
+            if c.role == "main" and c.parent_call == segment[-1].call:
+                segment.append(c)
+        # The segment runs from the line's (re)start — the root or a restart, itself a branch —
+        # to the main call the compaction followed.
+        first = segment[0]
+        assert first.parent_call is None or first.prefix_len < len(full[first.parent_call])
+        assert segment[-1] is [c for c in calls[:s.seq] if c.role == "main"][-1]
+        expected = visible(segment[0].tokens.completion_ids)
+        for c in segment[1:]:
+            expected += list(c.tokens.prompt_ids) + visible(c.tokens.completion_ids)
+        prompt = list(s.tokens.prompt_ids)
+        assert prompt[:len(expected)] == expected
+        assert 100 <= len(prompt) - len(expected) <= 300  # the compaction instruction

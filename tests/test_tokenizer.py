@@ -105,7 +105,8 @@ def test_encoding_equals_tiktoken_property(text):
     assert qtok.build_tokenizer().encode(text) == _reference().encode(text)
 
 
-_MARKERS = [c for c, _ in qtok.ADDED_TOKENS] + ["<", "|>", "<|im_", "\u0301", "\ufb01", "e\u0301", "\r\n", "  "]
+_MARKERS = [c for c, _ in qtok.ADDED_TOKENS] + ["<", "|>", "<|im_", "\u0301", "\u0338", "\ufb01", "e\u0301", "\r\n",
+                                               "  ", "\U00011935\U00011930"]
 
 
 @settings(max_examples=300, deadline=None)
@@ -131,6 +132,19 @@ def test_fast_encoder_only_for_gyre_pipeline(tmp_path):
     path = tmp_path / "tokenizer.json"
     other.save(str(path))
     assert qtok.fast_encoder(PreTrainedTokenizerFast(tokenizer_file=str(path))) is None
+    truncating = Tokenizer.from_file(str(qtok.tokenizer_json_path()))
+    truncating.enable_truncation(4)  # changes what encode returns: no shortcut either
+    truncating.save(str(path))
+    assert qtok.fast_encoder(PreTrainedTokenizerFast(tokenizer_file=str(path))) is None
+
+
+@pytest.mark.parametrize("text", ["<think>\u0338x", "<|im_end|>\u0338", "</tool_call>\u0301\u0338",
+                                  "\U00011935\U00011930", "caf\u00e9 e\u0301"])
+def test_fast_encoder_leaves_non_nfc_text_to_the_hf_pipeline(text):
+    """NFC of the whole text would fuse a marker's '>' with a combining mark, and Python's
+    Unicode tables differ from the tokenizer's: such text takes the HF encoder."""
+    tok = qtok.build_tokenizer()
+    assert qtok.fast_encoder(tok)(text) == tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def test_conversion_is_reproducible_and_cached(tmp_path, monkeypatch):
