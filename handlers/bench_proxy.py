@@ -29,11 +29,17 @@ Per variant:
   call (the proxy publishes each with its PubAck awaited); `unstored` counts the missing
   ones after a bounded drain, `drain_s` how long the stream took to catch up.
 
+Repetitions: `reps` (3) per variant, each a latency pair (proxy and direct, alternating
+which runs first) and a throughput run; the keys hold medians over repetitions with
+`_min`/`_max` beside (BENCHMARKS.md preamble).
+
 Output (`--json PATH`, also printed): {"chat": {...}, "chat_stream": {...}, "messages":
 {...}, "messages_stream": {...}, "machine": {...}, "config": {...}}; each variant holds
-`added_latency_ms_p50`, `added_latency_ms_p99`, `calls_per_s`, the raw percentiles
-(`proxy_latency_ms`, `direct_latency_ms`: p50/p90/p99), call counts, `errors` (non-2xx
-answers), `unstored`, `settle` (per measured run: seconds until the warm-up was stored, and whether that wait timed out); a skipped variant holds `skipped` and null figures.
+`added_latency_ms_p50`, `added_latency_ms_p90`, `added_latency_ms_p99`, `calls_per_s`
+(medians, with `_min`/`_max`), `errors` (non-2xx answers), `unstored`, `settle` (per
+measured run: seconds until the warm-up was stored, and whether that wait timed out),
+and `reps`: per repetition the raw percentiles (`proxy_latency_ms`, `direct_latency_ms`:
+p50/p90/p99) and call counts; a skipped variant holds `skipped` and null figures.
 Targets: added p50 ≤ 1 ms, p99 ≤ 5 ms; ≥ 1,000 calls/s.
 
 `--smoke` runs the same code paths for about a second each (CI). `--profile PATH` runs
@@ -87,10 +93,11 @@ class BenchConfig:
     seed: int = 0
     profile: str = ""
     check_drift: bool = True
+    reps: int = 3
 
     def __post_init__(self) -> None:
-        if self.executions < 1 or self.concurrency < 1:
-            raise ValueError("executions and concurrency must be >= 1")
+        if self.executions < 1 or self.concurrency < 1 or self.reps < 1:
+            raise ValueError("executions, concurrency and reps must be >= 1")
         if self.duration_s <= 0 or self.think_s <= 0:
             raise ValueError("duration_s and think_s must be > 0")
         unknown = set(self.variants) - set(VARIANTS)
@@ -566,6 +573,36 @@ class _CallFailed(Exception):
         self.status = status
 
 
+def _rep_figures(lat: RunStats, direct: RunStats, thr: RunStats) -> dict:
+    """One repetition: proxy and direct latency percentiles, added latency, calls/s."""
+    p, d = percentiles_ms(lat.latencies), percentiles_ms(direct.latencies)
+    added = {q: (round(p[q] - d[q], 3) if p[q] is not None and d[q] is not None else None) for q in p}
+    return {"added_latency_ms": added, "proxy_latency_ms": p, "direct_latency_ms": d,
+            "calls_per_s": round(thr.calls / thr.window_s, 1) if thr.window_s else None,
+            "latency_calls": lat.calls, "direct_calls": direct.calls, "throughput_calls": thr.calls,
+            "throughput_window_s": round(thr.window_s, 3), "errors": lat.errors + thr.errors,
+            "error_samples": lat.error_samples + thr.error_samples}
+
+
+def _variant_figures(reps: list[dict]) -> dict:
+    """A variant's keys: the median over repetitions of added p50/p90/p99 and calls/s, with
+    `_min`/`_max` beside (BENCHMARKS.md preamble), and every repetition under `reps`."""
+    import statistics
+
+    out: dict[str, Any] = {}
+    series = {f"added_latency_ms_{q}": [r["added_latency_ms"][q] for r in reps] for q in ("p50", "p90", "p99")}
+    series["calls_per_s"] = [r["calls_per_s"] for r in reps]
+    for key, values in series.items():
+        values = [v for v in values if v is not None]
+        out[key] = round(statistics.median(values), 3) if values else None
+        if len(values) > 1:
+            out[f"{key}_min"], out[f"{key}_max"] = min(values), max(values)
+    out["errors"] = sum(r["errors"] for r in reps)
+    out["error_samples"] = [e for r in reps for e in r["error_samples"]][:3]
+    out["reps"] = reps
+    return out
+
+
 def percentiles_ms(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p90": None, "p99": None}
@@ -681,23 +718,23 @@ async def bench(cfg: BenchConfig, workdir: Path) -> dict:
                 before = load.answered
                 load.settles.clear()
                 stored_before = await _stored_calls(bus, run)
-                lat = await load.run_proxy(variant, cfg.executions, cfg.think_s, cfg.duration_s, rng)
-                direct = await load.run_direct(cfg.executions, cfg.think_s, cfg.duration_s, rng)
-                thr = await load.run_throughput(variant, cfg.concurrency, cfg.duration_s, rng)
+                reps = []
+                for rep in range(cfg.reps):
+                    # proxy and direct paths alternate which goes first, so a slow spell of
+                    # this shared machine does not always fall on the same one
+                    if rep % 2 == 0:
+                        lat = await load.run_proxy(variant, cfg.executions, cfg.think_s, cfg.duration_s, rng)
+                        direct = await load.run_direct(cfg.executions, cfg.think_s, cfg.duration_s, rng)
+                    else:
+                        direct = await load.run_direct(cfg.executions, cfg.think_s, cfg.duration_s, rng)
+                        lat = await load.run_proxy(variant, cfg.executions, cfg.think_s, cfg.duration_s, rng)
+                    thr = await load.run_throughput(variant, cfg.concurrency, cfg.duration_s, rng)
+                    reps.append(_rep_figures(lat, direct, thr))
                 expected = load.answered - before
                 stored, drain_s = await _wait_stored(bus, run, stored_before + expected, 60.0)
-                p, d = percentiles_ms(lat.latencies), percentiles_ms(direct.latencies)
-                added = {q: (round(p[q] - d[q], 3) if p[q] is not None and d[q] is not None else None) for q in p}
-                result[variant] = {
-                    "added_latency_ms_p50": added["p50"], "added_latency_ms_p99": added["p99"],
-                    "calls_per_s": round(thr.calls / thr.window_s, 1) if thr.window_s else None,
-                    "added_latency_ms_p90": added["p90"], "proxy_latency_ms": p, "direct_latency_ms": d,
-                    "latency_calls": lat.calls, "direct_calls": direct.calls, "throughput_calls": thr.calls,
-                    "throughput_window_s": round(thr.window_s, 3),
-                    "errors": lat.errors + thr.errors, "error_samples": lat.error_samples + thr.error_samples,
-                    "answered": expected, "unstored": max(stored_before + expected - stored, 0),
-                    "drain_s": round(drain_s, 3), "settle": list(load.settles),
-                }
+                result[variant] = _variant_figures(reps)
+                result[variant].update(answered=expected, unstored=max(stored_before + expected - stored, 0),
+                                       drain_s=round(drain_s, 3), settle=list(load.settles))
                 vlog.info("bench.proxy.variant", **{k: v for k, v in result[variant].items()
                                                     if k in ("added_latency_ms_p50", "added_latency_ms_p99",
                                                              "calls_per_s", "errors", "unstored")})
@@ -713,7 +750,7 @@ async def bench(cfg: BenchConfig, workdir: Path) -> dict:
                 p.kill()
                 p.wait()
         nats.stop()
-    result["config"] = {"executions": cfg.executions, "think_s": cfg.think_s, "duration_s": cfg.duration_s,
+    result["config"] = {"reps": cfg.reps, "executions": cfg.executions, "think_s": cfg.think_s, "duration_s": cfg.duration_s,
                         "concurrency": cfg.concurrency, "calls_per_execution": CALLS_PER_EXECUTION,
                         "completion_tokens": len(w.completion_ids), "system_tokens": len(prompts[0]),
                         "last_prompt_tokens": len(prompts[-1]),
@@ -750,14 +787,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the proxy with check_drift=False (diagnosis; not the benchmark's setting)")
     p.add_argument("--profile", default="", help="run the proxy under cProfile, stats to this path")
     p.add_argument("--workdir", default="", help="keep logs here (default: a temporary directory)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per variant, median reported (default 3)")
     a = p.parse_args(argv)
     from handlers.daemon import configure_logging
 
     configure_logging("bench-proxy")
-    base = BenchConfig(executions=8, duration_s=0.5, concurrency=4, think_s=0.2) if a.smoke else BenchConfig()
+    base = BenchConfig(executions=8, duration_s=0.5, concurrency=4, think_s=0.2, reps=1) if a.smoke else BenchConfig()
     cfg = dataclasses.replace(
         base, duration_s=a.duration_s or base.duration_s, executions=a.executions or base.executions,
-        concurrency=a.concurrency or base.concurrency, variants=tuple(v for v in a.variants.split(",") if v),
+        concurrency=a.concurrency or base.concurrency, reps=a.reps or base.reps, variants=tuple(v for v in a.variants.split(",") if v),
         profile=os.path.abspath(a.profile) if a.profile else "", check_drift=not a.no_drift_check)
     t0 = time.perf_counter()
     if a.workdir:

@@ -21,5 +21,18 @@ def test_bench_proxy_smoke(tmp_path):
         assert set(figures) >= {"added_latency_ms_p50", "added_latency_ms_p99", "calls_per_s"}
         assert figures["errors"] == 0, figures["error_samples"]
         assert figures["unstored"] == 0 and figures["answered"] > 0
-        assert figures["latency_calls"] > 0 and figures["direct_calls"] > 0 and figures["throughput_calls"] > 0
+        (rep,) = figures["reps"]  # --smoke: one repetition
+        assert rep["latency_calls"] > 0 and rep["direct_calls"] > 0 and rep["throughput_calls"] > 0
+        assert figures["added_latency_ms_p50"] == rep["added_latency_ms"]["p50"]
     assert not result["chat"].get("skipped")
+
+
+def test_variant_figures_are_medians_over_repetitions():
+    def rep(p50, p99, cps):
+        return {"added_latency_ms": {"p50": p50, "p90": 0.0, "p99": p99}, "calls_per_s": cps, "errors": 0,
+                "error_samples": []}
+
+    out = bench_proxy._variant_figures([rep(4.0, 30.0, 500.0), rep(9.0, 20.0, 450.0), rep(5.0, 90.0, 600.0)])
+    assert out["added_latency_ms_p50"] == 5.0 and out["added_latency_ms_p50_min"] == 4.0
+    assert out["added_latency_ms_p50_max"] == 9.0
+    assert out["added_latency_ms_p99"] == 30.0 and out["calls_per_s"] == 500.0 and len(out["reps"]) == 3
