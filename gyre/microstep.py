@@ -135,7 +135,7 @@ def pack(samples: list[Sample], token_budget: int, *, step: int = 0, first_index
                 continue
             cost = len(traj)
             if shared_min_tokens:
-                shared = max((_common_prefix(traj.input_ids, t.input_ids) for _, t in current), default=0)
+                shared = max((common_prefix(traj.input_ids, t.input_ids) for _, t in current), default=0)
                 cost -= shared if shared >= shared_min_tokens else 0
             if current and size + cost > token_budget:
                 groups.append(current)
@@ -147,7 +147,7 @@ def pack(samples: list[Sample], token_budget: int, *, step: int = 0, first_index
     return [_build(g, step, first_index + i) for i, g in enumerate(groups)]
 
 
-def _common_prefix(x: np.ndarray, y: np.ndarray) -> int:
+def common_prefix(x: np.ndarray, y: np.ndarray) -> int:
     """Length of the longest common prefix of two 1-D id arrays."""
     n = min(x.shape[0], y.shape[0])
     diff = np.flatnonzero(x[:n] != y[:n])

@@ -49,7 +49,7 @@ import structlog
 import torch
 
 from gyre.gspo import gspo_loss
-from gyre.microstep import SHARED_PREFIX_MIN_TOKENS, MicrostepData
+from gyre.microstep import SHARED_PREFIX_MIN_TOKENS, MicrostepData, common_prefix
 
 log = structlog.get_logger()
 
@@ -468,7 +468,7 @@ def prefix_forest(seqs: list[np.ndarray], min_shared: int) -> list[PrefixNode]:
         raise ValueError(f"min_shared must be >= 1, got {min_shared}")
     n = len(seqs)
     order = sorted(range(n), key=lambda r: np.asarray(seqs[r], dtype=">i8").tobytes())
-    lcp = [0] + [_common_prefix(seqs[order[j - 1]], seqs[order[j]]) for j in range(1, n)]
+    lcp = [0] + [common_prefix(seqs[order[j - 1]], seqs[order[j]]) for j in range(1, n)]
 
     def build(lo: int, hi: int, ctx: int) -> list[PrefixNode]:
         if hi - lo == 1:
@@ -492,12 +492,6 @@ def _cache(past):
     from transformers import DynamicCache
 
     return DynamicCache(ddp_cache_data=past)
-
-
-def _common_prefix(x: np.ndarray, y: np.ndarray) -> int:
-    n = min(len(x), len(y))
-    diff = np.flatnonzero(x[:n] != y[:n])
-    return int(diff[0]) if diff.size else n
 
 
 class _CachedPrefixAttention(torch.autograd.Function):

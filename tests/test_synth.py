@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import schemas
+from gyre.microstep import common_prefix
 from gyre.synth import SynthSpec, synth_execution, synth_executions
 from gyre.tokenizer import IM_END, IM_START, THINK, THINK_END
 from gyre.trajectory import build_tree, trajectories
@@ -144,12 +145,6 @@ def test_bench_trajectories_smoke(tmp_path):
     assert sum(t.n_trained for t in expanded) >= sum(t.n_trained for t in trajectories(tree, j_max=None))
 
 
-def _lcp(a, b):
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
-
-
 @pytest.mark.parametrize("seed", [0, 2])
 def test_branch_points_are_the_longest_common_prefix_and_summaries_resend_their_segment(seed):
     """What the proxy would record: every call attaches at its longest common token prefix
@@ -160,7 +155,7 @@ def test_branch_points_are_the_longest_common_prefix_and_summaries_resend_their_
     full = {k: np.asarray(v) for k, v in _fulls(calls).items()}
     for i, c in enumerate(calls):
         if c.parent_call is not None:
-            assert c.prefix_len == max(_lcp(full[c.call], full[p.call]) for p in calls[:i]), c.call
+            assert c.prefix_len == max(common_prefix(full[c.call], full[p.call]) for p in calls[:i]), c.call
     by_id = {c.call: c for c in calls}
 
     def visible(completion):
