@@ -154,23 +154,18 @@ def render(
     kwargs: dict[str, Any] = {}
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking
-    plain = bool(messages) and all(isinstance(t, dict) for t in tools or ())
+    norm, tool_list = normalize_messages(messages), list(tools) if tools else None
+    plain = bool(norm) and all(isinstance(t, dict) for t in tool_list or ())
     compiled = _compiled(tokenizer.chat_template) if plain and uses_gyre_template(tokenizer) else None
     if compiled is not None:
         # gyre's template reads only messages, tools, add_generation_prompt and
         # enable_thinking: render it directly, without apply_chat_template's per-call deep
         # copies of the conversation (tests/test_chat.py checks the two agree). Tools given
         # as functions or other objects, and empty conversations, take transformers' path.
-        text = compiled.render(messages=normalize_messages(messages), tools=list(tools) if tools else None,
-                               add_generation_prompt=add_generation_prompt, **kwargs)
+        text = compiled.render(messages=norm, tools=tool_list, add_generation_prompt=add_generation_prompt, **kwargs)
     else:
-        text = tokenizer.apply_chat_template(
-            normalize_messages(messages),
-            tools=list(tools) if tools else None,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            **kwargs,
-        )
+        text = tokenizer.apply_chat_template(norm, tools=tool_list, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False, **kwargs)
     if not isinstance(text, str):  # a template that returns a batch or ids would break TITO
         raise ValueError(f"chat template returned {type(text).__name__}, expected str")
     return text
