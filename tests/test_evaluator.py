@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,12 +20,8 @@ SANDBOX = SandboxConfig()
 
 
 @pytest.fixture
-def base():
-    """A directory the sandbox uid may traverse (setuid fallback), removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="gyre-eval-"))
-    os.chmod(path, 0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def base(sandbox_dir):
+    return sandbox_dir
 
 
 def workspace(base: Path, name: str, files: dict[str, str]) -> Path:

@@ -22,11 +22,8 @@ import asyncio
 import json
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
-import orjson
 import pytest
 from aiohttp import web
 
@@ -97,12 +94,9 @@ def tok():
 
 
 @pytest.fixture
-def run_dir():
+def run_dir(sandbox_dir):
     """A run directory outside /tmp's sticky root, traversable by the sandbox uid."""
-    base = Path(tempfile.mkdtemp(prefix="gyre-harness-"))
-    os.chmod(base, 0o711)
-    yield base / "run"
-    shutil.rmtree(base, ignore_errors=True)
+    return sandbox_dir / "run"
 
 
 class Stack:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -127,12 +125,9 @@ class FakeOpenAI:
 
 
 @pytest.fixture
-def run_dir():
+def run_dir(sandbox_dir):
     """A run directory whose ancestors the sandbox uid may traverse (setuid fallback)."""
-    base = Path(tempfile.mkdtemp(prefix="gyre-runner-"))
-    os.chmod(base, 0o711)
-    yield base / "run"
-    shutil.rmtree(base, ignore_errors=True)
+    return sandbox_dir / "run"
 
 
 def info(execution: str, task: str, harness: str = "toy") -> schemas.ExecutionInfo:

@@ -27,10 +27,8 @@ import asyncio
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -62,12 +60,8 @@ GROUP = 6
 
 
 @pytest.fixture
-def base():
-    """A directory the sandbox uid may traverse (setuid fallback), removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="gyre-e2e-"))
-    os.chmod(path, 0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def base(sandbox_dir):
+    return sandbox_dir
 
 
 def info(execution: str, task: str = "e2e-sentence", group_size: int = GROUP) -> schemas.ExecutionInfo:
