@@ -56,8 +56,8 @@ rendering is c's conversation cut after its last `<|im_end|>` followed by the su
 its encoding splits the same way: the suffix region agrees by construction, and the
 prefix chunks are c's prompt chunks (counted when c was matched: `c.drift`) plus c's last
 turn — the generation prompt and c's completion (+ the closing `<|im_end|>`) against
-`encode(render_assistant_turn(c.answer))`, counted from the stored ids at every
-extension. So `drift = c.drift + that turn's count`, O(one turn). It equals the
+`encode(render_assistant_turn(c.answer))`, counted once when c is recorded (after its
+answer was delivered: `CallRecord.turn_drift`). So `drift = c.drift + that turn's count`, O(one turn). It equals the
 full-request count (`CallStore.full_drift`, kept as the reference) except where a sampled
 span re-tokenises to a different number of `<|im_end|>` chunks (the model wrote
 "<|im_end|>" as plain text, or sampled `<|im_end|>` mid-completion): the full count
@@ -87,10 +87,11 @@ MEMO_REQUESTS = 4
 """Latest requests per execution whose normalised messages are reused (main line,
 sub-agents and side calls interleave)."""
 
-LIST_CACHE = 8
-"""Latest calls per execution whose full ids are also kept whole (an array and a list of
-Python ints), so extending one costs copies in C, not a walk over the call chain and a
-conversion of every id to a Python int."""
+TIP_CACHE = 8
+"""Latest calls per execution whose full ids are also kept whole, as one int32 array, so
+extending one costs a copy in C, not a walk over the call chain. Arrays, not lists of
+Python ints: a list of 10^4 ints is a container the cyclic GC walks item by item on
+every collection while it lives (`gyre bench proxy` measured 15-80 ms pauses)."""
 
 Renderer = Callable[..., str]
 
@@ -237,7 +238,8 @@ class CallRecord:
     assistant after the last one shows reasoning). turn_start: index in `full_ids()` of
     the last prompt turn (right after the prompt's last `<|im_end|>`). turn_ids: (T,)
     int32, `encode(render_assistant_turn(answer))`, what an extension re-renders that
-    turn to (None when drift is not counted or the template is not gyre's).
+    turn to (None when drift is not counted or the template is not gyre's). turn_drift:
+    that turn's drift as every extension of this call reuses it (`CallStore._turn_drift`).
     """
 
     call: str
@@ -255,6 +257,7 @@ class CallRecord:
     conv_shown: bool = False
     turn_start: int = 0
     turn_ids: np.ndarray | None = None
+    turn_drift: int = 0
 
     @property
     def full_len(self) -> int:
@@ -341,8 +344,6 @@ class Match:
     drift: see module docstring. messages/tools: what was rendered (normalised).
     digest: names (tools, messages) for message-level matching. query / shown: facts of
     `messages` in gyre's template (see CallRecord.conv_query / conv_shown).
-    prompt_list: `prompt_ids` as a Python list when the store built one on the way (read
-    it through `prompt_id_list()`; never mutate it).
     """
 
     parent: CallRecord | None
@@ -355,14 +356,6 @@ class Match:
     digest: bytes
     query: bool = False
     shown: bool = False
-    prompt_list: list[int] | None = None
-
-    def prompt_id_list(self) -> list[int]:
-        """`prompt_ids` as a list of Python ints (what the engine's JSON API takes), without
-        converting the whole array when the store already holds it as a list."""
-        if self.prompt_list is not None:
-            return self.prompt_list
-        return self.prompt_ids.tolist()
 
     @property
     def new_prompt_ids(self) -> np.ndarray:
@@ -389,6 +382,8 @@ def count_drift(recorded: np.ndarray, sampled: np.ndarray, rendered: np.ndarray)
     sampled the id; rendered: (R,) int, a fresh tokenisation of the rendered request.
     Alignment and counting rules: module docstring ("Drift").
     """
+    if len(recorded) == len(rendered) and np.array_equal(recorded, rendered):
+        return 0  # the usual case: nothing disagrees, whatever was sampled
     rec_chunks, ren_chunks = _chunks(recorded), _chunks(rendered)
     drift = 0
     for i in range(max(len(rec_chunks), len(ren_chunks))):
@@ -491,7 +486,7 @@ class CallStore:
         self._by_call: dict[str, CallRecord] = {}
         self._extended: set[str] = set()
         self._seen: list[_Seen] = []
-        self._tips: dict[str, tuple[list[int], np.ndarray]] = {}
+        self._tips: dict[str, np.ndarray] = {}
         backend = getattr(tokenizer, "backend_tokenizer", None)
         split = getattr(tokenizer, "split_special_tokens", False)  # the backend would parse them
         # tiktoken on gyre's Qwen3 vocabulary; else the fast tokenizer's own encoder (same ids,
@@ -511,21 +506,15 @@ class CallStore:
         """(N,) int32 ids of `text`, no special tokens added (special-token text is parsed)."""
         return np.asarray(self.encode_list(text), dtype=np.int32)
 
-    def _prompt(self, c: CallRecord, suffix: list[int]) -> tuple[np.ndarray, list[int]]:
-        """The prompt extending c: c's full ids (+ <|im_end|> unless c stopped) + suffix, as
-        an array and as a list. c's cached copies (`LIST_CACHE`) are used when present (c
-        leaves the cache: its extension holds the newest), so no pass over the history runs
-        in Python."""
-        cached = self._tips.pop(c.call, None)
-        if cached is None:
-            arr = c.full_ids()
-            lst = arr.tolist()
-        else:
-            lst, arr = cached
+    def _prompt(self, c: CallRecord, suffix: list[int]) -> np.ndarray:
+        """The prompt extending c: c's full ids (+ <|im_end|> unless c stopped) + suffix.
+        c's cached whole ids (`TIP_CACHE`) are used when present (c leaves the cache: its
+        extension holds the newest), so no walk over the call chain runs."""
+        ids = self._tips.pop(c.call, None)
+        if ids is None:
+            ids = c.full_ids()
         close = [] if c.stopped else [IM_END]
-        lst.extend(close)
-        lst.extend(suffix)
-        return np.concatenate([arr, np.asarray(close + suffix, np.int32)]), lst
+        return np.concatenate([ids, np.asarray(close + suffix, np.int32)])
 
     def _render(self, messages: Sequence[dict], tools: Sequence[dict], gen: bool) -> str:
         return self.render(self.tokenizer, list(messages), list(tools) or None, gen)
@@ -548,9 +537,13 @@ class CallStore:
             for tc_id, index in seen.unknown.items():
                 if index < top and tc_id in args:
                     top = index
-            k, raw = 0, seen.raw
-            while k < top and (messages[k] is raw[k] or messages[k] == raw[k]):
-                k += 1
+            raw = seen.raw
+            if messages[:top] == raw[:top]:  # the usual case, compared in C
+                k = top
+            else:
+                k = 0
+                while k < top and (messages[k] is raw[k] or messages[k] == raw[k]):
+                    k += 1
             if best is None or k > n:
                 best, n = seen, k
         if best is not None:
@@ -598,9 +591,8 @@ class CallStore:
         tree. Raises like `match`."""
         msgs = self.normalise(messages)
         tools_n = tuple(normalise_tools(tools))
-        ids = self.encode_list(self._render(msgs, tools_n, True))
-        return Match(parent=None, prefix_len=0, prompt_ids=np.asarray(ids, np.int32), extended=False, drift=0,
-                     messages=tuple(msgs), tools=tools_n, digest=b"", prompt_list=ids)
+        return Match(parent=None, prefix_len=0, prompt_ids=self.encode(self._render(msgs, tools_n, True)),
+                     extended=False, drift=0, messages=tuple(msgs), tools=tools_n, digest=b"")
 
     def _extend(self, c: CallRecord, rest: list[dict], tools: tuple[dict, ...], digest: bytes) -> Match | None:
         """Extension with both conversations rendered in full (any template)."""
@@ -613,14 +605,14 @@ class CallStore:
         prev = prev[: cut + len(IM_END_TEXT)]
         if not text.startswith(prev):
             return None
-        prompt, prompt_list = self._prompt(c, self.encode_list(text[len(prev):]))
+        prompt = self._prompt(c, self.encode_list(text[len(prev):]))
         drift = 0
         if self.check_drift:
             sampled = np.zeros(len(prompt), bool)
             sampled[: c.full_len] = c.sampled_mask(c.full_len)
             drift = count_drift(prompt, sampled, self.encode(text))
         return Match(parent=c, prefix_len=c.full_len, prompt_ids=prompt, extended=True, drift=drift,
-                     messages=(*conv, *rest), tools=tools, digest=digest, prompt_list=prompt_list)
+                     messages=(*conv, *rest), tools=tools, digest=digest)
 
     def _extend_appended(self, c: CallRecord, rest: list[dict], tools: tuple[dict, ...],
                          digest: bytes) -> Match | None:
@@ -628,12 +620,10 @@ class CallStore:
         query, shown = conversation_facts(rest, (c.conv_query, c.conv_shown))
         if c.conv_shown and any(is_query(m) for m in rest):
             return None  # the new query hides reasoning c's conversation shows: not a prefix
-        prompt, prompt_list = self._prompt(c, self.encode_list(render_appended(self.tokenizer, rest,
-                                                                               after_query=c.conv_query)))
-        drift = c.drift + self._turn_drift(c) if self.check_drift else 0
+        prompt = self._prompt(c, self.encode_list(render_appended(self.tokenizer, rest, after_query=c.conv_query)))
+        drift = c.drift + c.turn_drift if self.check_drift else 0
         return Match(parent=c, prefix_len=c.full_len, prompt_ids=prompt, extended=True, drift=drift,
-                     messages=(*c.messages, c.answer, *rest), tools=tools, digest=digest, query=query, shown=shown,
-                     prompt_list=prompt_list)
+                     messages=(*c.messages, c.answer, *rest), tools=tools, digest=digest, query=query, shown=shown)
 
     def _turn_drift(self, c: CallRecord) -> int:
         """Drift of c's last turn as an extension reuses it: the stored ids from the
@@ -659,8 +649,7 @@ class CallStore:
         return count_drift(match.prompt_ids, sampled, self.encode(self._render(match.messages, match.tools, True)))
 
     def _branch(self, msgs: list[dict], tools: tuple[dict, ...], digest: bytes) -> Match:
-        ids = self.encode_list(self._render(msgs, tools, True))
-        prompt = np.asarray(ids, np.int32)
+        prompt = self.encode(self._render(msgs, tools, True))
         best: CallRecord | None = None
         best_len = 0
         for rec in self.calls:
@@ -676,7 +665,7 @@ class CallStore:
             best = None
         query, shown = conversation_facts(msgs) if self.incremental else (False, False)
         return Match(parent=best, prefix_len=best_len, prompt_ids=prompt, extended=False, drift=0,
-                     messages=tuple(msgs), tools=tools, digest=digest, query=query, shown=shown, prompt_list=ids)
+                     messages=tuple(msgs), tools=tools, digest=digest, query=query, shown=shown)
 
     # -- recording
     def record(self, match: Match, *, call: str, seq: int, answer: dict,
@@ -690,8 +679,7 @@ class CallStore:
         for tc in answer_n.get("tool_calls", ()):
             if tc["id"]:
                 self.tool_args[tc["id"]] = tc["function"]["arguments"]
-        comp_list = [int(i) for i in completion_ids]
-        comp = np.asarray(comp_list, dtype=np.int32)
+        comp = np.asarray(completion_ids, dtype=np.int32)
         own = np.concatenate([match.new_prompt_ids, comp]).astype(np.int32, copy=False)
         conv_key = hashlib.sha256(match.digest + message_key(answer_n)).digest()
         prompt_len = len(match.prompt_ids)
@@ -710,11 +698,13 @@ class CallStore:
                          completion_len=len(comp), messages=match.messages, tools=match.tools,
                          answer=answer_n, conv_key=conv_key, drift=match.drift, conv_query=match.query,
                          conv_shown=conv_shown, turn_start=min(turn_start, prompt_len), turn_ids=turn_ids)
+        if turn_ids is not None:
+            rec = dataclasses.replace(rec, turn_drift=self._turn_drift(rec))
         self.calls.append(rec)
         self._by_conv[conv_key] = rec
         self._by_call[call] = rec
-        self._tips[call] = (match.prompt_id_list() + comp_list, np.concatenate([match.prompt_ids, comp]))
-        while len(self._tips) > LIST_CACHE:
+        self._tips[call] = np.concatenate([match.prompt_ids, comp])
+        while len(self._tips) > TIP_CACHE:
             del self._tips[next(iter(self._tips))]
         if match.parent is not None and match.prefix_len == match.parent.full_len:
             self._extended.add(match.parent.call)

@@ -92,11 +92,17 @@ def base_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
+def _json_line(event: dict, default: Callable[[object], object] | None = None) -> str:
+    return orjson.dumps(event, default=default, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
 def configure_logging(name: str, *, json_lines: bool | None = None, level: int = logging.INFO) -> None:
     """structlog: JSON lines in production (not a TTY), readable lines on a terminal."""
     if json_lines is None:
         json_lines = not sys.stderr.isatty()
-    renderer = structlog.processors.JSONRenderer() if json_lines else structlog.dev.ConsoleRenderer(colors=False)
+    # orjson, not the stdlib encoder: the proxy writes a line per call
+    renderer = (structlog.processors.JSONRenderer(serializer=_json_line) if json_lines
+                else structlog.dev.ConsoleRenderer(colors=False))
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import asyncio
 
+from collections.abc import Sequence
+
 import aiohttp
+import numpy as np
 import orjson
 
 
@@ -60,7 +63,7 @@ class EngineClient:
 
     async def _request(self, method: str, path: str, body: dict | None = None) -> object:
         url = self.base_url + path
-        data = None if body is None else orjson.dumps(body)
+        data = None if body is None else orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
         headers = None if body is None else {"Content-Type": "application/json"}
         try:
             async with self.session.request(method, url, data=data, headers=headers) as resp:
@@ -77,20 +80,21 @@ class EngineClient:
 
     async def generate(
         self,
-        input_ids: list[int],
+        input_ids: Sequence[int] | np.ndarray,
         sampling: dict,
         rid: str,
         execution: str | None = None,
         return_logprob: bool = True,
     ) -> dict:
-        """POST /generate. sampling: SGLang sampling_params (temperature, top_p, top_k,
+        """POST /generate. input_ids: (P,) prompt ids, a list or a 1-D integer array
+        (serialised as a JSON list either way, without a copy into Python ints). sampling: SGLang sampling_params (temperature, top_p, top_k,
         max_new_tokens, stop_token_ids, seed). execution: sticky key of the engine's
         per-execution prefix KV cache (`gyre_execution`; ignored by SGLang). Returns the
         response body: {"output_ids", "meta_info": {"finish_reason", "output_token_logprobs",
         "weight_version", "gyre_versions", ...}}. Cancelling the await closes the
         connection, and the engine aborts the request."""
         body: dict = {
-            "input_ids": list(input_ids),
+            "input_ids": np.ascontiguousarray(input_ids) if isinstance(input_ids, np.ndarray) else list(input_ids),
             "sampling_params": sampling,
             "return_logprob": return_logprob,
             "rid": rid,

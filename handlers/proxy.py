@@ -73,6 +73,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 import structlog
 from aiohttp import web
@@ -342,9 +343,10 @@ class ProxyState:
             log.info("proxy.engine.abort_failed", rid=rid, error=repr(exc))
 
     # -- engine
-    async def generate(self, execution: str, prompt_ids: list[int], sampling: SamplingParams, call_id: str,
+    async def generate(self, execution: str, prompt_ids: np.ndarray, sampling: SamplingParams, call_id: str,
                        attempt: Attempt, on_wait: Callable[[], None] | None = None) -> EngineResult:
         """Run the call on an engine, waiting and retrying transparently (module docstring).
+        prompt_ids: (P,) int32.
 
         Raises ApiError(503) when no engine answered within retry_timeout_s, ApiError(400|502)
         when the engine refused the request.
@@ -582,7 +584,7 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
     attempt = Attempt()
     result: EngineResult | None = None
     delivered = False
-    prompt = match.prompt_id_list()  # never mutated: the store keeps its own copy
+    prompt = match.prompt_ids  # (P,) int32, never mutated: the store keeps its own copy
     start = StreamStart(rid=api.new_id(), created=int(time.time()), model=req.model, prompt_tokens=len(prompt))
     try:
         await reply.start(start, api.preamble(start, req) if req.stream else [])

@@ -7,6 +7,7 @@ import asyncio
 import socket
 import time
 
+import numpy as np
 import pytest
 
 from gyre.engine import Engine, EngineConfig, GenerateRequest, SamplingParams
@@ -66,6 +67,10 @@ async def test_generate_shapes_match_engine(served):
     assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
     no_lp = await client.generate(list(ids), sampling, rid="r4", return_logprob=False)
     assert "output_token_logprobs" not in no_lp["meta_info"]
+    # the proxy sends int32 prompt arrays as they are; the engine sees the same ids
+    strided = np.repeat(np.asarray(ids, np.int32), 2)[::2]  # a non-contiguous view
+    as_array = await client.generate(strided, sampling, rid="r5")
+    assert as_array["output_ids"] == list(direct.output_ids) and as_array["meta_info"]["prompt_tokens"] == 12
 
 
 async def test_execution_prefix_reuse_over_http(served):
