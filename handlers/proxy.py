@@ -68,7 +68,6 @@ import asyncio
 import dataclasses
 import gc
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -85,7 +84,8 @@ from gyre.tito import CallStore, Match
 from gyre.tokenizer import fast_encoder
 from handlers.engine_client import EngineClient, EngineRequestError, EngineUnavailable, make_session
 from handlers.proxy_anthropic import MessagesApi, parse_messages_request
-from handlers.proxy_api import Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, internal_message
+from handlers.proxy_api import (Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, internal_message,
+                                unique_hex)
 from handlers.proxy_http import Reply, error_response, key_of, read_json
 from handlers.proxy_openai import ChatApi, ResponsesApi, parse_chat_request, parse_responses_request
 from handlers.proxy_routing import Attempt, Router, engine_sampling, race
@@ -372,7 +372,7 @@ class ProxyState:
                 continue
             cell, url = target
             client = self.client(url)
-            rid = f"{call_id}:{tries}:{uuid.uuid4().hex[:8]}"
+            rid = f"{call_id}:{tries}:{unique_hex()}"
             tries += 1
             attempt.client, attempt.rid, attempt.cell, attempt.evicted = client, rid, cell, False
             self.router.track(attempt)

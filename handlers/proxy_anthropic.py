@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import uuid
 from typing import Any
 
 import orjson
 
 from handlers.proxy_api import (
     Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, function_tool, parse_sampling, pieces, sse,
+    unique_hex,
 )
 from schemas.call import SamplingParams
 
@@ -255,7 +255,7 @@ class MessagesApi(Api):
     keepalive = b'event: ping\ndata: {"type": "ping"}\n\n'
 
     def new_id(self) -> str:
-        return f"msg_{uuid.uuid4().hex[:24]}"
+        return f"msg_{unique_hex()}"
 
     def tool_id_prefix(self, key: str) -> str:
         return "toolu_" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:24]

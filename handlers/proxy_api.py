@@ -16,6 +16,8 @@ Pure: no aiohttp here (handlers/proxy.py does the HTTP).
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import os
 import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -102,6 +104,17 @@ class StreamStart:
     created: int
     model: str
     prompt_tokens: int
+
+
+_ID_PREFIX = os.urandom(6).hex()
+_ID_COUNTER = itertools.count()
+
+
+def unique_hex() -> str:
+    """24 hex digits unique among this process's calls and, by a random per-process
+    prefix, across processes and restarts (response and request ids; a counter, not a
+    `uuid4` per call: that is a getrandom syscall each time)."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):012x}"
 
 
 class Api:

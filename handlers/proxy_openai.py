@@ -27,12 +27,12 @@ Errors: OpenAI's `{"error": {...}}`; in a stream, `response.failed`.
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 from gyre.chat import call_id_prefix
 from handlers.proxy_api import (
     Answer, Api, ApiError, ModelRequest, StreamStart, function_tool, internal_message, parse_sampling, pieces, sse,
+    unique_hex,
 )
 from schemas.call import SamplingParams
 
@@ -80,7 +80,7 @@ class ChatApi(Api):
     name = "chat"
 
     def new_id(self) -> str:
-        return f"chatcmpl-{uuid.uuid4().hex}"
+        return f"chatcmpl-{unique_hex()}"
 
     def tool_id_prefix(self, key: str) -> str:
         return call_id_prefix(key)
@@ -241,7 +241,7 @@ class ResponsesApi(Api):
     name = "responses"
 
     def new_id(self) -> str:
-        return f"resp_{uuid.uuid4().hex}"
+        return f"resp_{unique_hex()}"
 
     def tool_id_prefix(self, key: str) -> str:
         return call_id_prefix(key)

@@ -39,7 +39,7 @@ class SchemaError(ValueError):
 
 def utc_now() -> str:
     """Current UTC time as an ISO-8601 string with microseconds and a `Z` suffix."""
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds")[:-6] + "Z"
 
 
 def register(cls: type["Event"]) -> type["Event"]:
