@@ -22,14 +22,14 @@ from schemas.cell import CellSwitched, RouteUpdated
 @dataclasses.dataclass(slots=True, eq=False)
 class Attempt:
     """The engine request in flight for a call (for aborting it upstream). `evicted` turns
-    True, and `task` (the request, while `race` awaits it) is cancelled, when its cell
-    leaves rollout while the request runs."""
+    True, and `task` (the call's task, while `race` awaits the request) is cancelled, when
+    its cell leaves rollout while the request runs."""
 
     client: EngineClient | None = None
     rid: str = ""
     cell: str = ""
     evicted: bool = False
-    task: asyncio.Future | None = None
+    task: asyncio.Task | None = None
 
 
 class Router:
@@ -117,21 +117,27 @@ class Router:
 
 
 async def race(coro: Coroutine[Any, Any, Any], attempt: Attempt) -> Any:
-    """The result of `coro`, or None when the router evicts `attempt` first (`coro` is then
-    cancelled). Cancelling the caller cancels `coro` and raises CancelledError as usual."""
+    """The result of `coro`, awaited in the calling task, or None when the router evicts
+    `attempt` first: the router cancels the calling task and `race` takes that one
+    cancellation back (`Task.uncancel`, as `asyncio.timeout` does), so `coro` is cancelled
+    and the caller goes on. Any other cancellation (the harness went away) propagates,
+    also when it coincides with an eviction. No task of its own: a call's engine request
+    costs no extra task and event-loop round."""
     if attempt.evicted:
         coro.close()
         return None
-    task = attempt.task = asyncio.ensure_future(coro)
+    task = attempt.task = asyncio.current_task()
     try:
-        return await task
+        result = await coro
     except asyncio.CancelledError:
-        me = asyncio.current_task()
-        if attempt.evicted and not (me is not None and me.cancelling()):
+        if attempt.evicted and task.uncancel() == 0:
             return None
         raise
     finally:
         attempt.task = None
+    if attempt.evicted and task.cancelling():  # `coro` absorbed the router's cancellation
+        task.uncancel()
+    return result
 
 
 def engine_sampling(sp: SamplingParams) -> dict:

@@ -17,6 +17,7 @@ from aiohttp import web
 from gyre.harness import execution_key
 from handlers.proxy_anthropic import parse_messages_request
 from handlers.proxy_api import brotli_module, zstd_decompressor
+from handlers.proxy_routing import Attempt, Router, race
 from schemas import ids
 from schemas.cell import CellSwitched, Route, RouteUpdated
 from schemas.execution import ExecutionInfo, ExecutionStarted
@@ -223,6 +224,52 @@ async def test_reroute_on_503_mid_request_and_on_cell_switch(local):
         assert state.router.inflight == {}
     finally:
         await a.stop()
+
+
+async def test_race_tells_an_eviction_from_a_cancelled_call():
+    """`race` awaits the engine request in the call's own task: the router's eviction
+    cancels the request and the call goes on (None, nothing left cancelling); a harness
+    that goes away cancels the call, also when an eviction comes at the same moment."""
+    router = Router()
+    started = asyncio.Event()
+    finished: list[str] = []
+
+    async def request() -> str:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            finished.append("cancelled")
+            raise
+        return "answer"
+
+    async def call(attempt: Attempt, after: str = "next") -> tuple:
+        result = await race(request(), attempt)
+        await asyncio.sleep(0)  # a cancellation left pending would surface here
+        return result, after, asyncio.current_task().cancelling()
+
+    async def evicted_while_running(also_cancel: bool):
+        started.clear()
+        attempt = Attempt(cell="c0")
+        router.track(attempt)
+        task = asyncio.ensure_future(call(attempt))
+        await started.wait()
+        router.handle_cell_switched(switched("c0", "training"))
+        if also_cancel:
+            task.cancel()
+        return await asyncio.wait_for(task, 5)
+
+    router.handle_cell_switched(switched("c0", "rollout", "http://127.0.0.1:1"))
+    assert await evicted_while_running(False) == (None, "next", 0) and finished == ["cancelled"]
+    router.handle_cell_switched(switched("c0", "rollout", "http://127.0.0.1:1"))
+    with pytest.raises(asyncio.CancelledError):
+        await evicted_while_running(True)
+    # an attempt evicted before its request started: the request never runs
+    coro = request()
+    assert await race(coro, Attempt(evicted=True)) is None and coro.cr_frame is None
+    # not evicted: the request's own result
+    started.clear()
+    assert await race(asyncio.sleep(0, "direct"), Attempt()) == "direct"
 
 
 async def test_keys_write_only_into_their_own_execution(local):
