@@ -211,6 +211,18 @@ def message_key(message: dict) -> bytes:
     return orjson.dumps(key, option=orjson.OPT_SORT_KEYS, default=_key_default)
 
 
+def equal_prefix_len(a: Sequence, b: Sequence, limit: int) -> int:
+    """Length of the longest common prefix of a[:limit] and b[:limit] (items compared with
+    `is` / `==`). The usual case, a resent history equal up to `limit`, is one list
+    comparison in C."""
+    if a[:limit] == b[:limit]:
+        return limit
+    k = 0
+    while k < limit and (a[k] is b[k] or a[k] == b[k]):
+        k += 1
+    return k
+
+
 def _chain(seed: bytes, keys: Iterable[bytes]) -> list[bytes]:
     """Cumulative digests: out[k] names (seed, keys[:k])."""
     out = [hashlib.sha256(b"tools\0" + seed).digest()]
@@ -537,13 +549,7 @@ class CallStore:
             for tc_id, index in seen.unknown.items():
                 if index < top and tc_id in args:
                     top = index
-            raw = seen.raw
-            if messages[:top] == raw[:top]:  # the usual case, compared in C
-                k = top
-            else:
-                k = 0
-                while k < top and (messages[k] is raw[k] or messages[k] == raw[k]):
-                    k += 1
+            k = equal_prefix_len(messages, seen.raw, top)
             if best is None or k > n:
                 best, n = seen, k
         if best is not None:

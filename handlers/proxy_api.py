@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 
 from gyre.chat import ToolCall
+from gyre.tito import equal_prefix_len
 from schemas.call import SamplingParams
 
 
@@ -215,9 +216,7 @@ class MessageMemo:
         `one` raises (the memo is then left as it was)."""
         best, n = -1, 0
         for j, (old, _) in enumerate(self._seen):
-            k, top = 0, min(len(old), len(raw))
-            while k < top and (raw[k] is old[k] or raw[k] == old[k]):
-                k += 1
+            k = equal_prefix_len(raw, old, min(len(old), len(raw)))
             if k > n:
                 best, n = j, k
         if best >= 0:
@@ -232,7 +231,7 @@ class MessageMemo:
         kept.extend(new)
         self._seen.insert(0, (kept_raw, kept))
         del self._seen[self.size:]
-        return [m for part in kept for m in part]
+        return list(itertools.chain.from_iterable(kept))
 
 
 def parse_sampling(body: dict, defaults: SamplingParams, max_names: Iterable[str]) -> SamplingParams:

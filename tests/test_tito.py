@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gyre.chat import parse_completion, render
-from gyre.tito import CallStore, count_drift, message_key, normalise, normalise_message
+from gyre.tito import CallStore, count_drift, equal_prefix_len, message_key, normalise, normalise_message
 from gyre.tokenizer import IM_END, build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a command",
@@ -497,3 +497,12 @@ def test_normalisation_is_reused_only_while_it_is_still_valid(tok):
 def test_the_bundled_tokenizer_renders_incrementally(tok):
     assert uses_gyre_template(tok) and CallStore(tok).incremental
     assert not CallStore(tok, render=render).incremental
+
+
+def test_equal_prefix_len():
+    nan = float("nan")
+    a = [{"role": "user", "content": "x"}, {"k": [nan]}, {"role": "tool", "content": "y"}, 4]
+    b = [{"role": "user", "content": "x"}, {"k": a[1]["k"]}, {"role": "tool", "content": "z"}, 4]
+    assert equal_prefix_len(a, b, 4) == 2  # the same nan object compares equal; "y" != "z"
+    assert equal_prefix_len(a, b, 2) == 2 and equal_prefix_len(a, a, 4) == 4 and equal_prefix_len(a, b, 0) == 0
+    assert equal_prefix_len([1, 2, 3], [0, 2, 3], 3) == 0
