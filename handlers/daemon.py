@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -93,7 +94,13 @@ def base_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def _json_line(event: dict, default: Callable[[object], object] | None = None) -> str:
-    return orjson.dumps(event, default=default, option=orjson.OPT_NON_STR_KEYS).decode()
+    """One JSON log line: orjson, or the stdlib encoder for what orjson refuses (ints beyond
+    64 bits, lone surrogates, very deep nesting), so a log call never raises."""
+    try:
+        return orjson.dumps(event, default=default,
+                            option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY).decode()
+    except orjson.JSONEncodeError:
+        return json.dumps(event, default=default)
 
 
 def configure_logging(name: str, *, json_lines: bool | None = None, level: int = logging.INFO) -> None:

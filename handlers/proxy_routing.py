@@ -30,6 +30,8 @@ class Attempt:
     cell: str = ""
     evicted: bool = False
     task: asyncio.Task | None = None
+    cancel_owed: bool = False
+    """The router cancelled `task` for this eviction and `race` has not taken it back yet."""
 
 
 class Router:
@@ -56,7 +58,8 @@ class Router:
     def _evict(self, cell: str) -> None:
         for attempt in self.inflight.pop(cell, ()):
             attempt.evicted = True
-            if attempt.task is not None:
+            if attempt.task is not None and not attempt.cancel_owed:
+                attempt.cancel_owed = True
                 attempt.task.cancel()
 
     def handle_cell_switched(self, event: CellSwitched) -> None:
@@ -118,26 +121,33 @@ class Router:
 
 async def race(coro: Coroutine[Any, Any, Any], attempt: Attempt) -> Any:
     """The result of `coro`, awaited in the calling task, or None when the router evicts
-    `attempt` first: the router cancels the calling task and `race` takes that one
-    cancellation back (`Task.uncancel`, as `asyncio.timeout` does), so `coro` is cancelled
-    and the caller goes on. Any other cancellation (the harness went away) propagates,
-    also when it coincides with an eviction. No task of its own: a call's engine request
-    costs no extra task and event-loop round."""
+    `attempt` first: the router cancels the calling task (`Attempt.cancel_owed`) and `race`
+    takes that one cancellation back (`Task.uncancel`, as `asyncio.timeout` does) on every
+    way out, so `coro` is cancelled and the caller goes on. Any other cancellation (the
+    harness went away) propagates, also when it coincides with an eviction. No task of its
+    own: a call's engine request costs no extra task and event-loop round."""
     if attempt.evicted:
         coro.close()
         return None
     task = attempt.task = asyncio.current_task()
+    base = task.cancelling()
     try:
-        result = await coro
+        return await coro
     except asyncio.CancelledError:
-        if attempt.evicted and task.uncancel() == 0:
-            return None
+        if _take_back(task, attempt) and task.cancelling() == base:
+            return None  # only the router's cancellation
         raise
     finally:
         attempt.task = None
-    if attempt.evicted and task.cancelling():  # `coro` absorbed the router's cancellation
-        task.uncancel()
-    return result
+        _take_back(task, attempt)  # `coro` absorbed it, or turned it into another error
+
+
+def _take_back(task: asyncio.Task, attempt: Attempt) -> bool:
+    if not attempt.cancel_owed:
+        return False
+    attempt.cancel_owed = False
+    task.uncancel()
+    return True
 
 
 def engine_sampling(sp: SamplingParams) -> dict:

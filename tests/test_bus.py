@@ -457,3 +457,11 @@ async def test_publish_and_consume_survive_server_restart(tmp_path, run_id):
     finally:
         await bus.close()
         server.stop()
+
+
+def test_event_timestamps_keep_their_format():
+    import re
+
+    from schemas.base import utc_now
+
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", utc_now()) for _ in range(200))

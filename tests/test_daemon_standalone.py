@@ -56,3 +56,19 @@ def test_daemon_without_nats_configuration_exits_2(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "GYRE_NATS_URL" in proc.stderr + proc.stdout
+
+
+def test_json_log_lines_never_raise():
+    """The JSON renderer (orjson) writes what the stdlib encoder wrote for odd values, and
+    falls back to the stdlib encoder for what orjson refuses."""
+    import json
+
+    import numpy as np
+
+    from handlers.daemon import _json_line
+
+    assert json.loads(_json_line({"event": "x", 3: "int key", "n": np.int32(7), "f": np.float64(0.5)})) == {
+        "event": "x", "3": "int key", "n": 7, "f": 0.5}
+    assert json.loads(_json_line({"big": 2**64})) == {"big": 2**64}
+    assert _json_line({"lone": "\ud800"}) == '{"lone": "\\ud800"}'
+    assert json.loads(_json_line({"p": Path("/x")}, default=repr)) == {"p": "PosixPath('/x')"}

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from gyre.harness import execution_key
 from handlers.proxy_anthropic import parse_messages_request
-from handlers.proxy_api import brotli_module, zstd_decompressor
+from handlers.proxy_api import brotli_module, unique_hex, zstd_decompressor
 from handlers.proxy_routing import Attempt, Router, race
 from schemas import ids
 from schemas.cell import CellSwitched, Route, RouteUpdated
@@ -264,6 +264,35 @@ async def test_race_tells_an_eviction_from_a_cancelled_call():
     router.handle_cell_switched(switched("c0", "rollout", "http://127.0.0.1:1"))
     with pytest.raises(asyncio.CancelledError):
         await evicted_while_running(True)
+    # a request that absorbs the router's cancellation (returns) or turns it into its own
+    # error: the result or that error, and no cancellation left pending on the call's task
+    for outcome in ("absorb", "convert"):
+        async def stubborn(outcome: str = outcome) -> str:
+            started.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                if outcome == "convert":
+                    raise ConnectionError("closed") from None
+            return "late answer"
+
+        async def call_stubborn() -> tuple:
+            attempt = Attempt(cell="c0")
+            router.track(attempt)
+            try:
+                result = await race(stubborn(), attempt)
+            except ConnectionError as exc:
+                result = repr(exc)
+            await asyncio.sleep(0)
+            return result, asyncio.current_task().cancelling()
+
+        started.clear()
+        router.handle_cell_switched(switched("c0", "rollout", "http://127.0.0.1:1"))
+        task = asyncio.ensure_future(call_stubborn())
+        await started.wait()
+        router.handle_cell_switched(switched("c0", "training"))
+        assert await asyncio.wait_for(task, 5) == (
+            "late answer" if outcome == "absorb" else "ConnectionError('closed')", 0)
     # an attempt evicted before its request started: the request never runs
     coro = request()
     assert await race(coro, Attempt(evicted=True)) is None and coro.cr_frame is None
@@ -373,3 +402,8 @@ async def test_profile_configured_per_execution_from_execution_started(local):
                                  local.state.defaults)
     roles = local.state.classify(ex, CC_HEADERS, req, "messages")
     assert (roles.role, roles.harness) == ("main", "mini-swe-agent")
+
+
+def test_unique_ids():
+    ids = [unique_hex() for _ in range(10_000)]
+    assert len(set(ids)) == len(ids) and all(len(i) == 24 and int(i, 16) >= 0 for i in ids)
