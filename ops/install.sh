@@ -28,6 +28,12 @@ if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-ge
     || echo "install: bubblewrap unavailable; harnesses run under an unprivileged uid without it" >&2
 fi
 
+if ! command -v tmux >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "install: tmux (drives Claude Code's interactive TUI in the harness tests)"
+  (apt-get install -y -q tmux >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q tmux >/dev/null 2>&1; }) \
+    || echo "install: tmux unavailable; the interactive Claude Code test cannot run" >&2
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   PY=$(pick_python)
   echo "install: creating $VENV from $PY"

@@ -10,6 +10,9 @@ concurrently behind one proxy, on a real nats-server:
   and `main-summary` leaves;
 - against the tiny random model behind the embedded engine (handlers/engine_server.py),
   each runs to its end (exits by itself, or its timeout stops it).
+Claude Code's interactive screen, typed into through tmux, brings the calls headless runs
+never make (a title call, `/context`'s count_tokens calls): they are recorded as
+`auxiliary`.
 Every call must be recorded on the bus (`call.completed`, read back from JetStream) with
 status ok and drift 0, and no proxy response may carry a 4xx/5xx status.
 
@@ -401,3 +404,100 @@ def test_playbook_picks_rule_and_turn_from_the_prompt(tok):
     with pytest.raises(LookupError):
         Playbook([Rule(execution="other", turns=("x",))]).callback(tok)(prompt(sys_, task))
     assert "<tool_call>\n" in tool_call("bash", {"command": "ls"})
+
+
+# ---- Claude Code's interactive side calls -----------------------------------------------------
+
+def _tmux(socket: str, *args: str) -> str:
+    import subprocess
+
+    done = subprocess.run(["tmux", "-L", socket, *args], capture_output=True, text=True, timeout=30)
+    return done.stdout
+
+
+async def _until(what: str, check, bound_s: float, detail=lambda: "") -> None:
+    async def poll():
+        while not check():
+            await asyncio.sleep(0.2)
+    try:
+        await asyncio.wait_for(poll(), bound_s)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"gave up waiting for {what}\n{detail()}") from None
+
+
+async def test_interactive_claude_code_title_and_count_tokens_are_auxiliary(tok, nats_server, run_id, run_dir):
+    """Claude Code's interactive TUI, typed into through tmux as a user would (HARNESSES.md:
+    title and count_tokens calls come only from interactive use): a first prompt brings
+    the title call (`tools: []`, a JSON-schema output) beside the main call, and `/context`
+    brings its count_tokens calls. The title and count_tokens calls are recorded as
+    `auxiliary` (answered, stored, never in the call tree); the main call as `main`."""
+    import shutil
+    import uuid
+
+    wanted(["claude-code"])
+    if shutil.which("tmux") is None:
+        if CI:
+            pytest.fail("tmux not installed (ops/install.sh installs it)")
+        pytest.skip("tmux not installed")
+    execution = "cc-tui"
+    engine = ScriptedEngine(tok, completions=['{"title": "List the files"}'])
+    await engine.start()
+    stack = Stack(tok, nats_server, run_id, run_dir)
+    socket = f"gyre-test-{uuid.uuid4().hex[:8]}"
+    home, ws = run_dir / "tui-home", run_dir / "tui-ws"
+    try:
+        await stack.start(engine.url)
+        info = schemas.ExecutionInfo(execution=execution, task="add", group="s0-g0", step=0, harness="claude-code",
+                                     group_size=1, step_groups=1)
+        await stack.state.handle_event(schemas.ExecutionStarted(event_id=ids.started(run_id, execution), info=info,
+                                                                workspace=str(ws)))
+        home.mkdir(parents=True)
+        ws.mkdir()
+        key = harnesses.execution_key(SECRET, execution)
+        # What the first interactive start would ask (theme, trust, this API key), answered.
+        (home / ".claude.json").write_text(json.dumps({
+            "hasCompletedOnboarding": True, "theme": "dark",
+            "customApiKeyResponses": {"approved": [key[-20:]], "rejected": []},
+            "projects": {str(ws): {"hasTrustDialogAccepted": True}}}))
+        claude = harnesses.harness_prefix() / "bin" / "claude"
+        env = {"PATH": f"{claude.parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "TERM": "xterm-256color",
+               "ANTHROPIC_BASE_URL": stack.url, "ANTHROPIC_API_KEY": key, "DISABLE_TELEMETRY": "1",
+               "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1", "DISABLE_BUG_COMMAND": "1"}
+        _tmux(socket, "new-session", "-d", "-x", "160", "-y", "45", "-c", str(ws),
+              "env", "-i", *(f"{k}={v}" for k, v in env.items()), str(claude), "--model", "gyre")
+        screen = lambda: _tmux(socket, "capture-pane", "-p")  # noqa: E731
+        await _until("Claude Code's prompt", lambda: "❯" in screen(), 60.0, screen)
+        await asyncio.sleep(1.0)
+        _tmux(socket, "send-keys", "please list the files in this folder and say what they are", "Enter")
+        served = lambda: stack.state.executions[execution].next_seq if execution in stack.state.executions else 0  # noqa: E731
+        await _until("the main and title calls", lambda: served() >= 2, 60.0, screen)
+        await asyncio.sleep(1.0)
+        before = served()
+        _tmux(socket, "send-keys", "/context", "")
+        await asyncio.sleep(0.5)
+        _tmux(socket, "send-keys", "Enter")
+        await _until("the count_tokens calls", lambda: served() > before, 60.0, screen)
+        seen = -1
+        while served() != seen:  # /context sends its calls together; wait until they stop coming
+            seen = served()
+            await asyncio.sleep(1.5)
+        calls = await stack.recorded_calls(execution)
+        assert_no_proxy_errors(stack)
+        summary = [(c.seq, c.role, c.meta.get("request_kind"), c.status, c.drift) for c in calls]
+        assert all(c.status == "ok" and c.drift == 0 for c in calls), summary
+        kinds = [c.meta.get("request_kind") for c in calls]
+        counted = [c for c in calls if c.meta.get("request_kind") == "count_tokens"]
+        title = [c for c in calls if c.meta.get("request_kind") == "title"]
+        main = [c for c in calls if c.role == "main"]
+        assert counted and title and main and len(counted) + len(title) + len(main) == len(calls), summary
+        assert all(c.role == "auxiliary" and c.parent_call is None for c in counted + title), summary
+        assert all(not c.tokens.completion_ids and c.tokens.prompt_ids for c in counted), summary
+        assert all(c.tokens.completion_ids for c in title + main) and kinds.count("title") == 1, summary
+        tree = build_tree(execution, calls)
+        assert {tree.role(leaf) for leaf in tree.leaves()} == {"main"}
+        assert stack.state.executions[execution].store.calls and all(
+            r.call in {c.call for c in main} for r in stack.state.executions[execution].store.calls)
+    finally:
+        _tmux(socket, "kill-server")
+        await stack.close()
+        await engine.stop()
