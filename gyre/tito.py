@@ -215,6 +215,7 @@ def equal_prefix_len(a: Sequence, b: Sequence, limit: int) -> int:
     """Length of the longest common prefix of a[:limit] and b[:limit] (items compared with
     `is` / `==`). The usual case, a resent history equal up to `limit`, is one list
     comparison in C."""
+    limit = min(limit, len(a), len(b))
     if a[:limit] == b[:limit]:
         return limit
     k = 0

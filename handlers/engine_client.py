@@ -54,6 +54,16 @@ def _parse(raw: bytes) -> object:
         return raw.decode("utf-8", "replace")
 
 
+def _ids(input_ids: Sequence[int] | np.ndarray) -> list[int] | np.ndarray:
+    """Prompt ids as orjson writes them: a list, or a 1-D integer array (C order). Raises
+    TypeError for an array of another dtype or rank."""
+    if not isinstance(input_ids, np.ndarray):
+        return list(input_ids)
+    if input_ids.ndim != 1 or input_ids.dtype.kind not in "iu":
+        raise TypeError(f"input_ids must be a 1-D integer array, got {input_ids.ndim}-D {input_ids.dtype}")
+    return np.ascontiguousarray(input_ids, dtype=input_ids.dtype.newbyteorder("="))
+
+
 class EngineClient:
     """Client of one engine at `base_url` (e.g. "http://127.0.0.1:30000")."""
 
@@ -94,7 +104,7 @@ class EngineClient:
         "weight_version", "gyre_versions", ...}}. Cancelling the await closes the
         connection, and the engine aborts the request."""
         body: dict = {
-            "input_ids": np.ascontiguousarray(input_ids) if isinstance(input_ids, np.ndarray) else list(input_ids),
+            "input_ids": _ids(input_ids),
             "sampling_params": sampling,
             "return_logprob": return_logprob,
             "rid": rid,

@@ -71,6 +71,11 @@ async def test_generate_shapes_match_engine(served):
     strided = np.repeat(np.asarray(ids, np.int32), 2)[::2]  # a non-contiguous view
     as_array = await client.generate(strided, sampling, rid="r5")
     assert as_array["output_ids"] == list(direct.output_ids) and as_array["meta_info"]["prompt_tokens"] == 12
+    big_endian = await client.generate(np.asarray(ids, ">i8"), sampling, rid="r6")
+    assert big_endian["output_ids"] == list(direct.output_ids)
+    for wrong in (np.asarray(ids, np.float32), np.asarray([ids], np.int32)):
+        with pytest.raises(TypeError, match="1-D integer array"):
+            await client.generate(wrong, sampling, rid="r7")
 
 
 async def test_execution_prefix_reuse_over_http(served):

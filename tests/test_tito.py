@@ -507,3 +507,4 @@ def test_equal_prefix_len():
     assert equal_prefix_len(a, b, 2) == 2 and equal_prefix_len(a, a, 4) == 4 and equal_prefix_len(a, b, 0) == 0
     assert equal_prefix_len([1, 2, 3], [0, 2, 3], 3) == 0
     assert equal_prefix_len([1, 2, 3], [1, 2, 4], 3) == 2 and equal_prefix_len((1, 2), [1, 2], 2) == 2
+    assert equal_prefix_len([1], [1], 3) == 1
