@@ -303,19 +303,6 @@ class CallRecord:
         segs = self.segments()
         return np.concatenate(segs) if segs else np.zeros(0, np.int32)
 
-    def tail_ids(self, start: int) -> np.ndarray:
-        """(L - start,) int32: `full_ids()[start:]`, reading only the calls that hold it."""
-        out: list[np.ndarray] = []
-        limit = self.full_len
-        rec: CallRecord | None = self
-        while rec is not None and limit > start:
-            if limit > rec.prefix_len:
-                out.append(rec.own_ids[max(start, rec.prefix_len) - rec.prefix_len: limit - rec.prefix_len])
-                limit = rec.prefix_len
-            rec = rec.parent
-        out.reverse()
-        return np.concatenate(out) if out else np.zeros(0, np.int32)
-
     def sampled_range(self, start: int, end: int) -> np.ndarray:
         """(end - start,) bool: `sampled_mask(end)[start:]`, walking only the calls whose
         completions can reach past `start`."""
@@ -632,13 +619,13 @@ class CallStore:
         return Match(parent=c, prefix_len=c.full_len, prompt_ids=prompt, extended=True, drift=drift,
                      messages=(*c.messages, c.answer, *rest), tools=tools, digest=digest, query=query, shown=shown)
 
-    def _turn_drift(self, c: CallRecord) -> int:
+    def _turn_drift(self, c: CallRecord, full_ids: np.ndarray) -> int:
         """Drift of c's last turn as an extension reuses it: the stored ids from the
         prompt's last turn start to the end (+ the closing <|im_end|>) against the fresh
-        encoding of the turn as rendered (module docstring)."""
+        encoding of the turn as rendered (module docstring). full_ids: c's full ids."""
         if c.turn_ids is None:
             return 0
-        ids = c.tail_ids(c.turn_start)
+        ids = full_ids[c.turn_start:]
         sampled = c.sampled_range(c.turn_start, c.full_len)
         if not c.stopped:
             ids = np.append(ids, np.int32(IM_END))
@@ -705,12 +692,13 @@ class CallStore:
                          completion_len=len(comp), messages=match.messages, tools=match.tools,
                          answer=answer_n, conv_key=conv_key, drift=match.drift, conv_query=match.query,
                          conv_shown=conv_shown, turn_start=min(turn_start, prompt_len), turn_ids=turn_ids)
+        full = np.concatenate([match.prompt_ids, comp])
         if turn_ids is not None:
-            rec = dataclasses.replace(rec, turn_drift=self._turn_drift(rec))
+            rec = dataclasses.replace(rec, turn_drift=self._turn_drift(rec, full))
         self.calls.append(rec)
         self._by_conv[conv_key] = rec
         self._by_call[call] = rec
-        self._tips[call] = np.concatenate([match.prompt_ids, comp])
+        self._tips[call] = full
         while len(self._tips) > TIP_CACHE:
             del self._tips[next(iter(self._tips))]
         if match.parent is not None and match.prefix_len == match.parent.full_len:
