@@ -22,17 +22,16 @@ pick_python() {
   echo "no Python >= 3.11 with venv found (set GYRE_PYTHON)" >&2; return 1
 }
 
-if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  echo "install: bubblewrap (harness confinement)"
-  (apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; }) \
-    || echo "install: bubblewrap unavailable; harnesses run under an unprivileged uid without it" >&2
-fi
-
-if ! command -v tmux >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  echo "install: tmux (drives Claude Code's interactive TUI in the harness tests)"
-  (apt-get install -y -q tmux >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q tmux >/dev/null 2>&1; }) \
-    || echo "install: tmux unavailable; the interactive Claude Code test cannot run" >&2
-fi
+# apt_tool COMMAND PACKAGE WHY IF_MISSING: Debian's PACKAGE when COMMAND is absent and we are root
+apt_tool() {
+  if ! command -v "$1" >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "install: $2 ($3)"
+    (apt-get install -y -q "$2" >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q "$2" >/dev/null 2>&1; }) \
+      || echo "install: $2 unavailable; $4" >&2
+  fi
+}
+apt_tool bwrap bubblewrap "harness confinement" "harnesses run under an unprivileged uid without it"
+apt_tool tmux tmux "drives Claude Code's interactive TUI in the harness tests" "the interactive Claude Code test cannot run"
 
 if [ ! -x "$VENV/bin/python" ]; then
   PY=$(pick_python)
