@@ -253,14 +253,16 @@ class Bus:
 
     # ---- publishing ---------------------------------------------------------------------
 
-    async def publish(self, event: schemas.Event) -> bool:
+    async def publish(self, event: schemas.Event, data: bytes | None = None) -> bool:
         """Publish `event`; True if stored, False if the server already had its event_id.
+        data: `schemas.encode(event)` when the caller already has it (encoded once).
 
         Raises PayloadTooLarge (encoded > MAX_EVENT_BYTES), PublishError after
         config.publish_attempts transient failures, nats errors for anything else.
         """
         name = type(event).NAME
-        data = schemas.encode(event)
+        if data is None:
+            data = schemas.encode(event)
         if len(data) > MAX_EVENT_BYTES:
             raise PayloadTooLarge(
                 f"{name} {event.event_id}: encoded event is {len(data)} bytes, over {MAX_EVENT_BYTES}; "

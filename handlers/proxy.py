@@ -479,15 +479,16 @@ class ProxyState:
         delay = self.cfg.retry_backoff_s
         while True:
             try:
-                out = event
-                if len(encode(event)) > self.cfg.object_threshold_bytes:
+                out, data = event, encode(event)
+                if len(data) > self.cfg.object_threshold_bytes:
                     key = f"calls/{event.execution}/{event.seq}"
                     t = event.tokens
                     await self.bus.put_object(key, orjson.dumps({"prompt_ids": t.prompt_ids,
                                                                  "completion_ids": t.completion_ids,
                                                                  "logprobs": t.logprobs}))
                     out = dataclasses.replace(event, tokens=CallTokens(), tokens_ref=key)
-                stored = await self.bus.publish(out)
+                    data = encode(out)
+                stored = await self.bus.publish(out, data)
                 clog.debug("proxy.call.published", stored=stored, tokens_ref=out.tokens_ref)
                 return
             except Exception as exc:  # noqa: BLE001 - keep trying within the bound; never drop silently
