@@ -5,15 +5,17 @@ Processes: a private nats-server (JetStream), an instant engine (`_engine`: SGLa
 `/generate` answered at once with a fixed 20-token completion — a bash tool call in
 Qwen3's format ending with `<|im_end|>` — and its log-probs), one proxy process (`_proxy`:
 `handlers.proxy.run` with its production defaults: publishing with PubAck awaited, drift
-check on, JSON logs to a file) and this process as the load generator.
+check on, JSON logs to a file), a bare aiohttp pass-through (`_passthrough`: the floor
+below) and this process as the load generator.
 
 Workload: realistic agent turns. An execution starts from a ~1,000-token system prompt,
 one bash tool and a task; each call's answer (the tool call the proxy parsed) is sent
 back in the history with a ~200-token tool result; after 50 calls the execution ends
 (`execution.finished` is published, as the runner does, so the proxy frees its store) and
 a new one takes its place. Executions start at a uniformly random age in [0, 50) reached
-by an unmeasured warm-up (the measured window starts once its calls are stored), so histories are in their steady state from the first measured
-call. Variants: `chat` / `chat_stream` (OpenAI Chat Completions) and `messages` /
+by an unmeasured warm-up (the measured window starts once its calls are stored), so
+histories are in their steady state from the first measured call; a variant's later runs
+continue the executions where the previous run left them (no second warm-up). Variants: `chat` / `chat_stream` (OpenAI Chat Completions) and `messages` /
 `messages_stream` (Anthropic Messages; skipped with a reason while the proxy has no
 `/v1/messages`).
 
@@ -29,14 +31,20 @@ Per variant:
   call (the proxy publishes each with its PubAck awaited); `unstored` counts the missing
   ones after a bounded drain, `drain_s` how long the stream took to catch up.
 
+Floor (`floor`): the same latency pair with a bare aiohttp pass-through in the proxy's
+place (an aiohttp server that forwards the pre-tokenised `/generate` body to the engine
+with an aiohttp client and returns the engine's bytes): what two extra HTTP hops and a
+third Python process cost on this machine before gyre does any work. Measured `reps`
+times, pass-through and direct alternating; `added_latency_ms_*` as for a variant.
+
 Repetitions: `reps` (3) per variant, each a latency pair (proxy and direct, alternating
 which runs first) and a throughput run; the keys hold medians over repetitions with
 `_min`/`_max` beside (BENCHMARKS.md preamble).
 
 Output (`--json PATH`, also printed): {"chat": {...}, "chat_stream": {...}, "messages":
-{...}, "messages_stream": {...}, "machine": {...}, "config": {...}}; each variant holds
+{...}, "messages_stream": {...}, "floor": {...}, "machine": {...}, "config": {...}}; each variant holds
 `added_latency_ms_p50`, `added_latency_ms_p90`, `added_latency_ms_p99`, `calls_per_s`
-(medians, with `_min`/`_max`), `errors` (non-2xx answers), `unstored`, `settle` (per
+(medians, with `_min`/`_max`; `floor` holds only the latency keys), `errors` (non-2xx answers), `unstored`, `settle` (per
 measured run: seconds until the warm-up was stored, and whether that wait timed out),
 and `reps`: per repetition the raw percentiles (`proxy_latency_ms`, `direct_latency_ms`:
 p50/p90/p99) and call counts; a skipped variant holds `skipped` and null figures.
@@ -350,6 +358,35 @@ def serve_engine(url_file: str, completion_ids: list[int], seed: int = 0) -> Non
     run_async(serve())
 
 
+def serve_passthrough(url_file: str, engine_url: str) -> None:
+    """The floor: an aiohttp server whose `/generate` forwards the body to the engine's
+    with an aiohttp client (one pooled session) and answers the engine's bytes."""
+    import aiohttp
+    from aiohttp import web
+
+    async def serve() -> None:
+        session = aiohttp.ClientSession()
+
+        async def generate(request: web.Request) -> web.Response:
+            body = await request.read()
+            async with session.post(engine_url + "/generate", data=body,
+                                    headers={"Content-Type": "application/json"}) as resp:
+                return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        _write_url(url_file, f"http://127.0.0.1:{runner.addresses[0][1]}")
+        await _until_signalled()
+        await runner.cleanup()
+        await session.close()
+
+    run_async(serve())
+
+
 def serve_proxy(url_file: str, engine_url: str, nats_url: str, nats_token: str | None, run: str,
                 check_drift: bool = True) -> None:
     """`handlers.proxy.run` with production defaults (but `check_drift`), JSON logs on stderr."""
@@ -426,6 +463,7 @@ class Load:
         self.stored_offset = 0  # calls stored before this load's first (the bench's probe)
         self.settles: list[dict] = []  # per measured run: how long the warm-up took to be stored
         self._finishing: set[asyncio.Task] = set()
+        self.pool: list[Conversation] = []  # the variant's live executions, reused across its runs
 
     def new_conversation(self, variant: str) -> Conversation:
         return Conversation(variant, self.w, f"b{uuid.uuid4().hex[:12]}")
@@ -458,9 +496,9 @@ class Load:
             stats.latencies.append(dt)
         conv.answer(raw)
 
-    async def direct_call(self, k: int, stats: RunStats | None) -> None:
+    async def direct_call(self, k: int, stats: RunStats | None, url: str) -> None:
         t0 = time.perf_counter()
-        async with self.session.post(self.engine_url + "/generate", data=self.direct_bodies[k],
+        async with self.session.post(url + "/generate", data=self.direct_bodies[k],
                                      headers={"Content-Type": "application/json"}) as resp:
             raw = await resp.read()
             status = resp.status
@@ -470,6 +508,12 @@ class Load:
         orjson.loads(raw)
         if stats is not None:
             stats.latencies.append(dt)
+
+    def finish_pool(self) -> None:
+        """End the variant's live executions (execution.finished for each)."""
+        for conv in self.pool:
+            self.finished(conv)
+        self.pool = []
 
     def finished(self, conv: Conversation) -> None:
         """Publish execution.finished (the runner would), so the proxy frees its store."""
@@ -516,9 +560,13 @@ class Load:
 
     async def run_proxy(self, variant: str, slots: int, think_s: float, duration_s: float,
                         rng: random.Random) -> RunStats:
-        """`slots` executions at random ages (warm-up unmeasured), then `duration_s` measured."""
+        """`slots` executions, then `duration_s` measured. They are the variant's live ones
+        (`pool`, left where the last run stopped, so already in their steady state); those
+        missing are started at random ages by an unmeasured warm-up."""
         stats = RunStats()
-        convs = await self.warm_up(variant, slots, rng)
+        if len(self.pool) < slots:
+            self.pool += await self.warm_up(variant, slots - len(self.pool), rng)
+        convs = self.pool
         await self.settle()
         t_end = time.perf_counter() + duration_s
 
@@ -536,7 +584,7 @@ class Load:
                     conv = self.new_conversation(variant)
                 if think_s:
                     await asyncio.sleep(rng.expovariate(1.0 / think_s))
-            self.finished(conv)
+            convs[i] = conv
 
         t0 = time.perf_counter()
         await asyncio.gather(*(slot(i) for i in range(slots)))
@@ -544,7 +592,11 @@ class Load:
         stats.calls = len(stats.latencies)
         return stats
 
-    async def run_direct(self, slots: int, think_s: float, duration_s: float, rng: random.Random) -> RunStats:
+    async def run_direct(self, slots: int, think_s: float, duration_s: float, rng: random.Random,
+                         url: str = "") -> RunStats:
+        """The pre-tokenised `/generate` calls of the same load, sent to `url` (default:
+        straight to the engine; the pass-through for the floor)."""
+        url = url or self.engine_url
         stats = RunStats()
         t_end = time.perf_counter() + duration_s
 
@@ -552,7 +604,7 @@ class Load:
             k = rng.randrange(CALLS_PER_EXECUTION)
             await asyncio.sleep(rng.expovariate(1.0 / think_s))
             while time.perf_counter() < t_end:
-                await self.direct_call(k, stats)
+                await self.direct_call(k, stats, url)
                 k = (k + 1) % CALLS_PER_EXECUTION
                 await asyncio.sleep(rng.expovariate(1.0 / think_s))
 
@@ -675,7 +727,7 @@ async def bench(cfg: BenchConfig, workdir: Path) -> dict:
     procs: list[subprocess.Popen] = []
     logs = workdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    for stale in ("engine.url", "proxy.json"):
+    for stale in ("engine.url", "proxy.json", "passthrough.url"):
         (workdir / stale).unlink(missing_ok=True)
     result: dict = {}
     try:
@@ -693,6 +745,11 @@ async def bench(cfg: BenchConfig, workdir: Path) -> dict:
                        "--engine-url", engine_url, "--nats-url", nats.url, "--run", run]
         if not cfg.check_drift:
             proxy_argv.append("--no-drift-check")
+        passthrough = subprocess.Popen([sys.executable, "-m", "handlers.bench_proxy", "_passthrough", "--url-file",
+                                        str(workdir / "passthrough.url"), "--engine-url", engine_url],
+                                       stdout=open(logs / "passthrough.log", "wb"), stderr=subprocess.STDOUT, env=env)
+        procs.append(passthrough)
+        passthrough_url = _wait_url(workdir / "passthrough.url", passthrough, "pass-through")
         penv = dict(env, GYRE_BENCH_NATS_TOKEN=nats.token or "")
         prox = subprocess.Popen(proxy_argv, stdout=open(logs / "proxy.log", "wb"), stderr=subprocess.STDOUT, env=penv)
         procs.append(prox)
@@ -730,6 +787,7 @@ async def bench(cfg: BenchConfig, workdir: Path) -> dict:
                         lat = await load.run_proxy(variant, cfg.executions, cfg.think_s, cfg.duration_s, rng)
                     thr = await load.run_throughput(variant, cfg.concurrency, cfg.duration_s, rng)
                     reps.append(_rep_figures(lat, direct, thr))
+                load.finish_pool()
                 expected = load.answered - before
                 stored, drain_s = await _wait_stored(bus, run, stored_before + expected, 60.0)
                 result[variant] = _variant_figures(reps)
@@ -738,6 +796,9 @@ async def bench(cfg: BenchConfig, workdir: Path) -> dict:
                 vlog.info("bench.proxy.variant", **{k: v for k, v in result[variant].items()
                                                     if k in ("added_latency_ms_p50", "added_latency_ms_p99",
                                                              "calls_per_s", "errors", "unstored")})
+            result["floor"] = await _floor(load, passthrough_url, cfg, rng)
+            log.info("bench.proxy.floor", added_latency_ms_p50=result["floor"]["added_latency_ms_p50"],
+                     added_latency_ms_p99=result["floor"]["added_latency_ms_p99"])
         await bus.close()
     finally:
         for p in reversed(procs):
@@ -758,6 +819,26 @@ async def bench(cfg: BenchConfig, workdir: Path) -> dict:
     return result
 
 
+async def _floor(load: Load, passthrough_url: str, cfg: BenchConfig, rng: random.Random) -> dict:
+    """`reps` latency pairs: the bare pass-through against the engine straight (alternating
+    which runs first). The variant keys without calls/s."""
+    reps = []
+    for rep in range(cfg.reps):
+        runs = {}
+        for path in (("passthrough", "direct") if rep % 2 == 0 else ("direct", "passthrough")):
+            runs[path] = await load.run_direct(cfg.executions, cfg.think_s, cfg.duration_s, rng,
+                                               passthrough_url if path == "passthrough" else "")
+        p, d = percentiles_ms(runs["passthrough"].latencies), percentiles_ms(runs["direct"].latencies)
+        reps.append({"added_latency_ms": {q: (round(p[q] - d[q], 3) if p[q] is not None and d[q] is not None
+                                              else None) for q in p},
+                     "passthrough_latency_ms": p, "direct_latency_ms": d, "calls_per_s": None,
+                     "latency_calls": runs["passthrough"].calls, "direct_calls": runs["direct"].calls,
+                     "errors": 0, "error_samples": []})
+    out = _variant_figures(reps)
+    out.pop("calls_per_s", None)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "_engine":
@@ -766,6 +847,13 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--ids", required=True)
         a = p.parse_args(argv[1:])
         serve_engine(a.url_file, [int(x) for x in a.ids.split(",")])
+        return 0
+    if argv and argv[0] == "_passthrough":
+        p = argparse.ArgumentParser(prog="bench_proxy _passthrough")
+        p.add_argument("--url-file", required=True)
+        p.add_argument("--engine-url", required=True)
+        a = p.parse_args(argv[1:])
+        serve_passthrough(a.url_file, a.engine_url)
         return 0
     if argv and argv[0] == "_proxy":
         p = argparse.ArgumentParser(prog="bench_proxy _proxy")

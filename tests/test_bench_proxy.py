@@ -25,6 +25,10 @@ def test_bench_proxy_smoke(tmp_path):
         assert rep["latency_calls"] > 0 and rep["direct_calls"] > 0 and rep["throughput_calls"] > 0
         assert figures["added_latency_ms_p50"] == rep["added_latency_ms"]["p50"]
     assert not result["chat"].get("skipped")
+    floor = result["floor"]  # the bare pass-through against the engine, same load
+    (rep,) = floor["reps"]
+    assert rep["latency_calls"] > 0 and rep["direct_calls"] > 0
+    assert floor["added_latency_ms_p50"] == rep["added_latency_ms"]["p50"] and "calls_per_s" not in floor
 
 
 def test_variant_figures_are_medians_over_repetitions():
