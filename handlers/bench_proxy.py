@@ -573,7 +573,7 @@ class Load:
         async def slot(i: int) -> None:
             conv = convs[i]
             if think_s:
-                await asyncio.sleep(rng.expovariate(1.0 / think_s))
+                await _think(rng, think_s, t_end)
             while time.perf_counter() < t_end:
                 if conv.calls >= CALLS_PER_EXECUTION:
                     self.finished(conv)
@@ -583,7 +583,7 @@ class Load:
                 except _CallFailed:
                     conv = self.new_conversation(variant)
                 if think_s:
-                    await asyncio.sleep(rng.expovariate(1.0 / think_s))
+                    await _think(rng, think_s, t_end)
             convs[i] = conv
 
         t0 = time.perf_counter()
@@ -602,11 +602,11 @@ class Load:
 
         async def slot(i: int) -> None:
             k = rng.randrange(CALLS_PER_EXECUTION)
-            await asyncio.sleep(rng.expovariate(1.0 / think_s))
+            await _think(rng, think_s, t_end)
             while time.perf_counter() < t_end:
                 await self.direct_call(k, stats, url)
                 k = (k + 1) % CALLS_PER_EXECUTION
-                await asyncio.sleep(rng.expovariate(1.0 / think_s))
+                await _think(rng, think_s, t_end)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(slot(i) for i in range(slots)))
@@ -617,6 +617,12 @@ class Load:
     async def run_throughput(self, variant: str, slots: int, duration_s: float, rng: random.Random) -> RunStats:
         """Closed loop, no think time; counts calls answered inside the window."""
         return await self.run_proxy(variant, slots, 0.0, duration_s, rng)
+
+
+async def _think(rng: random.Random, think_s: float, t_end: float) -> None:
+    """An exponential think time (mean think_s), cut at the window's end: no call starts
+    after it, so the run ends with its last answer, not its longest remaining think."""
+    await asyncio.sleep(min(rng.expovariate(1.0 / think_s), max(t_end - time.perf_counter(), 0.0)))
 
 
 class _CallFailed(Exception):
