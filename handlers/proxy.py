@@ -32,7 +32,8 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   answers 503 / refuses the connection / drops it (`EngineUnavailable`), ends a
   generation with `abort`, or its cell leaves rollout while the request is in flight
   (the request is then aborted upstream, `/abort_request`), the proxy retries on another
-  rollout cell, or waits for one, for up to `retry_timeout_s`; the harness sees no error.
+  rollout cell, or waits for one, for up to `retry_timeout_s`; the harness sees no error
+  (`handlers.proxy_routing.Dispatcher`).
   While waiting it sends keep-alives (SSE comments; Anthropic `ping` events; in
   non-streaming mode after `keepalive_s`, a 200 response whose body starts with newlines).
   Anthropic and Responses streams send their opening events (`message_start` with the
@@ -72,7 +73,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 import structlog
 from aiohttp import web
@@ -82,24 +82,20 @@ from gyre.harness import verify_key as harness_verify_key
 from gyre.roles import PROFILES, CallFacts, Classification, classify, profile_for_harness
 from gyre.tito import CallStore, Match
 from gyre.tokenizer import fast_encoder
-from handlers.engine_client import EngineClient, EngineRequestError, EngineUnavailable, make_session
+from handlers.engine_client import make_session
 from handlers.proxy_anthropic import MessagesApi, parse_messages_request
-from handlers.proxy_api import (Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, internal_message,
-                                unique_hex)
+from handlers.proxy_api import Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, internal_message
 from handlers.proxy_http import Reply, error_response, key_of, read_json
 from handlers.proxy_openai import ChatApi, ResponsesApi, parse_chat_request, parse_responses_request
-from handlers.proxy_routing import Attempt, Router, engine_sampling, race
+from handlers.proxy_routing import Attempt, Dispatcher, EngineResult, Router
 from schemas import encode, ids
 from schemas.call import CallCompleted, CallTokens, SamplingParams
 from schemas.cell import CellSwitched, RouteUpdated
 from schemas.execution import ExecutionFinished, ExecutionStarted
 
-__all__ = ["ApiError", "Config", "EngineResult", "ProxyState", "Router", "make_app", "run", "start", "main"]
+__all__ = ["ApiError", "Config", "ProxyState", "Router", "make_app", "run", "start", "main"]
 
 log = structlog.get_logger()
-
-MAX_ENGINE_ABORTS = 16
-"""Engine-side aborts of one call retried before the call fails (a cell switch aborts once)."""
 
 CHAT, RESPONSES, MESSAGES = ChatApi(), ResponsesApi(), MessagesApi()
 
@@ -229,23 +225,6 @@ class _Execution:
     harness: str | None = None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class EngineResult:
-    """One answered generation. output_ids/logprobs: (C,) sampled ids (stop token
-    included) and their behaviour log-probs. finish: `stop` | `length`. versions: policy
-    version spans over the completion. queue_s: seconds from the call's start to the
-    successful attempt's request (waiting, retries, the concurrency limit); engine_s:
-    seconds of that attempt."""
-
-    output_ids: list[int]
-    logprobs: list[float]
-    finish: str
-    versions: tuple[tuple[int, int, int], ...]
-    cell: str
-    queue_s: float
-    engine_s: float
-
-
 class ProxyState:
     """Everything the proxy's handlers share: config, tokenizer, engine clients, calls.
 
@@ -264,8 +243,9 @@ class ProxyState:
         self.executions: dict[str, _Execution] = {}
         self.active = 0
         self.defaults = cfg.sampling_defaults()
-        self._clients: dict[str, EngineClient] = {}
-        self._semaphore = asyncio.Semaphore(cfg.concurrency)
+        self.engines = Dispatcher(self.router, session, concurrency=cfg.concurrency,
+                                  retry_timeout_s=cfg.retry_timeout_s, retry_backoff_s=cfg.retry_backoff_s,
+                                  retry_backoff_max_s=cfg.retry_backoff_max_s, spawn=self.spawn)
         self._publishing = asyncio.Semaphore(cfg.max_publishes_in_flight)
         self._background: set[asyncio.Task] = set()
 
@@ -318,12 +298,6 @@ class ProxyState:
         self.active -= 1
         ex.active -= 1
 
-    def client(self, url: str) -> EngineClient:
-        c = self._clients.get(url)
-        if c is None:
-            c = self._clients[url] = EngineClient(url, self.session)
-        return c
-
     def spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
@@ -335,104 +309,6 @@ class ProxyState:
             _, pending = await asyncio.wait(set(self._background), timeout=timeout_s)
             if pending:
                 log.warning("proxy.drain.unfinished", tasks=len(pending))
-
-    async def abort_upstream(self, client: EngineClient, rid: str) -> None:
-        try:
-            await client.abort(rid)
-        except Exception as exc:  # noqa: BLE001 - the engine may be gone; nothing else to do
-            log.info("proxy.engine.abort_failed", rid=rid, error=repr(exc))
-
-    # -- engine
-    async def generate(self, execution: str, prompt_ids: np.ndarray, sampling: SamplingParams, call_id: str,
-                       attempt: Attempt, on_wait: Callable[[], None] | None = None) -> EngineResult:
-        """Run the call on an engine, waiting and retrying transparently (module docstring).
-        prompt_ids: (P,) int32.
-
-        Raises ApiError(503) when no engine answered within retry_timeout_s, ApiError(400|502)
-        when the engine refused the request.
-        """
-        cfg = self.cfg
-        t0 = time.monotonic()
-        deadline = t0 + cfg.retry_timeout_s
-        backoff = cfg.retry_backoff_s
-        avoid: set[str] = set()
-        tries = aborts = 0
-        clog = log.bind(execution=execution, call=call_id)
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ApiError(503, f"no engine served the call within {cfg.retry_timeout_s:.0f}s", "server_error",
-                               code="engine_unavailable")
-            target = self.router.pick(execution, frozenset(avoid))
-            if target is None:
-                if on_wait:
-                    on_wait()
-                await self.router.wait_changed(min(backoff, remaining))
-                backoff = min(backoff * 2, cfg.retry_backoff_max_s)
-                continue
-            cell, url = target
-            client = self.client(url)
-            rid = f"{call_id}:{tries}:{unique_hex()}"
-            tries += 1
-            attempt.client, attempt.rid, attempt.cell, attempt.evicted = client, rid, cell, False
-            self.router.track(attempt)
-            try:
-                async with self._semaphore:
-                    t_engine = time.monotonic()
-                    result = await race(client.generate(prompt_ids, engine_sampling(sampling), rid,
-                                                         execution=execution), attempt)
-            except EngineUnavailable as exc:
-                attempt.client = None
-                clog.info("proxy.engine.unavailable", cell=cell, error=str(exc)[:200], retry_in_s=backoff)
-                avoid.add(cell)
-                if on_wait:
-                    on_wait()
-                # Another rollout cell is tried at once; the same engine only after a backoff.
-                if not any(c not in avoid for c in self.router.cells):
-                    await asyncio.sleep(min(backoff, max(remaining, 0.0)))
-                    backoff = min(backoff * 2, cfg.retry_backoff_max_s)
-                continue
-            except EngineRequestError as exc:
-                attempt.client = None
-                clog.warning("proxy.engine.refused", cell=cell, status=exc.status, body=str(exc.body)[:500])
-                status = 400 if 400 <= exc.status < 500 else 502
-                raise ApiError(status, f"the engine refused the request: {exc.body}",
-                               "invalid_request_error" if status == 400 else "server_error",
-                               code="engine_error") from exc
-            finally:
-                self.router.untrack(attempt)
-            # On cancellation attempt.client stays set, so the caller can abort `rid` upstream.
-            if result is None:  # the cell left rollout mid-request: abort there, go elsewhere
-                clog.info("proxy.engine.evicted", cell=cell, rid=rid)
-                attempt.client = None
-                self.spawn(self.abort_upstream(client, rid))
-                avoid.add(cell)
-                continue
-            attempt.client = None
-            engine_s = time.monotonic() - t_engine
-            meta = result.get("meta_info") or {}
-            finish = (meta.get("finish_reason") or {}).get("type") or "stop"
-            if finish == "abort":
-                aborts += 1
-                clog.info("proxy.engine.aborted", cell=cell, aborts=aborts)
-                if aborts > MAX_ENGINE_ABORTS:
-                    raise ApiError(502, "the engine aborted the generation repeatedly", "server_error",
-                                   code="engine_aborted")
-                avoid.add(cell)
-                continue
-            output_ids = [int(i) for i in result.get("output_ids") or ()]
-            logprobs = [float(x[0]) for x in meta.get("output_token_logprobs") or ()]
-            if len(logprobs) != len(output_ids):
-                raise ApiError(502, f"the engine returned {len(output_ids)} ids but {len(logprobs)} log-probs",
-                               "server_error", code="engine_error")
-            spans = meta.get("gyre_versions")
-            if spans:
-                versions = tuple((int(s), int(e), int(v)) for s, e, v in spans)
-            else:
-                version = int(meta.get("weight_version") or 0)
-                versions = ((0, len(output_ids), version),) if output_ids else ()
-            return EngineResult(output_ids=output_ids, logprobs=logprobs, finish=finish, versions=versions,
-                                cell=cell, queue_s=t_engine - t0, engine_s=engine_s)
 
     # -- events
     def call_event(self, *, execution: str, seq: int, match: Match, sampling: SamplingParams,
@@ -590,7 +466,7 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
     try:
         await reply.start(start, api.preamble(start, req) if req.stream else [])
         try:
-            result = await state.generate(execution, prompt, req.sampling, call_id, attempt)
+            result = await state.engines.generate(execution, prompt, req.sampling, call_id, attempt)
         except ApiError as err:
             clog.warning("proxy.call.failed", status=err.status, error=err.message[:300])
             resp = await reply.fail(err)
@@ -630,7 +506,7 @@ async def _abandon(state: ProxyState, attempt: Attempt, common: dict, result: En
                    t0: float) -> None:
     """The harness went away: abort the engine request, publish the call as `aborted`."""
     if attempt.client is not None and attempt.rid:
-        await state.abort_upstream(attempt.client, attempt.rid)
+        await state.engines.abort_upstream(attempt.client, attempt.rid)
     await state.publish(state.call_event(**common, result=result, status="aborted", total_s=time.monotonic() - t0,
                                          cell=attempt.cell))
 

@@ -1,5 +1,6 @@
 """Routing of the proxy's calls to engines: rollout cells, scheduler routes, stickiness,
-and eviction of in-flight requests whose cell leaves rollout.
+eviction of in-flight requests whose cell leaves rollout, and the dispatch of a call's
+generation with its retries (`Dispatcher`).
 
 Contract: `Router.pick(execution, avoid)` → (cell, engine URL) or None; the scheduler's
 route wins, then the sticky cell, then the least-loaded rollout cell (cells in `avoid`
@@ -11,12 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Coroutine
+import time
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from handlers.engine_client import EngineClient
+import numpy as np
+import structlog
+
+from handlers.engine_client import EngineClient, EngineRequestError, EngineUnavailable
+from handlers.proxy_api import ApiError, unique_hex
 from schemas.call import SamplingParams
 from schemas.cell import CellSwitched, RouteUpdated
+
+log = structlog.get_logger()
+
+MAX_ENGINE_ABORTS = 16
+"""Engine-side aborts of one call retried before the call fails (a cell switch aborts once)."""
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -153,3 +164,148 @@ def _take_back(task: asyncio.Task, attempt: Attempt) -> bool:
 def engine_sampling(sp: SamplingParams) -> dict:
     """SGLang `sampling_params` for recorded SamplingParams."""
     return {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "max_new_tokens": sp.max_tokens}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineResult:
+    """One answered generation. output_ids/logprobs: (C,) sampled ids (stop token
+    included) and their behaviour log-probs. finish: `stop` | `length`. versions: policy
+    version spans over the completion. queue_s: seconds from the call's start to the
+    successful attempt's request (waiting, retries, the concurrency limit); engine_s:
+    seconds of that attempt."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish: str
+    versions: tuple[tuple[int, int, int], ...]
+    cell: str
+    queue_s: float
+    engine_s: float
+
+
+class Dispatcher:
+    """Runs calls' generations on the engines the router picks.
+
+    At most `concurrency` engine requests in flight (the rest wait their turn). When the
+    engine answers 503 / refuses the connection / drops it (`EngineUnavailable`), ends a
+    generation with `abort` (up to MAX_ENGINE_ABORTS times), or its cell leaves rollout
+    while the request runs (the request is then aborted upstream with `/abort_request`),
+    the call goes to another rollout cell at once, or to the same engine after a backoff
+    (`retry_backoff_s` doubling to `retry_backoff_max_s`), or waits for a cell, for up to
+    `retry_timeout_s` seconds. session: the process's engine `aiohttp.ClientSession`.
+    spawn: runs a background coroutine (the upstream aborts) the caller drains at shutdown.
+    """
+
+    def __init__(self, router: Router, session: Any, *, concurrency: int, retry_timeout_s: float,
+                 retry_backoff_s: float, retry_backoff_max_s: float, spawn: Callable[[Awaitable[Any]], None]):
+        self.router = router
+        self.session = session
+        self.retry_timeout_s = retry_timeout_s
+        self.retry_backoff_s = retry_backoff_s
+        self.retry_backoff_max_s = retry_backoff_max_s
+        self.spawn = spawn
+        self._clients: dict[str, EngineClient] = {}
+        self._semaphore = asyncio.Semaphore(concurrency)
+
+    def client(self, url: str) -> EngineClient:
+        c = self._clients.get(url)
+        if c is None:
+            c = self._clients[url] = EngineClient(url, self.session)
+        return c
+
+    async def abort_upstream(self, client: EngineClient, rid: str) -> None:
+        try:
+            await client.abort(rid)
+        except Exception as exc:  # noqa: BLE001 - the engine may be gone; nothing else to do
+            log.info("proxy.engine.abort_failed", rid=rid, error=repr(exc))
+
+    async def generate(self, execution: str, prompt_ids: np.ndarray, sampling: SamplingParams, call_id: str,
+                       attempt: Attempt, on_wait: Callable[[], None] | None = None) -> EngineResult:
+        """Run the call on an engine, waiting and retrying transparently (class docstring).
+        prompt_ids: (P,) int32. attempt: filled with the request in flight (for an abort
+        upstream if the caller is cancelled). on_wait: called whenever the call has to wait.
+
+        Raises ApiError(503) when no engine answered within retry_timeout_s, ApiError(400|502)
+        when the engine refused the request.
+        """
+        t0 = time.monotonic()
+        deadline = t0 + self.retry_timeout_s
+        backoff = self.retry_backoff_s
+        avoid: set[str] = set()
+        tries = aborts = 0
+        clog = log.bind(execution=execution, call=call_id)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ApiError(503, f"no engine served the call within {self.retry_timeout_s:.0f}s", "server_error",
+                               code="engine_unavailable")
+            target = self.router.pick(execution, frozenset(avoid))
+            if target is None:
+                if on_wait:
+                    on_wait()
+                await self.router.wait_changed(min(backoff, remaining))
+                backoff = min(backoff * 2, self.retry_backoff_max_s)
+                continue
+            cell, url = target
+            client = self.client(url)
+            rid = f"{call_id}:{tries}:{unique_hex()}"
+            tries += 1
+            attempt.client, attempt.rid, attempt.cell, attempt.evicted = client, rid, cell, False
+            self.router.track(attempt)
+            try:
+                async with self._semaphore:
+                    t_engine = time.monotonic()
+                    result = await race(client.generate(prompt_ids, engine_sampling(sampling), rid,
+                                                         execution=execution), attempt)
+            except EngineUnavailable as exc:
+                attempt.client = None
+                clog.info("proxy.engine.unavailable", cell=cell, error=str(exc)[:200], retry_in_s=backoff)
+                avoid.add(cell)
+                if on_wait:
+                    on_wait()
+                # Another rollout cell is tried at once; the same engine only after a backoff.
+                if not any(c not in avoid for c in self.router.cells):
+                    await asyncio.sleep(min(backoff, max(remaining, 0.0)))
+                    backoff = min(backoff * 2, self.retry_backoff_max_s)
+                continue
+            except EngineRequestError as exc:
+                attempt.client = None
+                clog.warning("proxy.engine.refused", cell=cell, status=exc.status, body=str(exc.body)[:500])
+                status = 400 if 400 <= exc.status < 500 else 502
+                raise ApiError(status, f"the engine refused the request: {exc.body}",
+                               "invalid_request_error" if status == 400 else "server_error",
+                               code="engine_error") from exc
+            finally:
+                self.router.untrack(attempt)
+            # On cancellation attempt.client stays set, so the caller can abort `rid` upstream.
+            if result is None:  # the cell left rollout mid-request: abort there, go elsewhere
+                clog.info("proxy.engine.evicted", cell=cell, rid=rid)
+                attempt.client = None
+                self.spawn(self.abort_upstream(client, rid))
+                avoid.add(cell)
+                continue
+            attempt.client = None
+            engine_s = time.monotonic() - t_engine
+            meta = result.get("meta_info") or {}
+            finish = (meta.get("finish_reason") or {}).get("type") or "stop"
+            if finish == "abort":
+                aborts += 1
+                clog.info("proxy.engine.aborted", cell=cell, aborts=aborts)
+                if aborts > MAX_ENGINE_ABORTS:
+                    raise ApiError(502, "the engine aborted the generation repeatedly", "server_error",
+                                   code="engine_aborted")
+                avoid.add(cell)
+                continue
+            output_ids = [int(i) for i in result.get("output_ids") or ()]
+            logprobs = [float(x[0]) for x in meta.get("output_token_logprobs") or ()]
+            if len(logprobs) != len(output_ids):
+                raise ApiError(502, f"the engine returned {len(output_ids)} ids but {len(logprobs)} log-probs",
+                               "server_error", code="engine_error")
+            spans = meta.get("gyre_versions")
+            if spans:
+                versions = tuple((int(s), int(e), int(v)) for s, e, v in spans)
+            else:
+                version = int(meta.get("weight_version") or 0)
+                versions = ((0, len(output_ids), version),) if output_ids else ()
+            return EngineResult(output_ids=output_ids, logprobs=logprobs, finish=finish, versions=versions,
+                                cell=cell, queue_s=t_engine - t0, engine_s=engine_s)
