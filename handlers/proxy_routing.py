@@ -219,11 +219,20 @@ class Dispatcher:
         except Exception as exc:  # noqa: BLE001 - the engine may be gone; nothing else to do
             log.info("proxy.engine.abort_failed", rid=rid, error=repr(exc))
 
+    async def _avoid(self, avoid: set[str], cell: str, backoff: float, remaining: float) -> float:
+        """Steer the retry away from `cell`: another rollout cell is tried at once, the same
+        engine only after `backoff` seconds (capped by `remaining`). Returns the next backoff."""
+        avoid.add(cell)
+        if any(c not in avoid for c in self.router.cells):
+            return backoff
+        await asyncio.sleep(min(backoff, max(remaining, 0.0)))
+        return min(backoff * 2, self.retry_backoff_max_s)
+
     async def generate(self, execution: str, prompt_ids: np.ndarray, sampling: SamplingParams, call_id: str,
-                       attempt: Attempt, on_wait: Callable[[], None] | None = None) -> EngineResult:
+                       attempt: Attempt) -> EngineResult:
         """Run the call on an engine, waiting and retrying transparently (class docstring).
         prompt_ids: (P,) int32. attempt: filled with the request in flight (for an abort
-        upstream if the caller is cancelled). on_wait: called whenever the call has to wait.
+        upstream if the caller is cancelled).
 
         Raises ApiError(503) when no engine answered within retry_timeout_s, ApiError(400|502)
         when the engine refused the request.
@@ -241,8 +250,6 @@ class Dispatcher:
                                code="engine_unavailable")
             target = self.router.pick(execution, frozenset(avoid))
             if target is None:
-                if on_wait:
-                    on_wait()
                 await self.router.wait_changed(min(backoff, remaining))
                 backoff = min(backoff * 2, self.retry_backoff_max_s)
                 continue
@@ -260,13 +267,7 @@ class Dispatcher:
             except EngineUnavailable as exc:
                 attempt.client = None
                 clog.info("proxy.engine.unavailable", cell=cell, error=str(exc)[:200], retry_in_s=backoff)
-                avoid.add(cell)
-                if on_wait:
-                    on_wait()
-                # Another rollout cell is tried at once; the same engine only after a backoff.
-                if not any(c not in avoid for c in self.router.cells):
-                    await asyncio.sleep(min(backoff, max(remaining, 0.0)))
-                    backoff = min(backoff * 2, self.retry_backoff_max_s)
+                backoff = await self._avoid(avoid, cell, backoff, remaining)
                 continue
             except EngineRequestError as exc:
                 attempt.client = None
@@ -294,7 +295,7 @@ class Dispatcher:
                 if aborts > MAX_ENGINE_ABORTS:
                     raise ApiError(502, "the engine aborted the generation repeatedly", "server_error",
                                    code="engine_aborted")
-                avoid.add(cell)
+                backoff = await self._avoid(avoid, cell, backoff, remaining)
                 continue
             output_ids = [int(i) for i in result.get("output_ids") or ()]
             logprobs = [float(x[0]) for x in meta.get("output_token_logprobs") or ()]

@@ -17,7 +17,7 @@ from aiohttp import web
 from gyre.harness import execution_key
 from handlers.proxy_anthropic import parse_messages_request
 from handlers.proxy_api import brotli_module, unique_hex, zstd_decompressor
-from handlers.proxy_routing import Attempt, Router, race
+from handlers.proxy_routing import MAX_ENGINE_ABORTS, Attempt, Router, race
 from schemas import ids
 from schemas.cell import CellSwitched, Route, RouteUpdated
 from schemas.execution import ExecutionInfo, ExecutionStarted
@@ -175,15 +175,19 @@ class HoldThen503:
         app = web.Application()
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/abort_request", self.abort)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        self.runner, self.url = await serve(app)
 
     async def stop(self):
         self.release.set()
         await self.runner.cleanup()
+
+
+async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
 def switched(cell: str, to_role: str, url: str = "", seq: int = 0) -> CellSwitched:
@@ -224,6 +228,35 @@ async def test_reroute_on_503_mid_request_and_on_cell_switch(local):
         assert state.router.inflight == {}
     finally:
         await a.stop()
+
+
+async def test_repeated_engine_aborts_back_off_then_fail_with_502(local):
+    """An engine that ends every generation with `abort` (SGLang's shape): the only engine
+    is retried after a backoff each time, never in a tight loop, and after
+    MAX_ENGINE_ABORTS retries the call fails with 502 `engine_aborted`."""
+    times: list[float] = []
+
+    async def generate(request):
+        await request.read()
+        times.append(asyncio.get_running_loop().time())
+        return web.json_response({"text": "", "output_ids": [], "meta_info": {
+            "id": "x", "finish_reason": {"type": "abort", "message": "aborted"}, "prompt_tokens": 1,
+            "completion_tokens": 0, "output_token_logprobs": []}})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner, url = await serve(app)
+    try:
+        engine = type("Engine", (), {"url": url})()
+        await local.proxy(engine=engine, retry_backoff_s=0.02, retry_backoff_max_s=0.02)
+        with pytest.raises(openai.APIStatusError) as err:
+            await local.client("ex-aborts").chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}])
+        assert err.value.status_code == 502 and err.value.code == "engine_aborted"
+        assert len(times) == MAX_ENGINE_ABORTS + 1
+        assert min(b - a for a, b in zip(times, times[1:])) >= 0.015
+    finally:
+        await runner.cleanup()
 
 
 async def test_race_tells_an_eviction_from_a_cancelled_call():
