@@ -33,8 +33,9 @@ Per variant:
 
 Floor (`floor`): the same latency pair with a bare aiohttp pass-through in the proxy's
 place (an aiohttp server that forwards the pre-tokenised `/generate` body to the engine
-with an aiohttp client and returns the engine's bytes): what two extra HTTP hops and a
-third Python process cost on this machine before gyre does any work. Measured `reps`
+with an aiohttp client session configured as the proxy's, and returns the engine's
+bytes): what one more HTTP hop and a third Python process cost on this machine before
+gyre does any work. Measured `reps`
 times, pass-through and direct alternating; `added_latency_ms_*` as for a variant.
 
 Repetitions: `reps` (3) per variant, each a latency pair (proxy and direct, alternating
@@ -44,8 +45,10 @@ which runs first) and a throughput run; the keys hold medians over repetitions w
 Output (`--json PATH`, also printed): {"chat": {...}, "chat_stream": {...}, "messages":
 {...}, "messages_stream": {...}, "floor": {...}, "machine": {...}, "config": {...}}; each variant holds
 `added_latency_ms_p50`, `added_latency_ms_p90`, `added_latency_ms_p99`, `calls_per_s`
-(medians, with `_min`/`_max`; `floor` holds only the latency keys), `errors` (non-2xx answers), `unstored`, `settle` (per
-measured run: seconds until the warm-up was stored, and whether that wait timed out),
+(medians, with `_min`/`_max`; `floor` holds only the latency keys), `errors` (non-2xx
+answers or broken connections, on either path), `unstored`, `settle` (per measured
+proxy run: seconds until every call answered so far was stored — after the warm-up for a
+variant's first run, after the previous run otherwise — and whether that wait timed out),
 and `reps`: per repetition the raw percentiles (`proxy_latency_ms`, `direct_latency_ms`:
 p50/p90/p99) and call counts; a skipped variant holds `skipped` and null figures.
 Targets: added p50 ≤ 1 ms, p99 ≤ 5 ms; ≥ 1,000 calls/s.
@@ -58,6 +61,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib.metadata
 import os
 import platform
 import random
@@ -71,6 +75,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 import orjson
 import structlog
@@ -360,12 +365,14 @@ def serve_engine(url_file: str, completion_ids: list[int], seed: int = 0) -> Non
 
 def serve_passthrough(url_file: str, engine_url: str) -> None:
     """The floor: an aiohttp server whose `/generate` forwards the body to the engine's
-    with an aiohttp client (one pooled session) and answers the engine's bytes."""
-    import aiohttp
+    with an aiohttp client (the proxy's engine session, `make_session`) and answers the
+    engine's bytes."""
     from aiohttp import web
 
+    from handlers.engine_client import make_session
+
     async def serve() -> None:
-        session = aiohttp.ClientSession()
+        session = make_session()
 
         async def generate(request: web.Request) -> web.Response:
             body = await request.read()
@@ -476,14 +483,16 @@ class Load:
             return {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
         return {"x-api-key": key, "anthropic-version": "2023-06-01", "Content-Type": "application/json"}
 
-    async def proxy_call(self, conv: Conversation, stats: RunStats | None) -> None:
-        path = "/v1/chat/completions" if conv.api == "chat" else "/v1/messages"
-        data = conv.body()
-        headers = self._headers(conv)
+    async def _post(self, url: str, data: bytes, headers: dict[str, str], stats: RunStats | None) -> tuple[bytes, float]:
+        """POST and read the answer: (body, seconds). A non-200 answer or a broken
+        connection is counted in `stats` (errors, a few samples) and raises _CallFailed."""
         t0 = time.perf_counter()
-        async with self.session.post(self.proxy_url + path, data=data, headers=headers) as resp:
-            raw = await resp.read()
-            status = resp.status
+        try:
+            async with self.session.post(url, data=data, headers=headers) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except aiohttp.ClientError as exc:
+            raw, status = repr(exc).encode(), 0
         dt = time.perf_counter() - t0
         if status != 200:
             if stats is not None:
@@ -491,20 +500,19 @@ class Load:
                 if len(stats.error_samples) < 3:
                     stats.error_samples.append(f"{status} {raw[:300]!r}")
             raise _CallFailed(status)
+        return raw, dt
+
+    async def proxy_call(self, conv: Conversation, stats: RunStats | None) -> None:
+        path = "/v1/chat/completions" if conv.api == "chat" else "/v1/messages"
+        raw, dt = await self._post(self.proxy_url + path, conv.body(), self._headers(conv), stats)
         self.answered += 1
         if stats is not None:
             stats.latencies.append(dt)
         conv.answer(raw)
 
     async def direct_call(self, k: int, stats: RunStats | None, url: str) -> None:
-        t0 = time.perf_counter()
-        async with self.session.post(url + "/generate", data=self.direct_bodies[k],
-                                     headers={"Content-Type": "application/json"}) as resp:
-            raw = await resp.read()
-            status = resp.status
-        dt = time.perf_counter() - t0
-        if status != 200:
-            raise _CallFailed(status)
+        raw, dt = await self._post(url + "/generate", self.direct_bodies[k], {"Content-Type": "application/json"},
+                                   stats)
         orjson.loads(raw)
         if stats is not None:
             stats.latencies.append(dt)
@@ -581,6 +589,7 @@ class Load:
                 try:
                     await self.proxy_call(conv, stats)
                 except _CallFailed:
+                    self.finished(conv)
                     conv = self.new_conversation(variant)
                 if think_s:
                     await _think(rng, think_s, t_end)
@@ -604,7 +613,10 @@ class Load:
             k = rng.randrange(CALLS_PER_EXECUTION)
             await _think(rng, think_s, t_end)
             while time.perf_counter() < t_end:
-                await self.direct_call(k, stats, url)
+                try:
+                    await self.direct_call(k, stats, url)
+                except _CallFailed:
+                    pass  # counted in stats.errors
                 k = (k + 1) % CALLS_PER_EXECUTION
                 await _think(rng, think_s, t_end)
 
@@ -681,8 +693,13 @@ def machine() -> dict:
         load = os.getloadavg()[0]
     except OSError:
         load = None
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = None
     return {"cpu": cpu, "cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
-            "python": platform.python_version(), "platform": platform.platform(), "loadavg_1m_at_start": load}
+            "python": platform.python_version(), "torch": torch_version, "platform": platform.platform(),
+            "loadavg_1m_at_start": load}
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -719,7 +736,6 @@ async def _probe_messages(session: Any, proxy_url: str) -> str:
 
 
 async def bench(cfg: BenchConfig, workdir: Path) -> dict:
-    import aiohttp
 
     from bus import Bus
     from bus.server import NatsServer
@@ -839,7 +855,8 @@ async def _floor(load: Load, passthrough_url: str, cfg: BenchConfig, rng: random
                                               else None) for q in p},
                      "passthrough_latency_ms": p, "direct_latency_ms": d, "calls_per_s": None,
                      "latency_calls": runs["passthrough"].calls, "direct_calls": runs["direct"].calls,
-                     "errors": 0, "error_samples": []})
+                     "errors": runs["passthrough"].errors + runs["direct"].errors,
+                     "error_samples": runs["passthrough"].error_samples + runs["direct"].error_samples})
     out = _variant_figures(reps)
     out.pop("calls_per_s", None)
     return out

@@ -40,3 +40,33 @@ def test_variant_figures_are_medians_over_repetitions():
     assert out["added_latency_ms_p50"] == 5.0 and out["added_latency_ms_p50_min"] == 4.0
     assert out["added_latency_ms_p50_max"] == 9.0
     assert out["added_latency_ms_p99"] == 30.0 and out["calls_per_s"] == 500.0 and len(out["reps"]) == 3
+
+
+async def test_failed_calls_are_counted_not_fatal():
+    """A path that answers 500 (or drops the connection) is counted in the run's errors,
+    with samples; the run goes on instead of ending the whole bench without figures."""
+    import random
+
+    import aiohttp
+    from aiohttp import web
+
+    async def fail(request: web.Request) -> web.Response:
+        return web.Response(status=500, text="boom")
+
+    app = web.Application()
+    app.router.add_post("/generate", fail)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            prompts = [[1, 2, 3]] * bench_proxy.CALLS_PER_EXECUTION
+            load = bench_proxy.Load(session, "", url, None, prompts, None, "r")
+            stats = await load.run_direct(4, 0.01, 0.3, random.Random(0))
+            assert stats.errors > 0 and stats.calls == 0 and stats.error_samples[0].startswith("500 ")
+            gone = await load.run_direct(2, 0.01, 0.2, random.Random(0), url="http://127.0.0.1:1")
+            assert gone.errors > 0 and gone.error_samples[0].startswith("0 ")
+    finally:
+        await runner.cleanup()
