@@ -15,7 +15,8 @@ back in the history with a ~200-token tool result; after 50 calls the execution 
 a new one takes its place. Executions start at a uniformly random age in [0, 50) reached
 by an unmeasured warm-up (the measured window starts once its calls are stored), so
 histories are in their steady state from the first measured call; a variant's later runs
-continue the executions where the previous run left them (no second warm-up). Variants: `chat` / `chat_stream` (OpenAI Chat Completions) and `messages` /
+continue the executions where the previous run left them (no second warm-up).
+Variants: `chat` / `chat_stream` (OpenAI Chat Completions) and `messages` /
 `messages_stream` (Anthropic Messages; skipped with a reason while the proxy has no
 `/v1/messages`).
 
@@ -35,16 +36,16 @@ Floor (`floor`): the same latency pair with a bare aiohttp pass-through in the p
 place (an aiohttp server that forwards the pre-tokenised `/generate` body to the engine
 with an aiohttp client session configured as the proxy's, and returns the engine's
 bytes): what one more HTTP hop and a third Python process cost on this machine before
-gyre does any work. Measured `reps`
-times, pass-through and direct alternating; `added_latency_ms_*` as for a variant.
+gyre does any work. Measured `reps` times, pass-through and direct alternating;
+`added_latency_ms_*` as for a variant.
 
 Repetitions: `reps` (3) per variant, each a latency pair (proxy and direct, alternating
 which runs first) and a throughput run; the keys hold medians over repetitions with
 `_min`/`_max` beside (BENCHMARKS.md preamble).
 
 Output (`--json PATH`, also printed): {"chat": {...}, "chat_stream": {...}, "messages":
-{...}, "messages_stream": {...}, "floor": {...}, "machine": {...}, "config": {...}}; each variant holds
-`added_latency_ms_p50`, `added_latency_ms_p90`, `added_latency_ms_p99`, `calls_per_s`
+{...}, "messages_stream": {...}, "floor": {...}, "machine": {...}, "config": {...}}; each
+variant holds `added_latency_ms_p50`, `added_latency_ms_p90`, `added_latency_ms_p99`, `calls_per_s`
 (medians, with `_min`/`_max`; `floor` holds only the latency keys), `errors` (non-2xx
 answers or broken connections, on either path), `unstored`, `settle` (per measured
 proxy run: seconds until every call answered so far was stored — after the warm-up for a
@@ -347,20 +348,11 @@ def serve_engine(url_file: str, completion_ids: list[int], seed: int = 0) -> Non
     async def ok(request: web.Request) -> web.Response:
         return web.json_response({"success": True})
 
-    async def serve() -> None:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
-        app.router.add_post("/generate", generate)
-        app.router.add_post("/abort_request", ok)
-        app.router.add_get("/health", ok)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        _write_url(url_file, f"http://127.0.0.1:{runner.addresses[0][1]}")
-        await _until_signalled()
-        await runner.cleanup()
-
-    run_async(serve())
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/abort_request", ok)
+    app.router.add_get("/health", ok)
+    run_async(_serve_until_signalled(app, url_file))
 
 
 def serve_passthrough(url_file: str, engine_url: str) -> None:
@@ -372,7 +364,7 @@ def serve_passthrough(url_file: str, engine_url: str) -> None:
     from handlers.engine_client import make_session
 
     async def serve() -> None:
-        session = make_session()
+        session = make_session()  # inside the running loop
 
         async def generate(request: web.Request) -> web.Response:
             body = await request.read()
@@ -382,14 +374,10 @@ def serve_passthrough(url_file: str, engine_url: str) -> None:
 
         app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_post("/generate", generate)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        _write_url(url_file, f"http://127.0.0.1:{runner.addresses[0][1]}")
-        await _until_signalled()
-        await runner.cleanup()
-        await session.close()
+        try:
+            await _serve_until_signalled(app, url_file)
+        finally:
+            await session.close()
 
     run_async(serve())
 
@@ -412,6 +400,20 @@ def serve_proxy(url_file: str, engine_url: str, nats_url: str, nats_token: str |
         await proxy_run(cfg, stop)
 
     run_async(main())
+
+
+async def _serve_until_signalled(app: Any, url_file: str) -> None:
+    """Serve `app` on 127.0.0.1 (a free port, its URL written to `url_file`) until SIGTERM
+    or SIGINT."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    _write_url(url_file, f"http://127.0.0.1:{runner.addresses[0][1]}")
+    await _until_signalled()
+    await runner.cleanup()
 
 
 async def _until_signalled() -> None:
@@ -468,7 +470,7 @@ class Load:
         self.run = run
         self.answered = 0  # calls answered by the proxy (published events expected)
         self.stored_offset = 0  # calls stored before this load's first (the bench's probe)
-        self.settles: list[dict] = []  # per measured run: how long the warm-up took to be stored
+        self.settles: list[dict] = []  # per measured run: how long until every answered call was stored
         self._finishing: set[asyncio.Task] = set()
         self.pool: list[Conversation] = []  # the variant's live executions, reused across its runs
 
@@ -646,12 +648,17 @@ class _CallFailed(Exception):
 def _rep_figures(lat: RunStats, direct: RunStats, thr: RunStats) -> dict:
     """One repetition: proxy and direct latency percentiles, added latency, calls/s."""
     p, d = percentiles_ms(lat.latencies), percentiles_ms(direct.latencies)
-    added = {q: (round(p[q] - d[q], 3) if p[q] is not None and d[q] is not None else None) for q in p}
-    return {"added_latency_ms": added, "proxy_latency_ms": p, "direct_latency_ms": d,
+    return {"added_latency_ms": _added(p, d), "proxy_latency_ms": p, "direct_latency_ms": d,
             "calls_per_s": round(thr.calls / thr.window_s, 1) if thr.window_s else None,
             "latency_calls": lat.calls, "direct_calls": direct.calls, "throughput_calls": thr.calls,
             "throughput_window_s": round(thr.window_s, 3), "errors": lat.errors + thr.errors,
             "error_samples": lat.error_samples + thr.error_samples}
+
+
+def _added(path: dict[str, float | None], direct: dict[str, float | None]) -> dict[str, float | None]:
+    """Added latency per percentile (ms): `path` minus `direct`, None where either is."""
+    return {q: (round(path[q] - direct[q], 3) if path[q] is not None and direct[q] is not None else None)
+            for q in path}
 
 
 def _variant_figures(reps: list[dict]) -> dict:
@@ -736,7 +743,6 @@ async def _probe_messages(session: Any, proxy_url: str) -> str:
 
 
 async def bench(cfg: BenchConfig, workdir: Path) -> dict:
-
     from bus import Bus
     from bus.server import NatsServer
     from gyre.tokenizer import build_tokenizer
@@ -851,9 +857,7 @@ async def _floor(load: Load, passthrough_url: str, cfg: BenchConfig, rng: random
             runs[path] = await load.run_direct(cfg.executions, cfg.think_s, cfg.duration_s, rng,
                                                passthrough_url if path == "passthrough" else "")
         p, d = percentiles_ms(runs["passthrough"].latencies), percentiles_ms(runs["direct"].latencies)
-        reps.append({"added_latency_ms": {q: (round(p[q] - d[q], 3) if p[q] is not None and d[q] is not None
-                                              else None) for q in p},
-                     "passthrough_latency_ms": p, "direct_latency_ms": d, "calls_per_s": None,
+        reps.append({"added_latency_ms": _added(p, d), "passthrough_latency_ms": p, "direct_latency_ms": d, "calls_per_s": None,
                      "latency_calls": runs["passthrough"].calls, "direct_calls": runs["direct"].calls,
                      "errors": runs["passthrough"].errors + runs["direct"].errors,
                      "error_samples": runs["passthrough"].error_samples + runs["direct"].error_samples})

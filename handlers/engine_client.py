@@ -97,12 +97,13 @@ class EngineClient:
         return_logprob: bool = True,
     ) -> dict:
         """POST /generate. input_ids: (P,) prompt ids, a list or a 1-D integer array
-        (serialised as a JSON list either way, without a copy into Python ints). sampling: SGLang sampling_params (temperature, top_p, top_k,
-        max_new_tokens, stop_token_ids, seed). execution: sticky key of the engine's
-        per-execution prefix KV cache (`gyre_execution`; ignored by SGLang). Returns the
-        response body: {"output_ids", "meta_info": {"finish_reason", "output_token_logprobs",
-        "weight_version", "gyre_versions", ...}}. Cancelling the await closes the
-        connection, and the engine aborts the request."""
+        (serialised as a JSON list either way, without a copy into Python ints). sampling:
+        SGLang sampling_params (temperature, top_p, top_k, max_new_tokens, stop_token_ids,
+        seed). execution: sticky key of the engine's per-execution prefix KV cache
+        (`gyre_execution`; ignored by SGLang). Returns the response body: {"output_ids",
+        "meta_info": {"finish_reason", "output_token_logprobs", "weight_version",
+        "gyre_versions", ...}}. Cancelling the await closes the connection, and the engine
+        aborts the request."""
         body: dict = {
             "input_ids": _ids(input_ids),
             "sampling_params": sampling,

@@ -216,7 +216,7 @@ class MessageMemo:
         `one` raises (the memo is then left as it was)."""
         best, n = -1, 0
         for j, (old, _) in enumerate(self._seen):
-            k = equal_prefix_len(raw, old, min(len(old), len(raw)))
+            k = equal_prefix_len(raw, old, len(raw))  # clamps to both lengths
             if k > n:
                 best, n = j, k
         if best >= 0:

@@ -50,16 +50,14 @@ async def test_failed_calls_are_counted_not_fatal():
     import aiohttp
     from aiohttp import web
 
+    from tests.test_proxy_apis import serve
+
     async def fail(request: web.Request) -> web.Response:
         return web.Response(status=500, text="boom")
 
     app = web.Application()
     app.router.add_post("/generate", fail)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, url = await serve(app)
     try:
         async with aiohttp.ClientSession() as session:
             prompts = [[1, 2, 3]] * bench_proxy.CALLS_PER_EXECUTION
