@@ -28,6 +28,11 @@ Per variant:
   proxy-path percentile − direct percentile (p50, p99), in ms.
 - throughput: closed loop, `concurrency` (64) executions, no think time, `duration_s`;
   calls answered per second through the one proxy process.
+- CPU: the proxy process's user + system CPU time in each measured window over the calls
+  it answered there (`/proc/<pid>/stat`): `proxy_cpu_ms_per_call` in the latency run (≈ 250
+  calls/s, the process sleeping between events) and `proxy_cpu_ms_per_call_saturated` in the
+  throughput run. Less noisy than latency on a shared machine, and what the latency
+  depends on: the one event loop queues calls behind each other's work.
 - stored: after each run the CALLS stream must hold one `call.completed` per answered
   call (the proxy publishes each with its PubAck awaited); `unstored` counts the missing
   ones after a bounded drain, `drain_s` how long the stream took to catch up.
@@ -45,8 +50,9 @@ which runs first) and a throughput run; the keys hold medians over repetitions w
 
 Output (`--json PATH`, also printed): {"chat": {...}, "chat_stream": {...}, "messages":
 {...}, "messages_stream": {...}, "floor": {...}, "machine": {...}, "config": {...}}; each
-variant holds `added_latency_ms_p50`, `added_latency_ms_p90`, `added_latency_ms_p99`, `calls_per_s`
-(medians, with `_min`/`_max`; `floor` holds only the latency keys), `errors` (non-2xx
+variant holds `added_latency_ms_p50`, `added_latency_ms_p90`, `added_latency_ms_p99`, `calls_per_s`,
+`proxy_cpu_ms_per_call`, `proxy_cpu_ms_per_call_saturated` (medians, with `_min`/`_max`;
+null without /proc or under `--profile`; `floor` holds only the latency keys), `errors` (non-2xx
 answers or broken connections, on either path), `unstored`, `settle` (per measured
 proxy run: seconds until every call answered so far was stored — after the warm-up for a
 variant's first run, after the previous run otherwise — and whether that wait timed out),
@@ -452,6 +458,7 @@ class RunStats:
     error_samples: list[str] = dataclasses.field(default_factory=list)
     calls: int = 0
     window_s: float = 0.0
+    proxy_cpu_s: float | None = None  # the proxy process's CPU seconds in the window (None: not measured)
 
 
 class Load:
@@ -473,6 +480,7 @@ class Load:
         self.settles: list[dict] = []  # per measured run: how long until every answered call was stored
         self._finishing: set[asyncio.Task] = set()
         self.pool: list[Conversation] = []  # the variant's live executions, reused across its runs
+        self.proxy_pid: int | None = None  # whose CPU time the proxy runs record (`process_cpu_s`)
 
     def new_conversation(self, variant: str) -> Conversation:
         return Conversation(variant, self.w, f"b{uuid.uuid4().hex[:12]}")
@@ -598,9 +606,13 @@ class Load:
             convs[i] = conv
 
         t0 = time.perf_counter()
+        cpu0 = process_cpu_s(self.proxy_pid)
         await asyncio.gather(*(slot(i) for i in range(slots)))
+        cpu1 = process_cpu_s(self.proxy_pid)
         stats.window_s = time.perf_counter() - t0
         stats.calls = len(stats.latencies)
+        if cpu0 is not None and cpu1 is not None:
+            stats.proxy_cpu_s = cpu1 - cpu0
         return stats
 
     async def run_direct(self, slots: int, think_s: float, duration_s: float, rng: random.Random,
@@ -645,11 +657,29 @@ class _CallFailed(Exception):
         self.status = status
 
 
+def process_cpu_s(pid: int | None) -> float | None:
+    """User + system CPU seconds used so far by process `pid` (Linux `/proc/<pid>/stat`,
+    clock-tick resolution); None without a pid or without /proc."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_ms_per_call(stats: RunStats) -> float | None:
+    return round(1000.0 * stats.proxy_cpu_s / stats.calls, 3) if stats.proxy_cpu_s is not None and stats.calls else None
+
+
 def _rep_figures(lat: RunStats, direct: RunStats, thr: RunStats) -> dict:
-    """One repetition: proxy and direct latency percentiles, added latency, calls/s."""
+    """One repetition: proxy and direct latency percentiles, added latency, calls/s, the
+    proxy's CPU per answered call in the latency and the throughput run."""
     p, d = percentiles_ms(lat.latencies), percentiles_ms(direct.latencies)
     return {"added_latency_ms": _added(p, d), "proxy_latency_ms": p, "direct_latency_ms": d,
             "calls_per_s": round(thr.calls / thr.window_s, 1) if thr.window_s else None,
+            "proxy_cpu_ms_per_call": _cpu_ms_per_call(lat), "proxy_cpu_ms_per_call_saturated": _cpu_ms_per_call(thr),
             "latency_calls": lat.calls, "direct_calls": direct.calls, "throughput_calls": thr.calls,
             "throughput_window_s": round(thr.window_s, 3), "errors": lat.errors + thr.errors,
             "error_samples": lat.error_samples + thr.error_samples}
@@ -669,6 +699,8 @@ def _variant_figures(reps: list[dict]) -> dict:
     out: dict[str, Any] = {}
     series = {f"added_latency_ms_{q}": [r["added_latency_ms"][q] for r in reps] for q in ("p50", "p90", "p99")}
     series["calls_per_s"] = [r["calls_per_s"] for r in reps]
+    for key in ("proxy_cpu_ms_per_call", "proxy_cpu_ms_per_call_saturated"):
+        series[key] = [r.get(key) for r in reps]
     for key, values in series.items():
         values = [v for v in values if v is not None]
         out[key] = round(statistics.median(values), 3) if values else None
@@ -781,6 +813,7 @@ async def bench(cfg: BenchConfig, workdir: Path) -> dict:
         penv = dict(env, GYRE_BENCH_NATS_TOKEN=nats.token or "")
         prox = subprocess.Popen(proxy_argv, stdout=open(logs / "proxy.log", "wb"), stderr=subprocess.STDOUT, env=penv)
         procs.append(prox)
+        proxy_pid = None if cfg.profile else prox.pid  # under cProfile the figure would be the profiler's
         proxy_url = _wait_url(workdir / "proxy.json", prox, "proxy")
         bus = await Bus.connect(nats.url, token=nats.token, run=run, name="bench")
         await bus.ensure_streams()
@@ -789,6 +822,7 @@ async def bench(cfg: BenchConfig, workdir: Path) -> dict:
         rng = random.Random(cfg.seed)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             load = Load(session, proxy_url, engine_url, w, prompts, bus, run)
+            load.proxy_pid = proxy_pid
             skip_messages = await _probe_messages(session, proxy_url)
             # the probe's own call (if answered) is stored before any variant starts counting
             await _wait_stored(bus, run, 0 if skip_messages else 1, 10.0)

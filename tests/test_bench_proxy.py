@@ -4,6 +4,8 @@ of a smoke run mean nothing; only their presence and the stored-call check are a
 from __future__ import annotations
 
 import json
+import os
+import time
 
 from handlers import bench_proxy
 
@@ -24,6 +26,8 @@ def test_bench_proxy_smoke(tmp_path):
         (rep,) = figures["reps"]  # --smoke: one repetition
         assert rep["latency_calls"] > 0 and rep["direct_calls"] > 0 and rep["throughput_calls"] > 0
         assert figures["added_latency_ms_p50"] == rep["added_latency_ms"]["p50"]
+        if os.path.exists("/proc/self/stat"):  # the proxy's CPU per answered call (a few ticks in a smoke run)
+            assert figures["proxy_cpu_ms_per_call"] >= 0 and figures["proxy_cpu_ms_per_call_saturated"] > 0
     assert not result["chat"].get("skipped")
     floor = result["floor"]  # the bare pass-through against the engine, same load
     (rep,) = floor["reps"]
@@ -68,3 +72,17 @@ async def test_failed_calls_are_counted_not_fatal():
             assert gone.errors > 0 and gone.error_samples[0].startswith("0 ")
     finally:
         await runner.cleanup()
+
+
+def test_process_cpu_s_reads_a_process_cpu_time():
+    if not os.path.exists("/proc/self/stat"):
+        assert bench_proxy.process_cpu_s(os.getpid()) is None
+        return
+    before = bench_proxy.process_cpu_s(os.getpid())
+    deadline = time.process_time() + 0.1
+    while time.process_time() < deadline:  # 100 ms of CPU: ten clock ticks
+        pass
+    after = bench_proxy.process_cpu_s(os.getpid())
+    assert 0.05 <= after - before <= 5.0
+    assert bench_proxy.process_cpu_s(None) is None
+    assert bench_proxy.process_cpu_s(2**22 + 12345) is None  # above pid_max: no such process
