@@ -28,9 +28,10 @@ Per variant:
   proxy-path percentile − direct percentile (p50, p99), in ms.
 - throughput: closed loop, `concurrency` (64) executions, no think time, `duration_s`;
   calls answered per second through the one proxy process.
-- CPU: the proxy process's user + system CPU time in each measured window over the calls
-  it answered there (`/proc/<pid>/stat`): `proxy_cpu_ms_per_call` in the latency run (≈ 250
-  calls/s, the process sleeping between events) and `proxy_cpu_ms_per_call_saturated` in the
+- CPU: the proxy process's user + system CPU time in each measured window divided by the
+  calls answered in it (`/proc/<pid>/stat`, clock-tick resolution; it includes the
+  window's background work: publishes, failed calls): `proxy_cpu_ms_per_call` in the latency run (≈ 250
+  calls/s with the defaults, the process sleeping between events) and `proxy_cpu_ms_per_call_saturated` in the
   throughput run. Less noisy than latency on a shared machine, and what the latency
   depends on: the one event loop queues calls behind each other's work.
 - stored: after each run the CALLS stream must hold one `call.completed` per answered
@@ -691,15 +692,22 @@ def _added(path: dict[str, float | None], direct: dict[str, float | None]) -> di
             for q in path}
 
 
+CPU_KEYS = ("proxy_cpu_ms_per_call", "proxy_cpu_ms_per_call_saturated")
+FIGURE_KEYS = ("added_latency_ms_p50", "added_latency_ms_p90", "added_latency_ms_p99", "calls_per_s", *CPU_KEYS)
+"""A variant's figures (medians); a skipped variant holds each as None."""
+
+
 def _variant_figures(reps: list[dict]) -> dict:
-    """A variant's keys: the median over repetitions of added p50/p90/p99 and calls/s, with
-    `_min`/`_max` beside (BENCHMARKS.md preamble), and every repetition under `reps`."""
+    """A variant's keys: the median over repetitions of added p50/p90/p99, calls/s and the
+    proxy's CPU per call (`CPU_KEYS`; repetitions without a figure are left out, None
+    when none has one), with `_min`/`_max` beside (BENCHMARKS.md preamble), and every
+    repetition under `reps`."""
     import statistics
 
     out: dict[str, Any] = {}
     series = {f"added_latency_ms_{q}": [r["added_latency_ms"][q] for r in reps] for q in ("p50", "p90", "p99")}
     series["calls_per_s"] = [r["calls_per_s"] for r in reps]
-    for key in ("proxy_cpu_ms_per_call", "proxy_cpu_ms_per_call_saturated"):
+    for key in CPU_KEYS:
         series[key] = [r.get(key) for r in reps]
     for key, values in series.items():
         values = [v for v in values if v is not None]
@@ -830,8 +838,7 @@ async def bench(cfg: BenchConfig, workdir: Path) -> dict:
             result["machine"] = machine()
             for variant in cfg.variants:
                 if variant.startswith("messages") and skip_messages:
-                    result[variant] = {"added_latency_ms_p50": None, "added_latency_ms_p99": None,
-                                       "calls_per_s": None, "skipped": skip_messages}
+                    result[variant] = {**{k: None for k in FIGURE_KEYS}, "skipped": skip_messages}
                     continue
                 vlog = log.bind(variant=variant)
                 before = load.answered
@@ -896,7 +903,8 @@ async def _floor(load: Load, passthrough_url: str, cfg: BenchConfig, rng: random
                      "errors": runs["passthrough"].errors + runs["direct"].errors,
                      "error_samples": runs["passthrough"].error_samples + runs["direct"].error_samples})
     out = _variant_figures(reps)
-    out.pop("calls_per_s", None)
+    for key in ("calls_per_s", *CPU_KEYS):
+        out.pop(key, None)
     return out
 
 
@@ -942,10 +950,19 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging("bench-proxy")
     base = BenchConfig(executions=8, duration_s=0.5, concurrency=4, think_s=0.2, reps=1) if a.smoke else BenchConfig()
-    cfg = dataclasses.replace(
-        base, duration_s=a.duration_s or base.duration_s, executions=a.executions or base.executions,
-        concurrency=a.concurrency or base.concurrency, reps=a.reps or base.reps, variants=tuple(v for v in a.variants.split(",") if v),
-        profile=os.path.abspath(a.profile) if a.profile else "", check_drift=not a.no_drift_check)
+    given = {name: getattr(a, name) for name in ("duration_s", "executions", "concurrency", "reps")
+             if getattr(a, name) is not None}
+    variants = tuple(dict.fromkeys(v.strip() for v in a.variants.split(",") if v.strip()))
+    if not variants:
+        p.error(f"--variants names none of {', '.join(VARIANTS)}")
+    if a.profile and not Path(a.profile).resolve().parent.is_dir():
+        p.error(f"--profile: no directory {Path(a.profile).resolve().parent}")
+    try:
+        cfg = dataclasses.replace(base, **given, variants=variants,
+                                  profile=os.path.abspath(a.profile) if a.profile else "",
+                                  check_drift=not a.no_drift_check)
+    except ValueError as exc:
+        p.error(str(exc))
     t0 = time.perf_counter()
     if a.workdir:
         Path(a.workdir).mkdir(parents=True, exist_ok=True)

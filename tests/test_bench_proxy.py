@@ -7,6 +7,8 @@ import json
 import os
 import time
 
+import pytest
+
 from handlers import bench_proxy
 
 
@@ -32,18 +34,39 @@ def test_bench_proxy_smoke(tmp_path):
     floor = result["floor"]  # the bare pass-through against the engine, same load
     (rep,) = floor["reps"]
     assert rep["latency_calls"] > 0 and rep["direct_calls"] > 0
-    assert floor["added_latency_ms_p50"] == rep["added_latency_ms"]["p50"] and "calls_per_s" not in floor
+    assert floor["added_latency_ms_p50"] == rep["added_latency_ms"]["p50"]
+    assert not set(floor) & {"calls_per_s", *bench_proxy.CPU_KEYS}  # only the latency keys
 
 
 def test_variant_figures_are_medians_over_repetitions():
-    def rep(p50, p99, cps):
+    def rep(p50, p99, cps, cpu=None, cpu_sat=None):
         return {"added_latency_ms": {"p50": p50, "p90": 0.0, "p99": p99}, "calls_per_s": cps, "errors": 0,
-                "error_samples": []}
+                "error_samples": [], "proxy_cpu_ms_per_call": cpu, "proxy_cpu_ms_per_call_saturated": cpu_sat}
 
-    out = bench_proxy._variant_figures([rep(4.0, 30.0, 500.0), rep(9.0, 20.0, 450.0), rep(5.0, 90.0, 600.0)])
+    out = bench_proxy._variant_figures([rep(4.0, 30.0, 500.0, 2.0, 1.5), rep(9.0, 20.0, 450.0, 2.4, None),
+                                        rep(5.0, 90.0, 600.0, 2.2, 1.7)])
     assert out["added_latency_ms_p50"] == 5.0 and out["added_latency_ms_p50_min"] == 4.0
     assert out["added_latency_ms_p50_max"] == 9.0
     assert out["added_latency_ms_p99"] == 30.0 and out["calls_per_s"] == 500.0 and len(out["reps"]) == 3
+    assert out["proxy_cpu_ms_per_call"] == 2.2 and out["proxy_cpu_ms_per_call_min"] == 2.0
+    assert out["proxy_cpu_ms_per_call_max"] == 2.4
+    # a repetition without a figure (no /proc, a profiled proxy) is left out of the median
+    assert out["proxy_cpu_ms_per_call_saturated"] == 1.6 and out["proxy_cpu_ms_per_call_saturated_max"] == 1.7
+    none = bench_proxy._variant_figures([rep(4.0, 30.0, 500.0)])
+    assert none["proxy_cpu_ms_per_call"] is None and none["proxy_cpu_ms_per_call_saturated"] is None
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--reps", "0"], "reps"), (["--duration-s", "0"], "duration_s"), (["--executions", "0"], "executions"),
+    (["--concurrency", "-1"], "concurrency"), (["--variants", ","], "--variants"),
+    (["--variants", "chat,nope"], "nope"), (["--profile", "/nonexistent-gyre-dir/x.prof"], "--profile")])
+def test_bench_arguments_are_checked_before_anything_starts(args, says, capsys):
+    """An explicit value is validated, never swapped for the default; the error is a
+    one-line usage error (exit 2), before any process starts."""
+    with pytest.raises(SystemExit) as exc:
+        bench_proxy.main(args)
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
 
 
 async def test_failed_calls_are_counted_not_fatal():
