@@ -946,9 +946,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="", help="keep logs here (default: a temporary directory)")
     p.add_argument("--reps", type=int, default=None, help="repetitions per variant, median reported (default 3)")
     a = p.parse_args(argv)
-    from handlers.daemon import configure_logging
-
-    configure_logging("bench-proxy")
     base = BenchConfig(executions=8, duration_s=0.5, concurrency=4, think_s=0.2, reps=1) if a.smoke else BenchConfig()
     given = {name: getattr(a, name) for name in ("duration_s", "executions", "concurrency", "reps")
              if getattr(a, name) is not None}
@@ -963,6 +960,9 @@ def main(argv: list[str] | None = None) -> int:
                                   check_drift=not a.no_drift_check)
     except ValueError as exc:
         p.error(str(exc))
+    from handlers.daemon import configure_logging
+
+    configure_logging("bench-proxy")  # after the argument checks: a usage error configures nothing
     t0 = time.perf_counter()
     if a.workdir:
         Path(a.workdir).mkdir(parents=True, exist_ok=True)
