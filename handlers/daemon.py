@@ -18,6 +18,7 @@ import sys
 import traceback
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TextIO
 
 import orjson
 import structlog
@@ -103,10 +104,13 @@ def _json_line(event: dict, default: Callable[[object], object] | None = None) -
         return json.dumps(event, default=default)
 
 
-def configure_logging(name: str, *, json_lines: bool | None = None, level: int = logging.INFO) -> None:
-    """structlog: JSON lines in production (not a TTY), readable lines on a terminal."""
+def configure_logging(name: str, *, json_lines: bool | None = None, level: int = logging.INFO,
+                      file: TextIO | None = None) -> None:
+    """structlog to `file` (default stderr): JSON lines in production (not a TTY),
+    readable lines on a terminal."""
+    out = file if file is not None else sys.stderr
     if json_lines is None:
-        json_lines = not sys.stderr.isatty()
+        json_lines = not out.isatty()
     # orjson, not the stdlib encoder: the proxy writes a line per call
     renderer = (structlog.processors.JSONRenderer(serializer=_json_line) if json_lines
                 else structlog.dev.ConsoleRenderer(colors=False))
@@ -119,7 +123,7 @@ def configure_logging(name: str, *, json_lines: bool | None = None, level: int =
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(daemon=name)

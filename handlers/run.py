@@ -289,7 +289,11 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
 
     t0 = time.monotonic()
     if not recipe.model.dir:
+        from transformers.utils import logging as hf_logging
+
         from gyre.model import ModelSpec, init_model
+
+        hf_logging.disable_progress_bar()  # its shard-writing bar would break the progress lines
         m = recipe.model
         init_model(run_dir / "model", ModelSpec(layers=m.layers, hidden=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
                                                 head_dim=m.hidden // m.heads, intermediate=3 * m.hidden, seed=m.seed))
@@ -342,10 +346,14 @@ def main(argv: list[str] | None = None) -> int:
     if run_dir.exists():
         print(f"gyre run: {run_dir} exists already", file=sys.stderr)
         return 2
-    run_dir.mkdir(parents=True)
+    (run_dir / "logs").mkdir(parents=True)
     from handlers.daemon import configure_logging
-    configure_logging("run")
-    return asyncio.run(_run(recipe, run, run_dir, a.timeout))
+
+    # The console is for progress and the summary; this process's own log lines go beside
+    # the daemons' (logs/run.log), failures are printed where they happen.
+    with open(run_dir / "logs" / "run.log", "a", buffering=1) as log_file:
+        configure_logging("run", file=log_file)
+        return asyncio.run(_run(recipe, run, run_dir, a.timeout))
 
 
 if __name__ == "__main__":

@@ -73,6 +73,10 @@ def test_toy_loop_end_to_end(tmp_path, nats_server):
     logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}"
                      for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs
+    # The console carries progress and the summary; `gyre run`'s own log lines (and no
+    # progress bar of the model's first save) go to logs/run.log beside the daemons'.
+    assert '"event"' not in proc.stderr and "Writing model shards" not in proc.stderr, proc.stderr[-2000:]
+    assert "bus.connected" in (run_dir / "logs" / "run.log").read_text()
 
     summary = json.loads((run_dir / "summary.json").read_text())
     for key in ("steps", "executions", "calls", "tokens_trained", "zero_variance_groups",
