@@ -30,10 +30,11 @@ Per variant:
   calls answered per second through the one proxy process.
 - CPU: the proxy process's user + system CPU time in each measured window divided by the
   calls answered in it (`/proc/<pid>/stat`, clock-tick resolution; it includes the
-  window's background work: publishes, failed calls): `proxy_cpu_ms_per_call` in the latency run (≈ 250
-  calls/s with the defaults, the process sleeping between events) and `proxy_cpu_ms_per_call_saturated` in the
-  throughput run. Less noisy than latency on a shared machine, and what the latency
-  depends on: the one event loop queues calls behind each other's work.
+  window's background work: publishes, failed calls): `proxy_cpu_ms_per_call` in the
+  latency run (≈ 250 calls/s with the defaults, the process sleeping between events) and
+  `proxy_cpu_ms_per_call_saturated` in the throughput run. Less noisy than latency on a
+  shared machine, and what the latency depends on: the one event loop queues calls
+  behind each other's work.
 - stored: after each run the CALLS stream must hold one `call.completed` per answered
   call (the proxy publishes each with its PubAck awaited); `unstored` counts the missing
   ones after a bounded drain, `drain_s` how long the stream took to catch up.
@@ -51,10 +52,10 @@ which runs first) and a throughput run; the keys hold medians over repetitions w
 
 Output (`--json PATH`, also printed): {"chat": {...}, "chat_stream": {...}, "messages":
 {...}, "messages_stream": {...}, "floor": {...}, "machine": {...}, "config": {...}}; each
-variant holds `added_latency_ms_p50`, `added_latency_ms_p90`, `added_latency_ms_p99`, `calls_per_s`,
-`proxy_cpu_ms_per_call`, `proxy_cpu_ms_per_call_saturated` (medians, with `_min`/`_max`;
-null without /proc or under `--profile`; `floor` holds only the latency keys), `errors` (non-2xx
-answers or broken connections, on either path), `unstored`, `settle` (per measured
+variant holds `added_latency_ms_p50`, `added_latency_ms_p90`, `added_latency_ms_p99`,
+`calls_per_s`, `proxy_cpu_ms_per_call`, `proxy_cpu_ms_per_call_saturated` (medians, with
+`_min`/`_max`; null without /proc or under `--profile`; `floor` holds only the latency
+keys), `errors` (non-2xx answers or broken connections, on either path), `unstored`, `settle` (per measured
 proxy run: seconds until every call answered so far was stored — after the warm-up for a
 variant's first run, after the previous run otherwise — and whether that wait timed out),
 and `reps`: per repetition the raw percentiles (`proxy_latency_ms`, `direct_latency_ms`:

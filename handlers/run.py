@@ -253,7 +253,6 @@ async def _follow(bus: Bus, progress: Progress, sup: Supervisor, timeout_s: floa
 
 
 async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float) -> int:
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_bytes(orjson.dumps(recipe.to_dict(), option=orjson.OPT_INDENT_2))
     key_secret = secrets.token_hex(32)
     _write_private(run_dir / "key_secret", key_secret.encode())
