@@ -57,8 +57,10 @@ its encoding splits the same way: the suffix region agrees by construction, and 
 prefix chunks are c's prompt chunks (counted when c was matched: `c.drift`) plus c's last
 turn — the generation prompt and c's completion (+ the closing `<|im_end|>`) against
 `encode(render_assistant_turn(c.answer))`, counted once when c is recorded (after its
-answer was delivered: `CallRecord.turn_drift`). So `drift = c.drift + that turn's count`, O(one turn). It equals the
-full-request count (`CallStore.full_drift`, kept as the reference) except where a sampled
+answer was delivered: `CallRecord.turn_drift`; when that turn is one chunk and its body
+opens with an added token such as `<tool_call>` or `<think>`, only the ids before the
+first sampled one count, and only the header up to that token is encoded). So
+`drift = c.drift + that turn's count`, O(one turn). It equals the full-request count (`CallStore.full_drift`, kept as the reference) except where a sampled
 span re-tokenises to a different number of `<|im_end|>` chunks (the model wrote
 "<|im_end|>" as plain text, or sampled `<|im_end|>` mid-completion): the full count
 then compares every later message against the wrong one, the incremental one stays
@@ -82,6 +84,8 @@ from gyre.chat import is_query, render_appended, render_assistant_turn, shows_re
 from gyre.tokenizer import IM_END, fast_encoder
 
 IM_END_TEXT = "<|im_end|>"
+TURN_HEADER = "\n<|im_start|>assistant\n"
+"""What an assistant turn opens with in gyre's template, after the previous `<|im_end|>`."""
 
 MEMO_REQUESTS = 4
 """Latest requests per execution whose normalised messages are reused (main line,
@@ -249,10 +253,10 @@ class CallRecord:
     drift: the drift of this call's prompt (module docstring). conv_query / conv_shown:
     facts of `messages + [answer]` in gyre's template (a real user query is present; an
     assistant after the last one shows reasoning). turn_start: index in `full_ids()` of
-    the last prompt turn (right after the prompt's last `<|im_end|>`). turn_ids: (T,)
-    int32, `encode(render_assistant_turn(answer))`, what an extension re-renders that
-    turn to (None when drift is not counted or the template is not gyre's). turn_drift:
-    that turn's drift as every extension of this call reuses it (`CallStore._turn_drift`).
+    the last prompt turn (right after the prompt's last `<|im_end|>`). turn_drift: that
+    turn's drift as every extension of this call reuses it, against
+    `encode(render_assistant_turn(answer))` (`CallStore._turn_drift`; 0 when drift is not
+    counted or the template is not gyre's).
     """
 
     call: str
@@ -269,7 +273,6 @@ class CallRecord:
     conv_query: bool = False
     conv_shown: bool = False
     turn_start: int = 0
-    turn_ids: np.ndarray | None = None
     turn_drift: int = 0
 
     @property
@@ -487,6 +490,8 @@ class CallStore:
         self._extended: set[str] = set()
         self._seen: list[_Seen] = []
         self._tips: dict[str, np.ndarray] = {}
+        self._splitting = _splitting_tokens(tokenizer)
+        self._heads: dict[str, np.ndarray] = {}
         backend = getattr(tokenizer, "backend_tokenizer", None)
         split = getattr(tokenizer, "split_special_tokens", False)  # the backend would parse them
         # tiktoken on gyre's Qwen3 vocabulary; else the fast tokenizer's own encoder (same ids,
@@ -534,6 +539,8 @@ class CallStore:
             if seen.tools_raw != tools:
                 continue
             top = min(len(seen.raw), len(messages))
+            if best is not None and top <= n:
+                continue  # cannot share more than the best so far: skip comparing it
             for tc_id, index in seen.unknown.items():
                 if index < top and tc_id in args:
                     top = index
@@ -619,18 +626,42 @@ class CallStore:
         return Match(parent=c, prefix_len=c.full_len, prompt_ids=prompt, extended=True, drift=drift,
                      messages=(*c.messages, c.answer, *rest), tools=tools, digest=digest, query=query, shown=shown)
 
-    def _turn_drift(self, c: CallRecord, full_ids: np.ndarray) -> int:
-        """Drift of c's last turn as an extension reuses it: the stored ids from the
-        prompt's last turn start to the end (+ the closing <|im_end|>) against the fresh
-        encoding of the turn as rendered (module docstring). full_ids: c's full ids."""
-        if c.turn_ids is None:
-            return 0
-        ids = full_ids[c.turn_start:]
-        sampled = c.sampled_range(c.turn_start, c.full_len)
-        if not c.stopped:
-            ids = np.append(ids, np.int32(IM_END))
-            sampled = np.append(sampled, False)
-        return count_drift(ids, sampled, c.turn_ids)
+    def _turn_drift(self, ids: np.ndarray, sampled: np.ndarray, text: str) -> int:
+        """Drift of a call's last turn as an extension reuses it: `ids` (T,) the stored ids
+        from the prompt's last turn start to the end (+ the closing <|im_end|> when the
+        completion did not stop), `sampled` (T,) bool, against `encode(text)`, the turn as
+        rendered (module docstring).
+
+        Shortcut, same count: when the turn is one chunk on both sides (a single
+        <|im_end|>, at the end) and the rendered body opens with an added token, only the
+        ids before the first sampled one are compared, and those lie in the encoding of the
+        header up to that token (encoding splits at added tokens), so the body is not
+        encoded. A model's answer usually opens so (`<think>`, `<tool_call>`)."""
+        head = self._turn_head(text)
+        if head is not None:
+            hits = np.flatnonzero(sampled[: len(head) + 1])
+            if len(hits) and int(hits[0]) <= len(head) and int(np.count_nonzero(ids == IM_END)) == 1 \
+                    and int(ids[-1]) == IM_END:
+                n = int(hits[0])
+                return int(np.count_nonzero(ids[:n] != head[:n]))
+        return count_drift(ids, sampled, self.encode(text))
+
+    def _turn_head(self, text: str) -> np.ndarray | None:
+        """`encode(TURN_HEADER + token)` when `text` is TURN_HEADER + body + "<|im_end|>"
+        with no other <|im_end|> and the body opens with exactly one of the tokenizer's
+        added tokens that strip no whitespace (`_splitting_tokens`); else None."""
+        if not text.startswith(TURN_HEADER) or not text.endswith(IM_END_TEXT) or text.count(IM_END_TEXT) != 1:
+            return None
+        body = text[len(TURN_HEADER):]
+        if not self._splitting or not body.startswith(self._splitting):
+            return None
+        opening = [t for t in self._splitting if body.startswith(t)]
+        if len(opening) != 1:
+            return None
+        head = self._heads.get(opening[0])
+        if head is None:
+            head = self._heads[opening[0]] = self.encode(TURN_HEADER + opening[0])
+        return head
 
     def full_drift(self, match: Match) -> int:
         """The drift of an extension counted on the whole request: `match.prompt_ids`
@@ -677,7 +708,8 @@ class CallStore:
         own = np.concatenate([match.new_prompt_ids, comp]).astype(np.int32, copy=False)
         conv_key = hashlib.sha256(match.digest + message_key(answer_n)).digest()
         prompt_len = len(match.prompt_ids)
-        turn_start, turn_ids = 0, None
+        full = np.concatenate([match.prompt_ids, comp])
+        turn_start = turn_drift = 0
         conv_shown = match.shown
         if self.incremental:
             conv_shown = conv_shown or (match.query and shows_reasoning(answer_n))
@@ -686,15 +718,22 @@ class CallStore:
                 turn_start = match.prefix_len + int(ends[-1]) + 1
             elif match.parent is not None:
                 turn_start = _last_im_end_before(match.parent, match.prefix_len) + 1
+            turn_start = min(turn_start, prompt_len)
             if self.check_drift:
-                turn_ids = self.encode(render_assistant_turn(self.tokenizer, answer_n, after_query=match.query))
+                ids = full[turn_start:]
+                sampled = np.zeros(len(ids), bool)
+                sampled[prompt_len - turn_start:] = True
+                if match.parent is not None and turn_start < match.prefix_len:
+                    sampled[: match.prefix_len - turn_start] = match.parent.sampled_range(turn_start, match.prefix_len)
+                if not (len(comp) and int(comp[-1]) == IM_END):
+                    ids = np.append(ids, np.int32(IM_END))
+                    sampled = np.append(sampled, False)
+                text = render_assistant_turn(self.tokenizer, answer_n, after_query=match.query)
+                turn_drift = self._turn_drift(ids, sampled, text)
         rec = CallRecord(call=call, seq=seq, parent=match.parent, prefix_len=match.prefix_len, own_ids=own,
                          completion_len=len(comp), messages=match.messages, tools=match.tools,
                          answer=answer_n, conv_key=conv_key, drift=match.drift, conv_query=match.query,
-                         conv_shown=conv_shown, turn_start=min(turn_start, prompt_len), turn_ids=turn_ids)
-        full = np.concatenate([match.prompt_ids, comp])
-        if turn_ids is not None:
-            rec = dataclasses.replace(rec, turn_drift=self._turn_drift(rec, full))
+                         conv_shown=conv_shown, turn_start=turn_start, turn_drift=turn_drift)
         self.calls.append(rec)
         self._by_conv[conv_key] = rec
         self._by_call[call] = rec
@@ -721,6 +760,16 @@ def _last_im_end_before(rec: CallRecord, limit: int) -> int:
             limit = r.prefix_len
         r = r.parent
     return -1
+
+
+def _splitting_tokens(tokenizer: Any) -> tuple[str, ...]:
+    """Texts of the tokenizer's added tokens that strip no neighbouring whitespace: its
+    encoding splits at each of them (`_special_tokens_split`). () when it lists none."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None)
+    if not isinstance(decoder, dict) or getattr(tokenizer, "split_special_tokens", False):
+        return ()
+    return tuple(str(t) for t in decoder.values()
+                 if str(t) and not getattr(t, "lstrip", True) and not getattr(t, "rstrip", True))
 
 
 def _special_tokens_split(tokenizer: Any) -> bool:

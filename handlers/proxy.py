@@ -81,7 +81,7 @@ from gyre.chat import parse_completion
 from gyre.harness import verify_key as harness_verify_key
 from gyre.roles import PROFILES, CallFacts, Classification, classify, profile_for_harness
 from gyre.tito import CallStore, Match
-from gyre.tokenizer import fast_encoder
+from gyre.tokenizer import fast_decoder, fast_encoder
 from handlers.engine_client import make_session
 from handlers.proxy_anthropic import MessagesApi, parse_messages_request
 from handlers.proxy_api import Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, internal_message
@@ -236,6 +236,7 @@ class ProxyState:
                  verify_key: Callable[[bytes, str], str | None] = harness_verify_key):
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.decode = fast_decoder(tokenizer)
         self.session = session
         self.bus = bus
         self.verify_key = verify_key
@@ -473,7 +474,7 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
             state.spawn(state.publish(state.call_event(**common, result=None, status="error",
                                                        total_s=time.monotonic() - t0, cell=attempt.cell)))
             return resp
-        text = state.tokenizer.decode(result.output_ids, skip_special_tokens=False)
+        text = state.decode(result.output_ids)
         parsed = parse_completion(text, id_prefix=api.tool_id_prefix(f"{cfg.run}:{call_id}"))
         answer = Answer(content=parsed.content, reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
                         finish=result.finish, prompt_tokens=len(prompt), completion_tokens=len(result.output_ids),

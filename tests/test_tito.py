@@ -443,10 +443,16 @@ def test_bpe_drift_at_a_turn_boundary_is_counted(tok):
     ).drift == 0  # a store without that call: a root, no drift
 
 
-def test_corrupted_recorded_ids_show_drift(tok):
+@pytest.mark.parametrize("answer_text", ["Done.", CALL_TEXT])
+def test_corrupted_recorded_ids_show_drift(tok, answer_text):
     """A call whose prompt held a template id that does not re-render (here: planted in
-    the ids sent to the engine): the next extensions reuse it and report it as drift."""
+    the ids sent to the engine): the next extensions reuse it and report it as drift.
+    An answer opening with an added token (a tool call) takes the turn-drift shortcut
+    (only the turn's header is encoded); a plain one is encoded whole; the count is the
+    same."""
     store = CallStore(tok)
+    shortcut = store._turn_head(render_assistant_turn(tok, answer_of(answer_text), after_query=True)) is not None
+    assert shortcut == (answer_text == CALL_TEXT)
     msgs = [SYSTEM, TASK]
     _, c0, a0 = serve(store, tok, msgs, TOOLS, CALL_TEXT, "e:0", 0)
     msgs = [*msgs, a0, {"role": "tool", "tool_call_id": a0["tool_calls"][0]["id"], "content": "a.txt"}]
@@ -457,8 +463,9 @@ def test_corrupted_recorded_ids_show_drift(tok):
     assert m1.prompt_ids[header] == encode(tok, "assistant")[0]
     wrong = encode(tok, "user")[0]
     m1.prompt_ids[header] = wrong
-    a1 = answer_of("Done.", "call_e1_0")
-    c1 = store.record(m1, call="e:1", seq=1, answer=a1, completion_ids=encode(tok, "Done.") + [IM_END])
+    a1 = answer_of(answer_text, "call_e1_0")
+    c1 = store.record(m1, call="e:1", seq=1, answer=a1, completion_ids=encode(tok, answer_text) + [IM_END])
+    assert c1.turn_drift == 1
     nxt = [*msgs, a1, {"role": "user", "content": "thanks"}]
     m2 = store.match(nxt, TOOLS)
     assert m2.parent is c1 and m2.prompt_ids[header] == wrong

@@ -138,6 +138,15 @@ def test_fast_encoder_only_for_gyre_pipeline(tmp_path):
     assert qtok.fast_encoder(PreTrainedTokenizerFast(tokenizer_file=str(path))) is None
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 151668), max_size=40))
+def test_fast_decoder_equals_transformers_decode(ids):
+    """The proxy's decoder gives `tokenizer.decode(ids, skip_special_tokens=False)` for any
+    ids (added tokens and ids that cut a UTF-8 sequence included)."""
+    tok = qtok.build_tokenizer()
+    assert qtok.fast_decoder(tok)(ids) == tok.decode(ids, skip_special_tokens=False)
+
+
 @pytest.mark.parametrize("text", ["<think>\u0338x", "<|im_end|>\u0338", "</tool_call>\u0301\u0338",
                                   "\U00011935\U00011930", "caf\u00e9 e\u0301"])
 def test_fast_encoder_leaves_non_nfc_text_to_the_hf_pipeline(text):
