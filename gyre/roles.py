@@ -144,9 +144,10 @@ def classify(facts: CallFacts, profile: str | None = None) -> Classification:
         raise ValueError(f"unknown harness profile {harness!r}; known: {PROFILES}")
     h = facts.headers
     meta: dict[str, str] = {"harness": harness}
-    users = _user_texts(facts.messages)
-    last_user = users[-1] if users else ""
     summary = sub = False
+    # Only these two profiles read the user turns (a walk over the whole history).
+    users = _user_texts(facts.messages) if harness in ("claude-code", "codex") else []
+    last_user = users[-1] if users else ""
     if harness == "claude-code":
         session = h.get("x-claude-code-session-id") or facts.body_meta.get("session_id")
         if session:

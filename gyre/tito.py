@@ -92,8 +92,9 @@ MEMO_REQUESTS = 4
 sub-agents and side calls interleave)."""
 
 TIP_CACHE = 8
-"""Latest calls per execution whose full ids are also kept whole, as one int32 array, so
-extending one costs a copy in C, not a walk over the call chain. Arrays, not lists of
+"""Latest calls per execution whose full ids are also kept whole, as their prompt and
+completion int32 arrays, so extending one costs one copy in C, not a walk over the call
+chain. Arrays, not lists of
 Python ints: a list of 10^4 ints is a container the cyclic GC walks item by item on
 every collection while it lives (`gyre bench proxy` measured 15-80 ms pauses)."""
 
@@ -489,7 +490,7 @@ class CallStore:
         self._by_call: dict[str, CallRecord] = {}
         self._extended: set[str] = set()
         self._seen: list[_Seen] = []
-        self._tips: dict[str, np.ndarray] = {}
+        self._tips: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._splitting = _splitting_tokens(tokenizer)
         self._heads: dict[str, np.ndarray] = {}
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -513,13 +514,11 @@ class CallStore:
 
     def _prompt(self, c: CallRecord, suffix: list[int]) -> np.ndarray:
         """The prompt extending c: c's full ids (+ <|im_end|> unless c stopped) + suffix.
-        c's cached whole ids (`TIP_CACHE`) are used when present (c leaves the cache: its
-        extension holds the newest), so no walk over the call chain runs."""
-        ids = self._tips.pop(c.call, None)
-        if ids is None:
-            ids = c.full_ids()
-        close = [] if c.stopped else [IM_END]
-        return np.concatenate([ids, np.asarray(close + suffix, np.int32)])
+        c's cached prompt and completion (`TIP_CACHE`) are used when present (c leaves the
+        cache: its extension holds the newest), so no walk over the call chain runs."""
+        parts = list(self._tips.pop(c.call, None) or (c.full_ids(),))
+        parts.append(np.asarray(suffix if c.stopped else [IM_END, *suffix], np.int32))
+        return np.concatenate(parts)
 
     def _render(self, messages: Sequence[dict], tools: Sequence[dict], gen: bool) -> str:
         return self.render(self.tokenizer, list(messages), list(tools) or None, gen)
@@ -699,7 +698,8 @@ class CallStore:
         tool-call `arguments` exactly as emitted; they are cached by tool-call id.
         completion_ids: (C,) sampled ids, stop token included when the engine stopped.
         With gyre's template and drift counted, the answer's turn is rendered and encoded
-        here (after delivery) for the next extension's drift."""
+        here (after delivery) for the next extension's drift. The store keeps
+        `match.prompt_ids` itself, not a copy: do not modify it afterwards."""
         answer_n = normalise_message(answer)
         for tc in answer_n.get("tool_calls", ()):
             if tc["id"]:
@@ -708,7 +708,6 @@ class CallStore:
         own = np.concatenate([match.new_prompt_ids, comp]).astype(np.int32, copy=False)
         conv_key = hashlib.sha256(match.digest + message_key(answer_n)).digest()
         prompt_len = len(match.prompt_ids)
-        full = np.concatenate([match.prompt_ids, comp])
         turn_start = turn_drift = 0
         conv_shown = match.shown
         if self.incremental:
@@ -720,7 +719,7 @@ class CallStore:
                 turn_start = _last_im_end_before(match.parent, match.prefix_len) + 1
             turn_start = min(turn_start, prompt_len)
             if self.check_drift:
-                ids = full[turn_start:]
+                ids = np.concatenate([match.prompt_ids[turn_start:], comp])
                 sampled = np.zeros(len(ids), bool)
                 sampled[prompt_len - turn_start:] = True
                 if match.parent is not None and turn_start < match.prefix_len:
@@ -737,7 +736,7 @@ class CallStore:
         self.calls.append(rec)
         self._by_conv[conv_key] = rec
         self._by_call[call] = rec
-        self._tips[call] = full
+        self._tips[call] = (match.prompt_ids, comp)
         while len(self._tips) > TIP_CACHE:
             del self._tips[next(iter(self._tips))]
         if match.parent is not None and match.prefix_len == match.parent.full_len:

@@ -351,7 +351,6 @@ class ProxyState:
             await self._publish(event)
 
     async def _publish(self, event: CallCompleted) -> None:
-        clog = log.bind(event_id=event.event_id, execution=event.execution, call=event.call)
         deadline = time.monotonic() + self.cfg.retry_timeout_s
         delay = self.cfg.retry_backoff_s
         while True:
@@ -365,10 +364,10 @@ class ProxyState:
                                                                  "logprobs": t.logprobs}))
                     out = dataclasses.replace(event, tokens=CallTokens(), tokens_ref=key)
                     data = encode(out)
-                stored = await self.bus.publish(out, data)
-                clog.debug("proxy.call.published", stored=stored, tokens_ref=out.tokens_ref)
+                await self.bus.publish(out, data)
                 return
             except Exception as exc:  # noqa: BLE001 - keep trying within the bound; never drop silently
+                clog = log.bind(event_id=event.event_id, execution=event.execution, call=event.call)
                 if time.monotonic() + delay > deadline:
                     clog.error("proxy.call.publish_failed", error=repr(exc))
                     return
