@@ -110,8 +110,7 @@ class Reply:
         once) and end it."""
         await self.stop_keepalive()
         if self.stream:
-            resp = self.resp
-            await resp.write(b"".join(body))
+            data = b"".join(body)
         else:
             data = orjson.dumps(body)
             if self.resp is None:
@@ -119,10 +118,9 @@ class Reply:
                 await resp.prepare(self.request)
                 await resp.write_eof()
                 return resp
-            resp = self.resp
-            await resp.write(data)
-        await resp.write_eof()
-        return resp
+        # The last frames with the end of the body: one send, not two.
+        await self.resp.write_eof(data)
+        return self.resp
 
     async def fail(self, err: ApiError) -> web.StreamResponse:
         await self.stop_keepalive()
