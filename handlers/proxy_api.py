@@ -216,6 +216,8 @@ class MessageMemo:
         `one` raises (the memo is then left as it was)."""
         best, n = -1, 0
         for j, (old, _) in enumerate(self._seen):
+            if min(len(raw), len(old)) <= n:
+                continue  # cannot share more than the best so far: skip comparing it
             k = equal_prefix_len(raw, old, len(raw))  # clamps to both lengths
             if k > n:
                 best, n = j, k
