@@ -762,13 +762,15 @@ def _last_im_end_before(rec: CallRecord, limit: int) -> int:
 
 
 def _splitting_tokens(tokenizer: Any) -> tuple[str, ...]:
-    """Texts of the tokenizer's added tokens that strip no neighbouring whitespace: its
-    encoding splits at each of them (`_special_tokens_split`). () when it lists none."""
+    """Texts of the tokenizer's added tokens that its encoding splits at exactly as written:
+    matched on the raw text (not normalised, not only as a whole word) and stripping no
+    neighbouring whitespace (`_special_tokens_split`). () when it lists none."""
     decoder = getattr(tokenizer, "added_tokens_decoder", None)
     if not isinstance(decoder, dict) or getattr(tokenizer, "split_special_tokens", False):
         return ()
     return tuple(str(t) for t in decoder.values()
-                 if str(t) and not getattr(t, "lstrip", True) and not getattr(t, "rstrip", True))
+                 if str(t) and not any(getattr(t, flag, True) for flag in ("lstrip", "rstrip", "single_word",
+                                                                          "normalized")))
 
 
 def _special_tokens_split(tokenizer: Any) -> bool:

@@ -376,9 +376,14 @@ def fast_encoder(tokenizer):
 def fast_decoder(tokenizer):
     """`decode(ids) -> str` giving what `tokenizer.decode(ids, skip_special_tokens=False)`
     gives, without transformers' per-call Python overhead (≈ 30 µs a call in the proxy):
-    the backend's own decoder when the tokenizer has one and cleans up no spaces (the only
-    step transformers adds on top of it); else that call itself. ids: a sequence of ints."""
+    the backend's own decoder when the tokenizer is transformers' plain fast tokenizer (its
+    class overrides neither `decode` nor `_decode`) and cleans up no spaces, the only step
+    transformers adds on top of the backend; else that call itself. ids: a sequence of ints."""
+    from transformers import PreTrainedTokenizerFast
+
+    cls, base = type(tokenizer), PreTrainedTokenizerFast
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    if backend is not None and isinstance(tokenizer, base) and cls.decode is base.decode \
+            and cls._decode is base._decode and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return lambda ids: backend.decode(ids, skip_special_tokens=False)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)

@@ -364,6 +364,7 @@ class ProxyState:
                                                                  "logprobs": t.logprobs}))
                     out = dataclasses.replace(event, tokens=CallTokens(), tokens_ref=key)
                     data = encode(out)
+                    log.debug("proxy.call.tokens_stored", event_id=event.event_id, tokens_ref=key)
                 await self.bus.publish(out, data)
                 return
             except Exception as exc:  # noqa: BLE001 - keep trying within the bound; never drop silently
@@ -461,7 +462,7 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
     attempt = Attempt()
     result: EngineResult | None = None
     delivered = False
-    prompt = match.prompt_ids  # (P,) int32, never mutated: the store keeps its own copy
+    prompt = match.prompt_ids  # (P,) int32, never mutated: the store keeps this array
     start = StreamStart(rid=api.new_id(), created=int(time.time()), model=req.model, prompt_tokens=len(prompt))
     try:
         await reply.start(start, api.preamble(start, req) if req.stream else [])

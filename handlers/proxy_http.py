@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from handlers.proxy_api import Api, ApiError, StreamStart, decode_body
 
@@ -66,6 +66,8 @@ class Reply:
     async def _prepare(self, content_type: str) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers={"Content-Type": content_type, "Cache-Control": "no-cache",
                                                        "X-Accel-Buffering": "no"})
+        if self.request.version < HttpVersion11:
+            resp.force_close()  # HTTP/1.0 has no chunking: the body ends where the connection does
         await resp.prepare(self.request)
         self.resp = resp
         return resp

@@ -394,3 +394,61 @@ def test_load_script(tmp_path):
     path = tmp_path / "script.jsonl"
     path.write_text('"plain"\n{"text": "<tool_call>\\n{}\\n</tool_call>"}\n\n')
     assert load_script(path) == ["plain", "<tool_call>\n{}\n</tool_call>"]
+
+
+async def _exchange(url: str, requests: list[tuple[str, dict]], key: str, version: str) -> list[tuple[str, bytes]]:
+    """Send `requests` one after another on one raw connection; each answer's status line
+    and headers (lower-cased) and its body, framed by chunks, a length, or the close."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    out = []
+    try:
+        for path, body in requests:
+            data = json.dumps(body).encode()
+            writer.write(f"POST {path} {version}\r\nHost: x\r\nContent-Type: application/json\r\nx-api-key: {key}\r\n"
+                         f"Connection: keep-alive\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+            head = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
+            payload = b""
+            if "transfer-encoding: chunked" in head:
+                while size := int(await reader.readuntil(b"\r\n"), 16):
+                    payload += (await reader.readexactly(size + 2))[:-2]
+                assert await reader.readexactly(2) == b"\r\n"
+            elif "content-length:" in head:
+                payload = await reader.readexactly(int(head.split("content-length:")[1].split("\r\n")[0]))
+            else:
+                payload = await reader.read()  # to the close: the only end a body without length has
+            out.append((head, payload))
+    finally:
+        writer.close()
+    return out
+
+
+def _complete(path: str, stream: bool, payload: bytes) -> bool:
+    text = payload.decode()
+    if not stream:
+        return isinstance(json.loads(text), dict)  # keep-alive newlines before it are JSON whitespace
+    last = text.rstrip("\n").split("\n\n")[-1]
+    return {"/v1/chat/completions": last == "data: [DONE]", "/v1/responses": "response.completed" in last,
+            "/v1/messages": "message_stop" in last}[path]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("delay_s,keepalive_s", [(0.0, 30.0), (0.25, 0.05)], ids=["answered", "keep-alives first"])
+async def test_answers_end_where_their_framing_says(stack, stream, delay_s, keepalive_s):
+    """Every API's answer, streamed or not, with or without keep-alives sent first, ends
+    exactly where its chunks or length say, so the next request on the same HTTP/1.1
+    connection is served; over HTTP/1.0 (no chunking) the connection closes after it."""
+    engine = await stack.engine([CALL_LS], delay_s=delay_s)
+    url = await stack.proxy(engine=engine, keepalive_s=keepalive_s)
+    key = execution_key(SECRET, "exframe")
+    msgs = [{"role": "user", "content": "hi"}]
+    requests = [("/v1/chat/completions", {"model": "m", "messages": msgs, "stream": stream}),
+                ("/v1/responses", {"model": "m", "input": "hi", "stream": stream}),
+                ("/v1/messages", {"model": "c", "max_tokens": 50, "messages": msgs, "stream": stream}),
+                ("/v1/chat/completions", {"model": "m", "messages": msgs, "stream": stream})]
+    answers = await asyncio.wait_for(_exchange(url, requests, key, "HTTP/1.1"), 30)
+    assert len(answers) == len(requests)
+    for (head, payload), (path, _) in zip(answers, requests):
+        assert head.startswith("http/1.1 200") and _complete(path, stream, payload), (path, head, payload[-200:])
+    (head, payload), = await asyncio.wait_for(_exchange(url, requests[2:3], key, "HTTP/1.0"), 10)
+    assert " 200 " in head.split("\r\n")[0] and _complete("/v1/messages", stream, payload), (head, payload[-200:])

@@ -247,7 +247,7 @@ from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from gyre.chat import render_appended, render_assistant_turn, uses_gyre_template  # noqa: E402
-from gyre.tito import conversation_facts  # noqa: E402
+from gyre.tito import TURN_HEADER, conversation_facts  # noqa: E402
 
 _WORDS = ["ls", "done", "fix", " it", "\n", "\n\n", "a.py", "ok", "café", "{}", "  ", "x"]
 _text = st.lists(st.sampled_from(_WORDS), max_size=5).map("".join)
@@ -515,3 +515,43 @@ def test_equal_prefix_len():
     assert equal_prefix_len([1, 2, 3], [0, 2, 3], 3) == 0
     assert equal_prefix_len([1, 2, 3], [1, 2, 4], 3) == 2 and equal_prefix_len((1, 2), [1, 2], 2) == 2
     assert equal_prefix_len([1], [1], 3) == 1
+
+
+_PIECES = ["<|im_end|>", "\n", "\n\n", " ", "ls", "café", "cafe\u0301", "\u0338", ">", "<", "<think", "<tool_call",
+           "|>", "<|im_", "assistant", "\r\n", "\u00a0"]
+_PLANTED = [198, 271, 151644, IM_END, 151667, 151657, 872, 77091, 0]
+
+
+@st.composite
+def _turn_case(draw, store):
+    """A rendered turn (the body built from added tokens and awkward text), stored ids that
+    are its encoding, a perturbed copy or random ids, with or without the closing
+    <|im_end|>, and a sampled mask starting anywhere."""
+    body = "".join(draw(st.lists(st.sampled_from([*store._splitting, *_PIECES]), max_size=8)))
+    text = TURN_HEADER + body + "<|im_end|>"
+    ids = store.encode(text).tolist()
+    mode = draw(st.sampled_from(["encoding", "perturbed", "random"]))
+    if mode == "perturbed":
+        for _ in range(draw(st.integers(0, 3))):
+            ids[draw(st.integers(0, len(ids) - 1))] = draw(st.sampled_from(_PLANTED))
+        if draw(st.booleans()):
+            del ids[draw(st.integers(0, len(ids) - 1))]
+    elif mode == "random":
+        ids = draw(st.lists(st.sampled_from(_PLANTED), max_size=12))
+    if draw(st.booleans()) and (not ids or ids[-1] != IM_END):
+        ids.append(IM_END)
+    ids = ids or [IM_END]
+    n = draw(st.integers(0, len(ids)))
+    sampled = [False] * n + [draw(st.booleans()) for _ in range(len(ids) - n)]
+    return text, np.asarray(ids, np.int32), np.asarray(sampled, bool)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_turn_drift_shortcut_equals_the_full_count(tok, data):
+    """`_turn_drift` (which encodes only the turn's header when the body opens with an
+    added token) counts what `count_drift` counts against the whole turn's encoding."""
+    store = CallStore(tok)
+    text, ids, sampled = data.draw(_turn_case(store))
+    event("shortcut" if store._turn_head(text) is not None else "full encoding")
+    assert store._turn_drift(ids, sampled, text) == count_drift(ids, sampled, store.encode(text))

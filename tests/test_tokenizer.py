@@ -147,6 +147,20 @@ def test_fast_decoder_equals_transformers_decode(ids):
     assert qtok.fast_decoder(tok)(ids) == tok.decode(ids, skip_special_tokens=False)
 
 
+def test_fast_decoder_defers_to_a_tokenizer_that_decodes_its_own_way():
+    """A tokenizer class with its own `_decode` (some checkpoints ship one) keeps it."""
+    import copy
+
+    tok = copy.copy(qtok.build_tokenizer())
+
+    class OwnDecode(type(tok)):
+        def _decode(self, token_ids, **kwargs):
+            return "own"
+
+    tok.__class__ = OwnDecode
+    assert qtok.fast_decoder(tok)([1, 2]) == "own"
+
+
 @pytest.mark.parametrize("text", ["<think>\u0338x", "<|im_end|>\u0338", "</tool_call>\u0301\u0338",
                                   "\U00011935\U00011930", "caf\u00e9 e\u0301"])
 def test_fast_encoder_leaves_non_nfc_text_to_the_hf_pipeline(text):
