@@ -60,8 +60,8 @@ turn — the generation prompt and c's completion (+ the closing `<|im_end|>`) a
 answer was delivered: `CallRecord.turn_drift`; when that turn is one chunk and its body
 opens with an added token such as `<tool_call>` or `<think>`, only the ids before the
 first sampled one count, and only the header up to that token is encoded). So
-`drift = c.drift + that turn's count`, O(one turn). It equals the full-request count (`CallStore.full_drift`, kept as the reference) except where a sampled
-span re-tokenises to a different number of `<|im_end|>` chunks (the model wrote
+`drift = c.drift + that turn's count`, O(one turn). It equals the full-request count
+(`CallStore.full_drift`, kept as the reference) except where a sampled span re-tokenises to a different number of `<|im_end|>` chunks (the model wrote
 "<|im_end|>" as plain text, or sampled `<|im_end|>` mid-completion): the full count
 then compares every later message against the wrong one, the incremental one stays
 inside that message. `check_drift=False` skips the count (drift 0).
@@ -647,8 +647,8 @@ class CallStore:
 
     def _turn_head(self, text: str) -> np.ndarray | None:
         """`encode(TURN_HEADER + token)` when `text` is TURN_HEADER + body + "<|im_end|>"
-        with no other <|im_end|> and the body opens with exactly one of the tokenizer's
-        added tokens that strip no whitespace (`_splitting_tokens`); else None."""
+        with no other <|im_end|> and the body opens with exactly one of the added tokens
+        the encoding splits at as written (`_splitting_tokens`); else None."""
         if not text.startswith(TURN_HEADER) or not text.endswith(IM_END_TEXT) or text.count(IM_END_TEXT) != 1:
             return None
         body = text[len(TURN_HEADER):]
@@ -697,8 +697,8 @@ class CallStore:
         """Add a served call. answer: the assistant message returned to the harness, with
         tool-call `arguments` exactly as emitted; they are cached by tool-call id.
         completion_ids: (C,) sampled ids, stop token included when the engine stopped.
-        With gyre's template and drift counted, the answer's turn is rendered and encoded
-        here (after delivery) for the next extension's drift. The store keeps
+        With gyre's template and drift counted, the answer's turn is rendered here (after
+        delivery) and its drift counted for the next extension (`_turn_drift`). The store keeps
         `match.prompt_ids` itself, not a copy: do not modify it afterwards."""
         answer_n = normalise_message(answer)
         for tc in answer_n.get("tool_calls", ()):
