@@ -61,9 +61,10 @@ answer was delivered: `CallRecord.turn_drift`; when that turn is one chunk and i
 opens with an added token such as `<tool_call>` or `<think>`, only the ids before the
 first sampled one count, and only the header up to that token is encoded). So
 `drift = c.drift + that turn's count`, O(one turn). It equals the full-request count
-(`CallStore.full_drift`, kept as the reference) except where a sampled span re-tokenises to a different number of `<|im_end|>` chunks (the model wrote
-"<|im_end|>" as plain text, or sampled `<|im_end|>` mid-completion): the full count
-then compares every later message against the wrong one, the incremental one stays
+(`CallStore.full_drift`, kept as the reference) except where a sampled span
+re-tokenises to a different number of `<|im_end|>` chunks (the model wrote "<|im_end|>"
+as plain text, or sampled `<|im_end|>` mid-completion): the full count then compares
+every later message against the wrong one, the incremental one stays
 inside that message. `check_drift=False` skips the count (drift 0).
 Memory: a call stores only the ids after its prefix (`own_ids`, int32) and a reference to
 its parent, so an execution of N calls over L tokens keeps O(L) ids, not O(N·L). The
