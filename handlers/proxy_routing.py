@@ -242,6 +242,7 @@ class Dispatcher:
         backoff = self.retry_backoff_s
         avoid: set[str] = set()
         tries = aborts = 0
+        clog = log.bind(execution=execution, call=call_id)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -265,14 +266,12 @@ class Dispatcher:
                                                          execution=execution), attempt)
             except EngineUnavailable as exc:
                 attempt.client = None
-                log.info("proxy.engine.unavailable", execution=execution, call=call_id, cell=cell,
-                         error=str(exc)[:200], retry_in_s=backoff)
+                clog.info("proxy.engine.unavailable", cell=cell, error=str(exc)[:200], retry_in_s=backoff)
                 backoff = await self._avoid(avoid, cell, backoff, remaining)
                 continue
             except EngineRequestError as exc:
                 attempt.client = None
-                log.warning("proxy.engine.refused", execution=execution, call=call_id, cell=cell,
-                            status=exc.status, body=str(exc.body)[:500])
+                clog.warning("proxy.engine.refused", cell=cell, status=exc.status, body=str(exc.body)[:500])
                 status = 400 if 400 <= exc.status < 500 else 502
                 raise ApiError(status, f"the engine refused the request: {exc.body}",
                                "invalid_request_error" if status == 400 else "server_error",
@@ -281,7 +280,7 @@ class Dispatcher:
                 self.router.untrack(attempt)
             # On cancellation attempt.client stays set, so the caller can abort `rid` upstream.
             if result is None:  # the cell left rollout mid-request: abort there, go elsewhere
-                log.info("proxy.engine.evicted", execution=execution, call=call_id, cell=cell, rid=rid)
+                clog.info("proxy.engine.evicted", cell=cell, rid=rid)
                 attempt.client = None
                 self.spawn(self.abort_upstream(client, rid))
                 avoid.add(cell)
@@ -292,7 +291,7 @@ class Dispatcher:
             finish = (meta.get("finish_reason") or {}).get("type") or "stop"
             if finish == "abort":
                 aborts += 1
-                log.info("proxy.engine.aborted", execution=execution, call=call_id, cell=cell, aborts=aborts)
+                clog.info("proxy.engine.aborted", cell=cell, aborts=aborts)
                 if aborts > MAX_ENGINE_ABORTS:
                     raise ApiError(502, "the engine aborted the generation repeatedly", "server_error",
                                    code="engine_aborted")
