@@ -953,12 +953,11 @@ def main(argv: list[str] | None = None) -> int:
     variants = tuple(dict.fromkeys(v.strip() for v in a.variants.split(",") if v.strip()))
     if not variants:
         p.error(f"--variants names none of {', '.join(VARIANTS)}")
-    if a.profile and not Path(a.profile).resolve().parent.is_dir():
-        p.error(f"--profile: no directory {Path(a.profile).resolve().parent}")
+    profile = os.path.abspath(a.profile) if a.profile else ""
+    if profile and not Path(profile).parent.is_dir():
+        p.error(f"--profile: no directory {Path(profile).parent}")
     try:
-        cfg = dataclasses.replace(base, **given, variants=variants,
-                                  profile=os.path.abspath(a.profile) if a.profile else "",
-                                  check_drift=not a.no_drift_check)
+        cfg = dataclasses.replace(base, **given, variants=variants, profile=profile, check_drift=not a.no_drift_check)
     except ValueError as exc:
         p.error(str(exc))
     from handlers.daemon import configure_logging
