@@ -9,7 +9,10 @@ Contract (DESIGN.md "Cells and engines"):
   truncation: log_softmax(logits / T)[token] (DESIGN.md "Learning"). Temperature 0 is
   greedy decoding with the log-prob under T = 1. Sampling draws from top-k, then top-p
   over the renormalised top-k distribution, with a `torch.Generator` per request.
-- The stop token is part of the output ids (finish `stop`, with the matched id);
+- The stop token is part of the output ids (finish `stop`, with the matched id); so are
+  the ids of a stop string (`SamplingParams.stop`: generation ends with the id whose text
+  completes one, as SGLang's string stop; the matched string is reported; the checkpoint's
+  tokenizer decodes, loaded on the first such request);
   `length` when max_new_tokens or the context limit is reached; `abort` after `abort(rid)`.
 - `load_weights(path, version)` swaps weights between decode steps: a request in
   flight continues with the new weights and its `versions` spans show the switch.
@@ -35,6 +38,8 @@ from typing import Literal
 
 import structlog
 import torch
+
+from gyre.tokenizer import fast_decoder, stop_hit, stop_window
 
 log = structlog.get_logger(__name__)
 
@@ -103,13 +108,15 @@ class EngineConfig:
 class SamplingParams:
     """Sampling of one request. temperature >= 0 (0 = greedy); top_p in (0, 1], 1 = off;
     top_k: -1 or 0 = off, else >= 1; max_new_tokens >= 0; stop_token_ids add to the
-    engine's stop ids unless ignore_eos; seed None = drawn from the engine's seeded stream."""
+    engine's stop ids unless ignore_eos; stop: stop strings (non-empty; honoured with
+    ignore_eos too); seed None = drawn from the engine's seeded stream."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
 
@@ -122,6 +129,8 @@ class SamplingParams:
             raise InvalidRequest(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
         if self.max_new_tokens < 0:
             raise InvalidRequest(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not all(isinstance(x, str) and x for x in self.stop):
+            raise InvalidRequest(f"stop must hold non-empty strings, got {self.stop!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +150,8 @@ class GenerateResult:
 
     output_ids: (C,) sampled ids, stop token included when finish == "stop".
     logprobs: (C,) behaviour log-probs, natural log, of log_softmax(logits / T).
-    finish: "stop" | "length" | "abort"; matched_stop: the stop id when finish == "stop".
+    finish: "stop" | "length" | "abort"; matched_stop: the stop id, or the stop string, that
+      ended it when finish == "stop".
     versions: policy-version spans ((start, end, version), ...), half-open, covering [0, C).
     weight_version: the engine's policy version when the call finished.
     cached_tokens: prompt ids served from the execution's prefix KV cache (not prefilled).
@@ -152,7 +162,7 @@ class GenerateResult:
     output_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish: FinishType
-    matched_stop: int | None
+    matched_stop: int | str | None
     prompt_tokens: int
     cached_tokens: int
     versions: tuple[tuple[int, int, int], ...]
@@ -275,6 +285,7 @@ class Engine:
         self._prefixes: collections.OrderedDict[str, _Prefix] = collections.OrderedDict()
         self._flights: dict[str, _Flight] = {}
         self._seeds = random.Random(cfg.seed)
+        self._decode = None  # the checkpoint tokenizer's decode, for stop strings (loaded on first use)
         log.info("engine.loaded", model_dir=cfg.model_dir, vocab=self.vocab_size, version=self._version)
 
     @property
@@ -425,12 +436,28 @@ class Engine:
         out = self.model(input_ids=x, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
         return out.logits[0, -1].float()  # (V,)
 
+    def _decoder(self):
+        """`decode(ids) -> str` of the checkpoint's tokenizer (special tokens kept). Raises
+        InvalidRequest when model_dir holds no tokenizer."""
+        with self._state:
+            if self._decode is None:
+                from gyre.model import load_tokenizer
+
+                try:
+                    self._decode = fast_decoder(load_tokenizer(self.cfg.model_dir))
+                except (OSError, ValueError) as exc:
+                    raise InvalidRequest(f"stop strings need the checkpoint's tokenizer in "
+                                         f"{self.cfg.model_dir}: {exc}") from None
+            return self._decode
+
     def _generate(self, req: GenerateRequest, flight: _Flight, t0: float) -> GenerateResult:
         from transformers import DynamicCache
 
         sp = req.sampling
         bound = log.bind(rid=req.rid, execution=req.execution)
         stop = set() if sp.ignore_eos else set(self.cfg.stop_ids) | set(sp.stop_token_ids)
+        decode = self._decoder() if sp.stop else None
+        window = stop_window(sp.stop) if sp.stop else 0
         budget = min(sp.max_new_tokens, self.cfg.max_completion_tokens, self.cfg.max_context_tokens - len(req.input_ids))
         if sp.seed is not None:
             seed = sp.seed
@@ -443,7 +470,7 @@ class Engine:
         logps: list[float] = []
         versions: list[list[int]] = []  # [start, end, version], merged as we go
         finish: FinishType = "length"
-        matched: int | None = None
+        matched: int | str | None = None
         queue_s: float | None = None
         # epoch: the weights the KV in `cache` was computed with
         cache, cached, epoch = self._take_prefix(req.execution if budget > 0 else None, req.input_ids)
@@ -484,6 +511,11 @@ class Engine:
                 if token in stop:
                     finish, matched = "stop", token
                     break
+                if decode is not None:
+                    hit = stop_hit(decode, out, sp.stop, window)
+                    if hit is not None:
+                        finish, matched = "stop", hit
+                        break
                 pending = [token]
         if req.execution is not None and cache is not None and not mixed:
             self._put_prefix(req.execution, fed, cache, epoch)

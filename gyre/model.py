@@ -177,8 +177,19 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32):
     return model.eval()
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+"""A directory holding none of these has no tokenizer (transformers would make an empty one)."""
+
+
 def load_tokenizer(model_dir: str | Path):
-    """The checkpoint's tokenizer (with its chat template), from local files only."""
+    """The checkpoint's tokenizer (with its chat template), from local files only.
+
+    Errors: `FileNotFoundError` when the directory holds no tokenizer file
+    (`TOKENIZER_FILES`): transformers would otherwise build a one-token tokenizer from the
+    model config alone, and every decode would be wrong.
+    """
     from transformers import AutoTokenizer
 
+    if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"no tokenizer in {model_dir} (none of {', '.join(TOKENIZER_FILES)})")
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)

@@ -387,3 +387,46 @@ def fast_decoder(tokenizer):
             and cls._decode is base._decode and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return lambda ids: backend.decode(ids, skip_special_tokens=False)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def parse_stop(value: object, name: str = "stop") -> tuple[str, ...]:
+    """Stop strings as APIs send them (SGLang and OpenAI `stop`, Anthropic
+    `stop_sequences`): a string, a list of strings, or null. Empty strings are dropped
+    (they would end every generation at once). Raises ValueError for anything else."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"'{name}' must be a string or a list of strings, got {value!r:.80}")
+    return tuple(dict.fromkeys(v for v in value if v))
+
+
+def stop_window(stops) -> int:
+    """Ids to decode after each sampled id so that a stop string it completes lies in their
+    text: a string of b UTF-8 bytes ends inside the last b ids (each id adds ≥ 1 byte), and
+    one more lets the window start inside a character. stops: non-empty strings."""
+    return max(len(s.encode("utf-8")) for s in stops) + 1
+
+
+def stop_hit(decode, ids, stops, window: int) -> str | None:
+    """The first of `stops` in the text of the last `window` of `ids` (`decode(ids) -> str`,
+    special tokens kept), None when none is there. Checked after every sampled id, it ends
+    a generation at the id that completes a stop string, as SGLang's string stop does."""
+    tail = decode(list(ids[-window:]))
+    for s in stops:
+        if s in tail:
+            return s
+    return None
+
+
+def cut_at_stop(text: str, stops) -> tuple[str, str | None]:
+    """`text` up to the earliest occurrence of any of `stops`, and that stop string (None
+    and `text` whole when none occurs): what OpenAI and Anthropic return for a completion
+    that ended on a stop sequence (the sequence itself is not part of the answer)."""
+    best, hit = len(text), None
+    for s in stops:
+        k = text.find(s) if s else -1
+        if k != -1 and k < best:
+            best, hit = k, s
+    return text[:best], hit

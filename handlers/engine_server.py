@@ -2,9 +2,9 @@
 
 Routes (bodies are JSON; errors are `{"error": {"message", "type"}}`):
 - `POST /generate` `{"input_ids": [int], "sampling_params": {"temperature", "top_p",
-  "top_k", "max_new_tokens", "stop_token_ids", "seed", "ignore_eos"}, "return_logprob",
+  "top_k", "max_new_tokens", "stop_token_ids", "stop", "seed", "ignore_eos"}, "return_logprob",
   "rid", "stream": false, "gyre_execution"}` -> `{"text": "", "output_ids", "meta_info":
-  {"id", "finish_reason": {"type": "stop", "matched": id} | {"type": "length", "length":
+  {"id", "finish_reason": {"type": "stop", "matched": id or stop string} | {"type": "length", "length":
   n} | {"type": "abort"}, "prompt_tokens", "completion_tokens", "cached_tokens",
   "output_token_logprobs": [[logprob, id, null], ...] (when return_logprob),
   "weight_version": "<int>", "gyre_versions": [[start, end, version], ...],
@@ -31,6 +31,7 @@ import structlog
 from aiohttp import web
 
 from gyre.engine import Engine, EngineError, GenerateRequest, InvalidRequest, SamplingParams, WeightLoadError
+from gyre.tokenizer import parse_stop
 
 log = structlog.get_logger(__name__)
 
@@ -92,6 +93,7 @@ def parse_generate(body: dict) -> tuple[GenerateRequest, bool]:
             top_k=int(sp.get("top_k", -1)),
             max_new_tokens=int(sp.get("max_new_tokens", 128)),
             stop_token_ids=_int_list(sp.get("stop_token_ids") or [], "sampling_params.stop_token_ids"),
+            stop=parse_stop(sp.get("stop"), "sampling_params.stop"),
             seed=None if sp.get("seed") is None else int(sp["seed"]),
             ignore_eos=bool(sp.get("ignore_eos", False)),
         )

@@ -16,13 +16,14 @@ Requests → internal chat messages (handlers/proxy_api.py):
   change the conversation).
 - `tools`: `{name, description, input_schema}` → function tools; Anthropic-defined tools
   without `input_schema` are not rendered.
-- `max_tokens` (capped), `temperature`, `top_p`, `top_k`; `stream`; `thinking`,
+- `max_tokens` (capped), `temperature`, `top_p`, `top_k`, `stop_sequences`; `stream`; `thinking`,
   `context_management`, `output_config` (a `json_schema` format marks a title call),
   `metadata` (its `user_id`, a JSON string holding `session_id`, becomes harness metadata),
   unknown fields and any model name are accepted.
 Answers: content blocks `thinking` (with a `signature` that `thinking_signature` re-derives,
 so a harness that echoes it matches), `text`, `tool_use` (ids `toolu_…`); `stop_reason`
-`tool_use` | `max_tokens` | `end_turn`; usage `input_tokens` = the whole prompt length.
+`tool_use` | `max_tokens` | `end_turn` | `stop_sequence` (with `stop_sequence`, the text cut
+before it); usage `input_tokens` = the whole prompt length.
 Streams: `message_start` (sent as soon as the call is admitted, with the true prompt
 length), `ping` keep-alives, per block `content_block_start` / `content_block_delta`
 (`thinking_delta` + `signature_delta`, `text_delta`, `input_json_delta` whose first
@@ -214,7 +215,7 @@ def parse_messages_request(body: Any, defaults: SamplingParams, memo: MessageMem
         raise ApiError(400, "the request body must be a JSON object")
     messages = anthropic_messages(body, memo)
     tools = anthropic_tools(body.get("tools"))
-    sampling = parse_sampling(body, defaults, ("max_tokens",))
+    sampling = parse_sampling(body, defaults, ("max_tokens",), "stop_sequences")
     json_output = False
     for key in ("output_config", "output_format"):
         cfg = body.get(key)
@@ -232,6 +233,8 @@ def parse_messages_request(body: Any, defaults: SamplingParams, memo: MessageMem
 def stop_reason(answer: Answer) -> str:
     if answer.finish == "length":
         return "max_tokens"
+    if answer.stop_sequence is not None:
+        return "stop_sequence"
     return "tool_use" if answer.tool_calls else "end_turn"
 
 
@@ -282,7 +285,7 @@ class MessagesApi(Api):
         usage = self._usage(answer.prompt_tokens, answer.completion_tokens)
         if not req.stream:
             return {"id": answer.rid, "type": "message", "role": "assistant", "model": req.model, "content": blocks,
-                    "stop_reason": stop_reason(answer), "stop_sequence": None, "usage": usage}
+                    "stop_reason": stop_reason(answer), "stop_sequence": answer.stop_sequence, "usage": usage}
         frames: list[bytes] = []
         raw_args = {tc.id: tc.arguments for tc in answer.tool_calls}
 
@@ -308,6 +311,7 @@ class MessagesApi(Api):
                 for p in ["", *pieces(args)]:
                     emit("content_block_delta", index=index, delta={"type": "input_json_delta", "partial_json": p})
             emit("content_block_stop", index=index)
-        emit("message_delta", delta={"stop_reason": stop_reason(answer), "stop_sequence": None}, usage=usage)
+        emit("message_delta", delta={"stop_reason": stop_reason(answer), "stop_sequence": answer.stop_sequence},
+             usage=usage)
         emit("message_stop")
         return frames

@@ -26,6 +26,7 @@ import orjson
 
 from gyre.chat import ToolCall
 from gyre.tito import equal_prefix_len
+from gyre.tokenizer import parse_stop
 from schemas.call import SamplingParams
 
 
@@ -85,6 +86,8 @@ class Answer:
     already in the API's style). finish: the engine's `stop` | `length`. prompt_tokens /
     completion_tokens: lengths of the prompt sent and the completion sampled (stop token
     included). rid: the answer's id (`chatcmpl-…`, `resp_…`, `msg_…`). created: unix seconds.
+    stop_sequence: the request's stop string the completion ended on (the text is cut
+    before it), None otherwise.
     """
 
     content: str
@@ -95,6 +98,7 @@ class Answer:
     completion_tokens: int
     rid: str
     created: int
+    stop_sequence: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -236,10 +240,12 @@ class MessageMemo:
         return list(itertools.chain.from_iterable(kept))
 
 
-def parse_sampling(body: dict, defaults: SamplingParams, max_names: Iterable[str]) -> SamplingParams:
+def parse_sampling(body: dict, defaults: SamplingParams, max_names: Iterable[str],
+                   stop_name: str | None = None) -> SamplingParams:
     """Sampling from a request body. defaults: the proxy's temperature/top_p/top_k and the
     completion cap (`max_tokens`); the first present field of `max_names` is capped by it.
-    Raises ApiError(400) on a malformed value."""
+    stop_name: the API's stop-strings field (`stop`, `stop_sequences`), None when it has
+    none. Raises ApiError(400) on a malformed value."""
     cap = defaults.max_tokens
     max_tokens = cap
     for name in max_names:
@@ -255,11 +261,18 @@ def parse_sampling(body: dict, defaults: SamplingParams, max_names: Iterable[str
         top_k = defaults.top_k
     elif isinstance(top_k, bool) or not isinstance(top_k, int) or top_k == 0 or top_k < -1:
         raise ApiError(400, f"'top_k' must be -1 or a positive integer, got {top_k!r}", param="top_k")
+    stop: tuple[str, ...] = ()
+    if stop_name is not None:
+        try:
+            stop = parse_stop(body.get(stop_name), stop_name)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=stop_name) from None
     return SamplingParams(
         temperature=number(body, "temperature", defaults.temperature, 0.0, 2.0),
         top_p=number(body, "top_p", defaults.top_p, 0.0, 1.0, lo_open=True),
         top_k=top_k,
         max_tokens=max_tokens,
+        stop=stop,
     )
 
 

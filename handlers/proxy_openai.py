@@ -2,7 +2,8 @@
 
 Chat Completions (`POST /v1/chat/completions`): `messages` in chat form (passed to TITO
 as they are), `tools`, `stream`, `stream_options.include_usage`, `max_completion_tokens`
-/ `max_tokens`, `temperature`/`top_p`/`top_k`; `n` > 1 refused; other fields ignored.
+/ `max_tokens`, `temperature`/`top_p`/`top_k`, `stop` (a string or a list: the answer
+ends before the one the completion stopped on); `n` > 1 refused; other fields ignored.
 Streams: a role chunk, reasoning (`reasoning_content`) and content deltas, tool-call
 deltas (index, id, type, name, then argument fragments), one finish chunk (`tool_calls` |
 `stop` | `length`), a usage chunk when asked, `data: [DONE]`.
@@ -52,7 +53,7 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
         raise ApiError(400, "'tools' must be a list", param="tools")
     if body.get("n") not in (None, 1):
         raise ApiError(400, "only n = 1 is supported", param="n")
-    sampling = parse_sampling(body, defaults, ("max_completion_tokens", "max_tokens"))
+    sampling = parse_sampling(body, defaults, ("max_completion_tokens", "max_tokens"), "stop")
     options = body.get("stream_options")
     include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
     fmt = body.get("response_format")

@@ -163,7 +163,10 @@ def _take_back(task: asyncio.Task, attempt: Attempt) -> bool:
 
 def engine_sampling(sp: SamplingParams) -> dict:
     """SGLang `sampling_params` for recorded SamplingParams."""
-    return {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "max_new_tokens": sp.max_tokens}
+    out = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "max_new_tokens": sp.max_tokens}
+    if sp.stop:
+        out["stop"] = list(sp.stop)
+    return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

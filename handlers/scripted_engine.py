@@ -11,7 +11,9 @@ same endpoints as `handlers/engine_server.py` (SGLang native API):
   The completion is the next scripted text (cycled), or what `callback(body)` returns
   (a string, possibly via an awaitable), encoded with the real tokenizer (special-token
   text such as `<tool_call>` becomes its id) plus `<|im_end|>` as the stop token; it is
-  cut to `max_new_tokens` (finish `length`, no stop token then). Log-probs are negative,
+  cut to `max_new_tokens` (finish `length`, no stop token then), or after the id whose
+  text completes one of `sampling_params.stop` (finish `stop`, matched: that string; the
+  string's ids kept, as SGLang does). Log-probs are negative,
   deterministic in (seed, prompt length, position) and plausible, not a model's.
 - `POST /abort_request` {rid} aborts a generation in flight (finish `abort`, no ids);
   answers {success, aborted: 1 if it was in flight else 0}.
@@ -55,7 +57,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from gyre.tokenizer import IM_END, IM_START
+from gyre.tokenizer import IM_END, IM_START, fast_decoder, parse_stop, stop_hit, stop_window
 
 log = structlog.get_logger(__name__)
 
@@ -137,6 +139,18 @@ class ScriptedEngine:
         text = await self._text(body)
         ids = [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]] + [IM_END]
         finish: dict[str, Any] = {"type": "stop", "matched": IM_END}
+        try:
+            stops = parse_stop(params.get("stop"), "sampling_params.stop")
+        except ValueError as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=400)
+        if stops:
+            decode = fast_decoder(self.tokenizer)
+            window = stop_window(stops)
+            for n in range(1, min(len(ids), max_new) + 1):
+                hit = stop_hit(decode, ids[:n], stops, window)
+                if hit is not None:
+                    ids, finish = ids[:n], {"type": "stop", "matched": hit}
+                    break
         if len(ids) > max_new:
             ids = ids[:max_new]
             finish = {"type": "length", "length": max_new}

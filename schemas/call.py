@@ -22,12 +22,17 @@ class SamplingParams:
 
     temperature: softmax temperature (> 0); behaviour log-probs are of logits / temperature.
     top_p: nucleus mass in (0, 1]; 1 = off. top_k: -1 = off. max_tokens: completion cap.
+    stop: stop strings (OpenAI `stop`, Anthropic `stop_sequences`): generation ends with
+      the token that completes one; those sampled ids stay in the completion (finish
+      `stop`), while the text the harness got ends before the string. They truncate the
+      completion, not the distribution: the log-probs do not depend on them.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int = 256
+    stop: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,7 +40,8 @@ class CallTokens:
     """The token arrays of a call (inline or in the object store under `tokens_ref`).
 
     prompt_ids: (P,) int, the prompt ids *after* the reused prefix of the parent call.
-    completion_ids: (C,) int, sampled ids, stop token included when finish_reason is `stop`.
+    completion_ids: (C,) int, sampled ids, stop token included when finish_reason is `stop`
+      (or the ids of the stop string that ended it, `SamplingParams.stop`).
     logprobs: (C,) float, behaviour log-probs (natural log) of completion_ids under the
       temperature-scaled distribution before top-p/top-k truncation.
     """

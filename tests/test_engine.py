@@ -336,3 +336,40 @@ def test_chunked_prefill_is_identical(model_dirs, engine):
     c = chunked.generate(GenerateRequest(rid="k3", input_ids=longer, sampling=greedy, execution="e"))
     d = engine.generate(GenerateRequest(rid="k4", input_ids=longer, sampling=greedy))
     assert c.cached_tokens == 35 and c.output_ids == d.output_ids
+
+
+def test_stop_string_ends_with_the_id_that_completes_it(engine, model_dirs, tmp_path):
+    """A stop string ends the generation at the first id whose text completes it; its ids
+    stay in the output and the string is reported (SGLang's string stop). Decoding needs
+    the checkpoint's tokenizer: without one the request is refused."""
+    from gyre.model import load_tokenizer, write_tokenizer
+    from gyre.tokenizer import fast_decoder
+
+    ids = prompt(10, seed=3)
+    greedy = SamplingParams(temperature=0, max_new_tokens=12)
+    with pytest.raises(InvalidRequest, match="tokenizer"):
+        engine.generate(GenerateRequest(rid="t0", input_ids=ids, sampling=dataclass_replace(greedy, stop=("x",))))
+    import shutil
+
+    shutil.copytree(model_dirs[0], tmp_path / "m")
+    write_tokenizer(tmp_path / "m")
+    eng = Engine(EngineConfig(model_dir=str(tmp_path / "m")))
+    free = eng.generate(GenerateRequest(rid="t1", input_ids=ids, sampling=greedy))
+    decode = fast_decoder(load_tokenizer(tmp_path / "m"))
+    texts = [decode(list(free.output_ids[:n])) for n in range(len(free.output_ids) + 1)]
+    # a stop string that starts in the text of the second id and ends in the third's
+    j = len(texts[2])
+    assert texts[-1].startswith(texts[2]) and texts[3] != texts[2] and texts[3].isprintable()
+    stop = texts[-1][j - 1: j + 1]
+    first = next(n for n in range(1, len(texts)) if stop in texts[n])
+    assert first == 3
+    res = eng.generate(GenerateRequest(rid="t2", input_ids=ids, sampling=dataclass_replace(greedy, stop=("zzz", stop))))
+    assert res.output_ids == free.output_ids[:first] and res.logprobs == free.logprobs[:first]
+    assert (res.finish, res.matched_stop) == ("stop", stop)
+    ignored = eng.generate(GenerateRequest(rid="t3", input_ids=ids, sampling=dataclass_replace(
+        greedy, stop=(stop,), ignore_eos=True)))
+    assert ignored.output_ids == res.output_ids  # ignore_eos ignores stop ids, not stop strings
+    never = eng.generate(GenerateRequest(rid="t4", input_ids=ids, sampling=dataclass_replace(greedy, stop=("\x00\x01",))))
+    assert never.output_ids == free.output_ids and never.finish == free.finish
+    with pytest.raises(InvalidRequest, match="non-empty"):
+        SamplingParams(stop=("",))

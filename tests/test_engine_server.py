@@ -116,6 +116,8 @@ async def test_bad_requests_answer_400(served):
     assert err.value.status == 400 and err.value.body["error"]["type"] == "InvalidRequest"
     with pytest.raises(EngineRequestError, match="top_p"):
         await client.generate([1, 2], {"top_p": 0}, rid="tp")
+    with pytest.raises(EngineRequestError, match="sampling_params.stop"):
+        await client.generate([1, 2], {"stop": ["ok", 3]}, rid="st")
     session = client.session
     for raw in (b"{not json", b"[1, 2]", b'{"text": "hello"}', b'{"input_ids": ["a"]}', b'{"input_ids": [1], "stream": true}'):
         async with session.post(client.base_url + "/generate", data=raw) as resp:

@@ -201,3 +201,25 @@ def test_tokenizer_config_matches_qwen3_fields():
     assert cfg["bos_token"] is None
     assert cfg["additional_special_tokens"] == PUBLISHED_ORDER[1:14]
     assert "<|im_start|>" in cfg["chat_template"]
+
+
+def test_stop_string_helpers():
+    """parse_stop takes what the APIs send; cut_at_stop ends the text at the earliest stop
+    string; stop_hit finds a string completed by the last id, even across ids and inside a
+    multi-byte character's ids."""
+    from gyre.tokenizer import build_tokenizer, cut_at_stop, fast_decoder, parse_stop, stop_hit, stop_window
+
+    assert parse_stop(None) == () and parse_stop("a") == ("a",) and parse_stop(["a", "", "b", "a"]) == ("a", "b")
+    for bad in (3, [1], {"a": 1}, ["a", None]):
+        with pytest.raises(ValueError, match="'stop'"):
+            parse_stop(bad)
+    assert cut_at_stop("x END y STOP", ("STOP", "END")) == ("x ", "END")
+    assert cut_at_stop("plain", ("STOP",)) == ("plain", None)
+    tok = build_tokenizer()
+    decode = fast_decoder(tok)
+    ids = tok.encode("ls -la\n🙂 done\nObservation: x", add_special_tokens=False)
+    for stop in ("Observation:", "🙂", "\nObs", "la\n"):
+        window = stop_window((stop,))
+        first = next(n for n in range(1, len(ids) + 1) if stop in decode(ids[:n]))
+        hits = [n for n in range(1, len(ids) + 1) if stop_hit(decode, ids[:n], (stop,), window)]
+        assert hits[0] == first, stop
