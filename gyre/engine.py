@@ -286,6 +286,7 @@ class Engine:
         self._flights: dict[str, _Flight] = {}
         self._seeds = random.Random(cfg.seed)
         self._decode = None  # the checkpoint tokenizer's decode, for stop strings (loaded on first use)
+        self._decode_lock = threading.Lock()
         log.info("engine.loaded", model_dir=cfg.model_dir, vocab=self.vocab_size, version=self._version)
 
     @property
@@ -439,7 +440,7 @@ class Engine:
     def _decoder(self):
         """`decode(ids) -> str` of the checkpoint's tokenizer (special tokens kept). Raises
         InvalidRequest when model_dir holds no tokenizer."""
-        with self._state:
+        with self._decode_lock:  # not _state: loading takes a second, aborts must not wait
             if self._decode is None:
                 from gyre.model import load_tokenizer
 
