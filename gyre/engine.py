@@ -54,6 +54,11 @@ class InvalidRequest(EngineError):
     """The request is malformed (empty prompt, id outside the vocabulary, bad sampling, duplicate rid)."""
 
 
+class NoTokenizer(EngineError):
+    """A request has stop strings and the engine's checkpoint has no tokenizer to decode
+    with (a setup fault of the engine, not of the request)."""
+
+
 class PromptTooLong(InvalidRequest):
     """The prompt has more ids than `EngineConfig.max_context_tokens`."""
 
@@ -285,7 +290,7 @@ class Engine:
         self._prefixes: collections.OrderedDict[str, _Prefix] = collections.OrderedDict()
         self._flights: dict[str, _Flight] = {}
         self._seeds = random.Random(cfg.seed)
-        self._decode = None  # the checkpoint tokenizer's decode, for stop strings (loaded on first use)
+        self._decode = None  # the checkpoint tokenizer's decode for stop strings (first use); False: none
         self._decode_lock = threading.Lock()
         log.info("engine.loaded", model_dir=cfg.model_dir, vocab=self.vocab_size, version=self._version)
 
@@ -376,7 +381,8 @@ class Engine:
         `abort(req.rid)` (the HTTP server sets it when its client goes away).
 
         Raises InvalidRequest (empty prompt, id outside [0, vocab), duplicate rid in
-        flight) and PromptTooLong (P > max_context_tokens).
+        flight), PromptTooLong (P > max_context_tokens) and NoTokenizer (stop strings, and
+        no tokenizer in model_dir).
         """
         t0 = time.monotonic()
         self._validate(req)
@@ -438,8 +444,8 @@ class Engine:
         return out.logits[0, -1].float()  # (V,)
 
     def _decoder(self):
-        """`decode(ids) -> str` of the checkpoint's tokenizer (special tokens kept). Raises
-        InvalidRequest when model_dir holds no tokenizer."""
+        """`decode(ids) -> str` of the checkpoint's tokenizer (special tokens kept), loaded
+        once. Raises NoTokenizer when model_dir holds none (logged once, with the path)."""
         with self._decode_lock:  # not _state: loading takes a second, aborts must not wait
             if self._decode is None:
                 from gyre.model import load_tokenizer
@@ -447,8 +453,10 @@ class Engine:
                 try:
                     self._decode = fast_decoder(load_tokenizer(self.cfg.model_dir))
                 except (OSError, ValueError) as exc:
-                    raise InvalidRequest(f"stop strings need the checkpoint's tokenizer in "
-                                         f"{self.cfg.model_dir}: {exc}") from None
+                    log.error("engine.tokenizer.missing", model_dir=self.cfg.model_dir, error=repr(exc))
+                    self._decode = False
+            if self._decode is False:
+                raise NoTokenizer("this engine cannot honour stop strings: its checkpoint has no tokenizer")
             return self._decode
 
     def _generate(self, req: GenerateRequest, flight: _Flight, t0: float) -> GenerateResult:

@@ -8,7 +8,8 @@ Contract (DESIGN.md "Model and tokenizer on the embedded default"):
   (eos = [<|im_end|>, <|endoftext|>]), tokenizer.json, tokenizer_config.json carrying the
   chat template, chat_template.jinja, special_tokens_map.json.
 - `load_model(dir)` → `Qwen3ForCausalLM` in eval mode; `load_tokenizer(dir)` → the
-  checkpoint's tokenizer. Both use local files only and never reach a model hub.
+  checkpoint's tokenizer (FileNotFoundError without tokenizer files). Both use local
+  files only and never reach a model hub.
 """
 from __future__ import annotations
 
@@ -177,19 +178,22 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32):
     return model.eval()
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-"""A directory holding none of these has no tokenizer (transformers would make an empty one)."""
+TOKENIZER_SETS = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",), ("vocab.txt",))
+"""Files of which one complete set makes a tokenizer (a fast tokenizer's tokenizer.json, BPE
+vocabulary and merges, a SentencePiece model, a WordPiece vocabulary)."""
 
 
 def load_tokenizer(model_dir: str | Path):
     """The checkpoint's tokenizer (with its chat template), from local files only.
 
-    Errors: `FileNotFoundError` when the directory holds no tokenizer file
-    (`TOKENIZER_FILES`): transformers would otherwise build a one-token tokenizer from the
-    model config alone, and every decode would be wrong.
+    Errors: `FileNotFoundError` when the directory holds no complete set of tokenizer files
+    (`TOKENIZER_SETS`): transformers would otherwise build a tokenizer of a few special
+    tokens from the configs alone, and every encode and decode would be wrong.
     """
     from transformers import AutoTokenizer
 
-    if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
-        raise FileNotFoundError(f"no tokenizer in {model_dir} (none of {', '.join(TOKENIZER_FILES)})")
+    root = Path(model_dir)
+    if not any(all((root / name).is_file() for name in names) for names in TOKENIZER_SETS):
+        raise FileNotFoundError(f"no tokenizer in {model_dir}: none of "
+                                + ", ".join(" + ".join(names) for names in TOKENIZER_SETS))
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)

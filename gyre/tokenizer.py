@@ -389,17 +389,27 @@ def fast_decoder(tokenizer):
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
 
 
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000
+"""Bounds on a request's stop strings (OpenAI allows 4): they ride in every `call.completed`."""
+
+
 def parse_stop(value: object, name: str = "stop") -> tuple[str, ...]:
     """Stop strings as APIs send them (SGLang and OpenAI `stop`, Anthropic
     `stop_sequences`): a string, a list of strings, or null. Empty strings are dropped
-    (they would end every generation at once). Raises ValueError for anything else."""
+    (they would end every generation at once), repeats kept once. Raises ValueError for
+    anything else, or for more than MAX_STOP_STRINGS strings or one over MAX_STOP_CHARS."""
     if value is None:
         return ()
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ValueError(f"'{name}' must be a string or a list of strings, got {value!r:.80}")
-    return tuple(dict.fromkeys(v for v in value if v))
+    out = tuple(dict.fromkeys(v for v in value if v))
+    if len(out) > MAX_STOP_STRINGS or any(len(v) > MAX_STOP_CHARS for v in out):
+        raise ValueError(f"'{name}' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+                         f"characters each")
+    return out
 
 
 def stop_window(stops) -> int:
@@ -419,14 +429,3 @@ def stop_hit(decode, ids, stops, window: int) -> str | None:
             return s
     return None
 
-
-def cut_at_stop(text: str, stops) -> tuple[str, str | None]:
-    """`text` up to the earliest occurrence of any of `stops`, and that stop string (None
-    and `text` whole when none occurs): what OpenAI and Anthropic return for a completion
-    that ended on a stop sequence (the sequence itself is not part of the answer)."""
-    best, hit = len(text), None
-    for s in stops:
-        k = text.find(s) if s else -1
-        if k != -1 and k < best:
-            best, hit = k, s
-    return text[:best], hit

@@ -51,10 +51,11 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   the key in `tokens_ref`.
 - `call.completed.finish_reason` is the engine's (`stop` | `length`), never inferred
   from the last token; the stop token stays in `completion_ids`. Stop strings (OpenAI
-  `stop`, Anthropic `stop_sequences`) go to the engine and into `sampling.stop`; the
-  ids of the one that ended the completion stay in `completion_ids` too, while the answer
-  ends before it (Anthropic: `stop_reason` `stop_sequence`); the next call extends that
-  completion like one cut by `length` (`<|im_end|>` appended, never sampled).
+  `stop`, Anthropic `stop_sequences`) go to the engine and into `sampling.stop`; when the
+  engine reports one as what ended the completion, its ids stay in `completion_ids` too,
+  while the answer ends before it (Anthropic: `stop_reason` `stop_sequence` unless there
+  are tool calls); the next call extends that completion like one cut by `length`
+  (`<|im_end|>` appended, never sampled).
 - Cost per extended call: Python work in proportion to the new messages only (the
   store renders and tokenises the suffix alone, counts drift on one turn, and reuses the
   normalisation and, for Messages, the conversion of messages seen in the execution's
@@ -85,7 +86,7 @@ from gyre.chat import parse_completion
 from gyre.harness import verify_key as harness_verify_key
 from gyre.roles import PROFILES, CallFacts, Classification, classify, profile_for_harness
 from gyre.tito import CallStore, Match
-from gyre.tokenizer import cut_at_stop, fast_decoder, fast_encoder
+from gyre.tokenizer import fast_decoder, fast_encoder
 from handlers.engine_client import make_session
 from handlers.proxy_anthropic import MessagesApi, parse_messages_request
 from handlers.proxy_api import Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, internal_message
@@ -478,9 +479,10 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
             state.spawn(state.publish(state.call_event(**common, result=None, status="error",
                                                        total_s=time.monotonic() - t0, cell=attempt.cell)))
             return resp
-        text, hit = state.decode(result.output_ids), None
-        if req.sampling.stop:
-            text, hit = cut_at_stop(text, req.sampling.stop)
+        text = state.decode(result.output_ids)
+        hit = result.stop_string if result.stop_string in req.sampling.stop else None
+        if hit is not None:
+            text = text.partition(hit)[0]  # the answer ends before the string, as hosted APIs do
         parsed = parse_completion(text, id_prefix=api.tool_id_prefix(f"{cfg.run}:{call_id}"))
         answer = Answer(content=parsed.content, reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
                         finish=result.finish, prompt_tokens=len(prompt), completion_tokens=len(result.output_ids),

@@ -230,12 +230,17 @@ def parse_messages_request(body: Any, defaults: SamplingParams, memo: MessageMem
                         body_meta=_session_of(body.get("metadata")))
 
 
-def stop_reason(answer: Answer) -> str:
+def stop_reason(answer: Answer) -> tuple[str, str | None]:
+    """Anthropic's `stop_reason` and `stop_sequence` of an answer: tool calls win over a
+    stop sequence (a harness runs the tools of a `tool_use` answer, and the API never gives
+    a tool_use block with another reason)."""
     if answer.finish == "length":
-        return "max_tokens"
+        return "max_tokens", None
+    if answer.tool_calls:
+        return "tool_use", None
     if answer.stop_sequence is not None:
-        return "stop_sequence"
-    return "tool_use" if answer.tool_calls else "end_turn"
+        return "stop_sequence", answer.stop_sequence
+    return "end_turn", None
 
 
 def content_blocks(answer: Answer) -> list[dict]:
@@ -283,9 +288,10 @@ class MessagesApi(Api):
     def render(self, answer: Answer, req: ModelRequest) -> dict | list[bytes]:
         blocks = content_blocks(answer)
         usage = self._usage(answer.prompt_tokens, answer.completion_tokens)
+        reason, sequence = stop_reason(answer)
         if not req.stream:
             return {"id": answer.rid, "type": "message", "role": "assistant", "model": req.model, "content": blocks,
-                    "stop_reason": stop_reason(answer), "stop_sequence": answer.stop_sequence, "usage": usage}
+                    "stop_reason": reason, "stop_sequence": sequence, "usage": usage}
         frames: list[bytes] = []
         raw_args = {tc.id: tc.arguments for tc in answer.tool_calls}
 
@@ -311,7 +317,6 @@ class MessagesApi(Api):
                 for p in ["", *pieces(args)]:
                     emit("content_block_delta", index=index, delta={"type": "input_json_delta", "partial_json": p})
             emit("content_block_stop", index=index)
-        emit("message_delta", delta={"stop_reason": stop_reason(answer), "stop_sequence": answer.stop_sequence},
-             usage=usage)
+        emit("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=usage)
         emit("message_stop")
         return frames

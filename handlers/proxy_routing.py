@@ -175,7 +175,8 @@ class EngineResult:
     included) and their behaviour log-probs. finish: `stop` | `length`. versions: policy
     version spans over the completion. queue_s: seconds from the call's start to the
     successful attempt's request (waiting, retries, the concurrency limit); engine_s:
-    seconds of that attempt."""
+    seconds of that attempt. stop_string: the stop string the engine says ended the
+    completion (SGLang's `finish_reason.matched` when it is a string), else None."""
 
     output_ids: list[int]
     logprobs: list[float]
@@ -184,6 +185,7 @@ class EngineResult:
     cell: str
     queue_s: float
     engine_s: float
+    stop_string: str | None = None
 
 
 class Dispatcher:
@@ -291,7 +293,8 @@ class Dispatcher:
             attempt.client = None
             engine_s = time.monotonic() - t_engine
             meta = result.get("meta_info") or {}
-            finish = (meta.get("finish_reason") or {}).get("type") or "stop"
+            reason = meta.get("finish_reason") or {}
+            finish = reason.get("type") or "stop"
             if finish == "abort":
                 aborts += 1
                 clog.info("proxy.engine.aborted", cell=cell, aborts=aborts)
@@ -311,5 +314,7 @@ class Dispatcher:
             else:
                 version = int(meta.get("weight_version") or 0)
                 versions = ((0, len(output_ids), version),) if output_ids else ()
+            matched = reason.get("matched")
             return EngineResult(output_ids=output_ids, logprobs=logprobs, finish=finish, versions=versions,
-                                cell=cell, queue_s=t_engine - t0, engine_s=engine_s)
+                                cell=cell, queue_s=t_engine - t0, engine_s=engine_s,
+                                stop_string=matched if finish == "stop" and isinstance(matched, str) else None)

@@ -147,6 +147,8 @@ class ScriptedEngine:
             decode = fast_decoder(self.tokenizer)
             window = stop_window(stops)
             for n in range(1, min(len(ids), max_new) + 1):
+                if ids[n - 1] == IM_END:
+                    break  # the stop token comes first, as in the engines
                 hit = stop_hit(decode, ids[:n], stops, window)
                 if hit is not None:
                     ids, finish = ids[:n], {"type": "stop", "matched": hit}

@@ -79,6 +79,10 @@ async def test_malformed_stop_is_a_400_in_each_shape(tok):  # noqa: F811
                                  json={"model": "m", "messages": [TASK], "stop": [1]}) as r:
                 body = await r.json()
                 assert r.status == 400 and body["error"]["param"] == "stop"
+            async with http.post(url + "/v1/chat/completions", headers=headers,
+                                 json={"model": "m", "messages": [TASK], "stop": ["s"] * 2 + [str(i) for i in range(16)]}) as r:
+                body = await r.json()
+                assert r.status == 400 and "at most 16" in body["error"]["message"]
             async with http.post(url + "/v1/messages", headers=headers,
                                  json={"model": "m", "max_tokens": 5, "messages": [TASK],
                                        "stop_sequences": {"a": 1}}) as r:
@@ -87,3 +91,34 @@ async def test_malformed_stop_is_a_400_in_each_shape(tok):  # noqa: F811
         assert engine.requests == []
     finally:
         await stack.close()
+
+
+TOOL_THEN_OBS = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>\nOBS'
+CASES = [  # engine text, stop sequences, answer text (tool calls aside), stop_reason, stop_sequence
+    ("alpha beta gamma delta", ["gamma", "beta gamma"], "alpha beta ", "stop_sequence", "gamma"),  # list order
+    ("alpha beta gamma delta", ["<|im_end|>"], "alpha beta gamma delta", "end_turn", None),  # the stop token first
+    ("alpha beta gamma delta", ["delta<|im"], "alpha beta gamma delta", "end_turn", None),
+    (TOOL_THEN_OBS, ["OBS"], "", "tool_use", None),  # tool calls win over the sequence
+]
+
+
+@pytest.mark.parametrize("text,stops,content,reason,sequence", CASES)
+async def test_what_the_engine_matched_decides(tok, text, stops, content, reason, sequence):  # noqa: F811
+    """The answer is cut at the stop string the engine reports (SGLang checks the stop token,
+    then the strings in order), not at any string found in the decoded text."""
+    stack = Stack(tok, None, "stop-order")
+    try:
+        engine = await stack.engine([text])
+        await stack.proxy(engine=engine)
+        msg = await stack.anthropic("ex-order").messages.create(
+            model="claude-x", max_tokens=100, messages=[TASK], stop_sequences=stops,
+            tools=[{"name": "bash", "input_schema": {"type": "object"}}])
+        chat = await stack.client("ex-order-chat").chat.completions.create(
+            model="m", messages=[TASK], stop=stops, tools=[{"type": "function", "function": {"name": "bash"}}])
+    finally:
+        await stack.close()
+    assert "".join(b.text for b in msg.content if b.type == "text") == content
+    assert (msg.stop_reason, msg.stop_sequence) == (reason, sequence)
+    assert [b.type for b in msg.content if b.type == "tool_use"] == (["tool_use"] if reason == "tool_use" else [])
+    assert (chat.choices[0].message.content or "") == content
+    assert chat.choices[0].finish_reason == ("tool_calls" if reason == "tool_use" else "stop")
