@@ -452,7 +452,7 @@ class Engine:
 
                 try:
                     self._decode = fast_decoder(load_tokenizer(self.cfg.model_dir))
-                except (OSError, ValueError) as exc:
+                except Exception as exc:  # noqa: BLE001 - a corrupt tokenizer.json raises a bare Exception
                     log.error("engine.tokenizer.missing", model_dir=self.cfg.model_dir, error=repr(exc))
                     self._decode = False
             if self._decode is False:

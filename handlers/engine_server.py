@@ -8,9 +8,10 @@ Routes (bodies are JSON; errors are `{"error": {"message", "type"}}`):
   n} | {"type": "abort"}, "prompt_tokens", "completion_tokens", "cached_tokens",
   "output_token_logprobs": [[logprob, id, null], ...] (when return_logprob),
   "weight_version": "<int>", "gyre_versions": [[start, end, version], ...],
-  "e2e_latency": seconds, "queue_time": seconds}}`. 400 on a malformed request, 503
-  while not serving. Generation runs in a thread pool; when the client goes away the
-  request is aborted in the engine.
+  "e2e_latency": seconds, "queue_time": seconds}}`. 400 on a malformed request, 500 when
+  the engine cannot serve it (stop strings and no tokenizer in its checkpoint), 503 while
+  not serving. Generation runs in a thread pool; when the client goes away the request is
+  aborted in the engine.
 - `GET /health` 200 while serving, 503 otherwise. `GET /get_model_info`,
   `GET /get_weight_version`, `POST /abort_request {"rid", "abort_all"}`,
   `POST /flush_cache`, `POST /update_weights_from_disk {"model_path", "weight_version"}`

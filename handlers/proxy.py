@@ -65,8 +65,9 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   Publishes run in the background, at most `max_publishes_in_flight` awaiting a PubAck.
 
 Known limits: per-execution seq counters live in memory, so a restarted proxy starts
-again at 0 (its events would collide with earlier ids); `stop` strings / `stop_sequences`
-are not applied; Anthropic `thinking: disabled` does not switch the template's thinking off.
+again at 0 (its events would collide with earlier ids); Anthropic `thinking: disabled` does
+not switch the template's thinking off; a stop string completed by the last token allowed
+is reported by SGLang as `length` (it checks the length first), so the answer then keeps it.
 """
 from __future__ import annotations
 
@@ -479,10 +480,11 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
             state.spawn(state.publish(state.call_event(**common, result=None, status="error",
                                                        total_s=time.monotonic() - t0, cell=attempt.cell)))
             return resp
-        text = state.decode(result.output_ids)
-        hit = result.stop_string if result.stop_string in req.sampling.stop else None
-        if hit is not None:
+        text, hit = state.decode(result.output_ids), result.stop_string
+        if hit is not None and hit in req.sampling.stop and hit in text:
             text = text.partition(hit)[0]  # the answer ends before the string, as hosted APIs do
+        else:
+            hit = None
         parsed = parse_completion(text, id_prefix=api.tool_id_prefix(f"{cfg.run}:{call_id}"))
         answer = Answer(content=parsed.content, reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
                         finish=result.finish, prompt_tokens=len(prompt), completion_tokens=len(result.output_ids),
@@ -532,13 +534,20 @@ async def messages(request: web.Request) -> web.StreamResponse:
     return await serve_call(request, MESSAGES, parse_messages_request)
 
 
+def _parse_count_tokens(body: Any, defaults: SamplingParams, memo: MessageMemo | None) -> ModelRequest:
+    """A count_tokens body as a Messages body, without `stop_sequences` (it generates nothing)."""
+    if isinstance(body, dict) and "stop_sequences" in body:
+        body = {k: v for k, v in body.items() if k != "stop_sequences"}
+    return parse_messages_request(body, defaults, memo)
+
+
 async def count_tokens(request: web.Request) -> web.Response:
     """`{"input_tokens": n}`: the rendered prompt's length (system + tools + messages), with
     the same renderer and tokenizer as a call; published as an `auxiliary` call."""
     state: ProxyState = request.app[STATE]
     t0 = time.monotonic()
     try:
-        execution, ex, req = await _parsed(request, state, parse_messages_request)
+        execution, ex, req = await _parsed(request, state, _parse_count_tokens)
         roles = state.classify(ex, request.headers, req, "count_tokens")
         match = _match(ex.store, req, True, execution)
     except ApiError as err:

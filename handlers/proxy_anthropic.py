@@ -231,9 +231,9 @@ def parse_messages_request(body: Any, defaults: SamplingParams, memo: MessageMem
 
 
 def stop_reason(answer: Answer) -> tuple[str, str | None]:
-    """Anthropic's `stop_reason` and `stop_sequence` of an answer: tool calls win over a
-    stop sequence (a harness runs the tools of a `tool_use` answer, and the API never gives
-    a tool_use block with another reason)."""
+    """Anthropic's `stop_reason` and `stop_sequence` of an answer: `max_tokens` for a
+    length cut, then tool calls win over a stop sequence (a harness runs the tools of a
+    `tool_use` answer and may stop on any other reason)."""
     if answer.finish == "length":
         return "max_tokens", None
     if answer.tool_calls:

@@ -376,3 +376,10 @@ def test_stop_string_ends_with_the_id_that_completes_it(engine, model_dirs, tmp_
     assert never.output_ids == free.output_ids and never.finish == free.finish
     with pytest.raises(InvalidRequest, match="non-empty"):
         SamplingParams(stop=("",))
+    (tmp_path / "bad").mkdir()
+    shutil.copytree(model_dirs[0], tmp_path / "bad", dirs_exist_ok=True)
+    (tmp_path / "bad" / "tokenizer.json").write_text("{}")  # corrupt: the load raises a bare Exception
+    bad = Engine(EngineConfig(model_dir=str(tmp_path / "bad")))
+    for rid in ("u0", "u1"):
+        with pytest.raises(NoTokenizer):
+            bad.generate(GenerateRequest(rid=rid, input_ids=ids, sampling=dataclass_replace(greedy, stop=("x",))))

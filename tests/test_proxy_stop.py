@@ -88,6 +88,10 @@ async def test_malformed_stop_is_a_400_in_each_shape(tok):  # noqa: F811
                                        "stop_sequences": {"a": 1}}) as r:
                 body = await r.json()
                 assert r.status == 400 and body["type"] == "error" and "stop_sequences" in body["error"]["message"]
+            # count_tokens generates nothing: its stop_sequences are not even read
+            async with http.post(url + "/v1/messages/count_tokens", headers=headers,
+                                 json={"model": "m", "messages": [TASK], "stop_sequences": [1] * 20}) as r:
+                assert r.status == 200 and (await r.json())["input_tokens"] > 0
         assert engine.requests == []
     finally:
         await stack.close()
