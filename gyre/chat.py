@@ -171,10 +171,15 @@ def render(
     return text
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _tool_call(body: str, call_id: str) -> ToolCall | None:
-    """A ToolCall from a <tool_call> body, or None when the body is not a valid call."""
+    """A ToolCall from a <tool_call> body, or None when the body is not a valid call
+    (including NaN / Infinity, which Python's json reads but JSON does not allow)."""
     try:
-        obj = json.loads(body)
+        obj = json.loads(body, parse_constant=_no_constant)
     except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict):
@@ -185,7 +190,7 @@ def _tool_call(body: str, call_id: str) -> ToolCall | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = json.loads(args, parse_constant=_no_constant)
         except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):

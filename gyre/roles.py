@@ -122,7 +122,7 @@ def _text(message: Mapping[str, Any]) -> str:
 
 
 def _user_texts(messages: Sequence[Mapping[str, Any]]) -> list[str]:
-    return [_text(m) for m in messages if m.get("role") == "user"]
+    return [_text(m) for m in messages if isinstance(m, Mapping) and m.get("role") == "user"]
 
 
 def _codex_metadata(headers: Mapping[str, str]) -> dict:
@@ -131,7 +131,7 @@ def _codex_metadata(headers: Mapping[str, str]) -> dict:
         return {}
     try:
         parsed = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return parsed if isinstance(parsed, dict) else {}
 

@@ -2,13 +2,14 @@
 
 One method per endpoint. Errors:
 - `EngineUnavailable` (retryable): 503 (engine not serving, e.g. its cell left
-  rollout), connection refused or reset, read timeout. The caller retries, possibly on
-  another cell.
+  rollout), connection refused or reset, read timeout (none on `/generate`). The caller
+  retries, possibly on another cell.
 - `EngineRequestError`: any other error status; `.status` and `.body` (the upstream
   error body, parsed JSON when possible) are attached. Not retryable as such.
 
 The session is the caller's: one per process, from `make_session()` (no total timeout,
-bounded connect and socket read, since a generation may run for a long time).
+bounded connect and socket read; `/generate` bounds only connecting, since a generation
+may run for a long time).
 """
 from __future__ import annotations
 
@@ -70,13 +71,21 @@ class EngineClient:
     def __init__(self, base_url: str, session: aiohttp.ClientSession) -> None:
         self.base_url = base_url.rstrip("/")
         self.session = session
+        # A non-streamed /generate is silent until the generation ends, which may take longer
+        # than any socket-read bound: only connecting is bounded. A call on a hung engine
+        # waits until its cell leaves rollout (the router evicts it) or the harness goes
+        # away (the runner's execution timeout at the latest).
+        t = session.timeout
+        self._generate_timeout = aiohttp.ClientTimeout(total=None, connect=t.connect, sock_connect=t.sock_connect)
 
-    async def _request(self, method: str, path: str, body: dict | None = None) -> object:
+    async def _request(self, method: str, path: str, body: dict | None = None,
+                       timeout: aiohttp.ClientTimeout | None = None) -> object:
         url = self.base_url + path
         data = None if body is None else orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
         headers = None if body is None else {"Content-Type": "application/json"}
+        extra = {} if timeout is None else {"timeout": timeout}
         try:
-            async with self.session.request(method, url, data=data, headers=headers) as resp:
+            async with self.session.request(method, url, data=data, headers=headers, **extra) as resp:
                 raw = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -103,7 +112,8 @@ class EngineClient:
         (`gyre_execution`; ignored by SGLang). Returns the response body: {"output_ids",
         "meta_info": {"finish_reason", "output_token_logprobs", "weight_version",
         "gyre_versions", ...}}. Cancelling the await closes the connection, and the engine
-        aborts the request."""
+        aborts the request. Only connecting is bounded in time (the session's connect
+        timeouts), not the wait for the answer."""
         body: dict = {
             "input_ids": _ids(input_ids),
             "sampling_params": sampling,
@@ -113,7 +123,7 @@ class EngineClient:
         }
         if execution is not None:
             body["gyre_execution"] = execution
-        return await self._request("POST", "/generate", body)
+        return await self._request("POST", "/generate", body, self._generate_timeout)
 
     async def abort(self, rid: str) -> bool:
         """POST /abort_request; True when the engine had `rid` in flight."""

@@ -13,8 +13,8 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   by `gyre.harness.verify_key`; the key alone names the execution a call is recorded in.
   Errors in the API's own shape: 401 (missing/invalid key), 400 (malformed JSON or
   request), 413 (body over `body_limit_bytes`, also once decoded), 415 (a
-  `Content-Encoding` this process cannot decode: gzip and deflate always, br and zstd
-  when their modules are installed), 429 with `Retry-After` (more than
+  `Content-Encoding` this process cannot decode: gzip and deflate always, zstd when its
+  module is installed, never br), 429 with `Retry-After` (more than
   `max_active_calls` calls in flight, or `max_active_calls_per_execution` for one
   execution), 400 code `max_calls_exceeded` once an execution has started `max_calls`
   model calls (non-retryable, so the harness stops), 502/503 only when the engine refused
@@ -35,7 +35,9 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   rollout cell, or waits for one, for up to `retry_timeout_s`; the harness sees no error
   (`handlers.proxy_routing.Dispatcher`).
   While waiting it sends keep-alives (SSE comments; Anthropic `ping` events; in
-  non-streaming mode after `keepalive_s`, a 200 response whose body starts with newlines).
+  non-streaming mode after `keepalive_s`, a 200 response whose body starts with newlines;
+  should the call then fail, the body is cut short, which SDKs retry as a broken
+  connection, since no status can be sent any more).
   Anthropic and Responses streams send their opening events (`message_start` with the
   prompt length; `response.created`, `response.in_progress`) as soon as a call is admitted.
 - Per call: `gyre.tito.CallStore.match` (prompt ids reused or a branch), `/generate` with
@@ -149,7 +151,7 @@ class Config:
     body_limit_bytes: int = 64 * 1024 * 1024
     """Largest request body, as sent and once decoded."""
     concurrency: int = 256
-    """Engine requests in flight at once; further calls queue."""
+    """Engine requests in flight at once per engine; further calls to it queue."""
     max_active_calls: int = 0
     """Model calls admitted at once (queued or generating); beyond → 429. 0 = no cap."""
     max_active_calls_per_execution: int = 0
@@ -420,7 +422,10 @@ async def _parsed(request: web.Request, state: ProxyState,
     execution = authenticate(state, request)
     body = await read_json(request, state.cfg.body_limit_bytes, request.app.get(RAW_BODIES, False))
     ex = state.execution(execution)
-    return execution, ex, parse(body, state.defaults, ex.memo)
+    try:
+        return execution, ex, parse(body, state.defaults, ex.memo)
+    except RecursionError:  # orjson reads ~1,000 levels; converting them in Python may not
+        raise ApiError(400, "the request body nests too deeply") from None
 
 
 async def serve_call(request: web.Request, api: Api,
@@ -491,12 +496,12 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
                         rid=start.rid, created=start.created, stop_sequence=hit)
         resp = await reply.send(api.render(answer, req))
         delivered = True
+        state.spawn(state.publish(state.call_event(**common, result=result, status="ok",
+                                                   total_s=time.monotonic() - t0, cell=result.cell)))
         # No await between delivery and recording: the harness's next call sees this one.
         if not auxiliary:
             store.record(match, call=call_id, seq=seq, answer=internal_message(answer),
                          completion_ids=result.output_ids)
-        state.spawn(state.publish(state.call_event(**common, result=result, status="ok",
-                                                   total_s=time.monotonic() - t0, cell=result.cell)))
         clog.info("proxy.call.recorded", seq=seq, parent=match.parent.call if match.parent else None,
                   prefix_len=match.prefix_len, extended=match.extended, prompt_tokens=len(prompt),
                   new_prompt_tokens=len(prompt) - match.prefix_len, completion_tokens=len(result.output_ids),
@@ -509,6 +514,14 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
             clog.info("proxy.call.client_gone", seq=seq)
             state.spawn(_abandon(state, attempt, common, result, t0))
         raise
+    except Exception as exc:  # noqa: BLE001 - a defect of ours: answer in the API's shape, record the call
+        clog.exception("proxy.call.internal_error", error=repr(exc), delivered=delivered)
+        if delivered:  # published already; the next call attaches as a branch
+            return resp
+        state.spawn(state.publish(state.call_event(**common, result=None, status="error",
+                                                   total_s=time.monotonic() - t0, cell=attempt.cell)))
+        return await reply.fail(ApiError(500, f"internal error in the proxy: {type(exc).__name__}", "server_error",
+                                         code="internal_error"))
     finally:
         await reply.stop_keepalive()
 
@@ -565,8 +578,9 @@ async def models(request: web.Request) -> web.Response:
     state: ProxyState = request.app[STATE]
     try:
         authenticate(state, request)
-    except ApiError as err:
-        return error_response(CHAT, err)
+    except ApiError as err:  # Anthropic's SDK sends x-api-key and anthropic-version
+        anthropic = "anthropic-version" in request.headers or "x-api-key" in request.headers
+        return error_response(MESSAGES if anthropic else CHAT, err)
     name = state.cfg.model_name
     return web.json_response({"object": "list", "data": [
         {"id": name, "object": "model", "type": "model", "display_name": name, "created": 0,
@@ -606,7 +620,7 @@ def make_app(state: ProxyState) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/", root)
-    app.router.add_route("*", "/v1/{tail:.*}", not_found)
+    app.router.add_route("*", "/{tail:.*}", not_found)
     return app
 
 

@@ -41,8 +41,8 @@ from typing import Any
 import orjson
 
 from handlers.proxy_api import (
-    Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, function_tool, parse_sampling, pieces, sse,
-    unique_hex,
+    Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, flag, function_tool, parse_sampling, pieces,
+    sse, unique_hex,
 )
 from schemas.call import SamplingParams
 
@@ -224,7 +224,7 @@ def parse_messages_request(body: Any, defaults: SamplingParams, memo: MessageMem
             json_output = True
     model = body.get("model") if isinstance(body.get("model"), str) else ""
     thinking = body.get("thinking")
-    return ModelRequest(api="messages", messages=messages, tools=tools, stream=bool(body.get("stream")),
+    return ModelRequest(api="messages", messages=messages, tools=tools, stream=flag(body, "stream"),
                         sampling=sampling, model=model, json_output=json_output,
                         options={"thinking": thinking.get("type") if isinstance(thinking, dict) else None},
                         body_meta=_session_of(body.get("metadata")))

@@ -200,6 +200,17 @@ def number(body: dict, name: str, default: float, lo: float, hi: float, lo_open:
     return float(value)
 
 
+def flag(body: dict, name: str) -> bool:
+    """A boolean field; False when absent or null. Raises ApiError(400) for anything else
+    (a string "false" must not turn a JSON answer into a stream)."""
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be a boolean, got {value!r}"[:200], param=name)
+    return value
+
+
 class MessageMemo:
     """One execution's memo of per-message conversions (an API's message → internal
     messages), so a request that resends its history converts only what is new.
@@ -291,21 +302,12 @@ def zstd_decompressor() -> Any:
     return ZstdDecompressor()
 
 
-def brotli_module() -> Any:
-    """The installed brotli module, None when absent."""
-    for name in ("brotli", "brotlicffi"):
-        try:
-            return __import__(name)
-        except ImportError:
-            continue
-    return None
-
-
 def decode_body(raw: bytes, encoding: str, limit: int) -> bytes:
     """Undo a request's `Content-Encoding` (a comma-separated list, applied in order, so
-    undone last to first). gzip and deflate always; br with `brotli`/`brotlicffi`, zstd
-    with `compression.zstd`/`backports.zstd` when installed. The decoded size is bounded
-    by `limit` bytes (a small compressed body cannot expand without bound).
+    undone last to first). gzip and deflate always, zstd with `compression.zstd` /
+    `backports.zstd` when installed; not br (no brotli binding bounds its output across
+    versions, and no harness compresses its requests so). The decoded size is bounded by
+    `limit` bytes (a small compressed body cannot expand without bound).
     Raises ApiError 415 (unsupported encoding), 413 (decoded body over limit), 400 (corrupt).
     """
     for coding in reversed([c.strip().lower() for c in encoding.split(",") if c.strip()]):
@@ -322,12 +324,6 @@ def decode_body(raw: bytes, encoding: str, limit: int) -> bytes:
                         raise
                     d = zlib.decompressobj(-15)
                     out = d.decompress(raw, limit + 1)
-            elif coding == "br":
-                brotli = brotli_module()
-                if brotli is None:
-                    raise ApiError(415, "Content-Encoding br is not supported here (no brotli module); "
-                                        "send gzip, deflate or identity", code="unsupported_encoding")
-                out = brotli.decompress(raw)  # no bounded API across versions: size checked after
             elif coding == "zstd":
                 d = zstd_decompressor()
                 if d is None:

@@ -6,9 +6,12 @@ import asyncio
 from typing import Any
 
 import orjson
+import structlog
 from aiohttp import HttpVersion11, web
 
 from handlers.proxy_api import Api, ApiError, StreamStart, decode_body
+
+log = structlog.get_logger()
 
 
 def key_of(request: web.Request) -> str | None:
@@ -28,8 +31,8 @@ async def read_json(request: web.Request, limit: int, raw_bodies: bool) -> Any:
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"request body too large (> {limit} bytes)", code="request_too_large") from None
     encoding = request.headers.get("Content-Encoding", "")
-    if encoding and raw_bodies:
-        raw = decode_body(raw, encoding, limit)
+    if encoding and raw_bodies:  # off the event loop: up to `limit` bytes of inflating (zlib frees the GIL)
+        raw = await asyncio.to_thread(decode_body, raw, encoding, limit)
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -50,7 +53,7 @@ class Reply:
 
     Streaming: SSE prepared at once, the API's preamble frames, then its keep-alive frame
     every keepalive_s. Non-streaming: after keepalive_s a 200 JSON response is prepared
-    and newlines are sent.
+    and newlines are sent; an error after that cuts the connection (`fail`).
     """
 
     def __init__(self, request: web.Request, api: Api, stream: bool, keepalive_s: float):
@@ -128,9 +131,14 @@ class Reply:
         await self.stop_keepalive()
         if self.resp is None:
             return error_response(self.api, err)
-        if self.stream:
-            await self.resp.write(self.api.sse_error(err, self.start_info))
-        else:
-            await self.resp.write(orjson.dumps(self.api.error_body(err)))
+        if not self.stream:
+            # The 200 went out with the keep-alive newlines, and an SDK reads a 200 body as an
+            # answer (OpenAI's gives `choices=None`): cut the body short instead, which the
+            # SDKs and harnesses treat as a broken connection and retry.
+            log.warning("proxy.reply.cut", status=err.status, error=err.message[:200])
+            if self.request.transport is not None:
+                self.request.transport.abort()
+            return self.resp
+        await self.resp.write(self.api.sse_error(err, self.start_info))
         await self.resp.write_eof()
         return self.resp

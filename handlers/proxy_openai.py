@@ -32,8 +32,8 @@ from typing import Any
 
 from gyre.chat import call_id_prefix
 from handlers.proxy_api import (
-    Answer, Api, ApiError, ModelRequest, StreamStart, function_tool, internal_message, parse_sampling, pieces, sse,
-    unique_hex,
+    Answer, Api, ApiError, ModelRequest, StreamStart, flag, function_tool, internal_message, parse_sampling, pieces,
+    sse, unique_hex,
 )
 from schemas.call import SamplingParams
 
@@ -48,6 +48,9 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object", param=f"messages[{i}]")
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ApiError(400, "'tools' must be a list", param="tools")
@@ -59,7 +62,7 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
     fmt = body.get("response_format")
     json_output = isinstance(fmt, dict) and fmt.get("type") in ("json_schema", "json_object")
     model = body.get("model") if isinstance(body.get("model"), str) else ""
-    return ModelRequest(api="chat", messages=messages, tools=tools or None, stream=bool(body.get("stream")),
+    return ModelRequest(api="chat", messages=messages, tools=tools or None, stream=flag(body, "stream"),
                         sampling=sampling, model=model, json_output=json_output,
                         options={"include_usage": include_usage})
 
@@ -234,7 +237,7 @@ def parse_responses_request(body: Any, defaults: SamplingParams, memo: Any = Non
     model = body.get("model") if isinstance(body.get("model"), str) else ""
     echo = {k: body.get(k) for k in ("instructions", "tool_choice", "parallel_tool_calls", "reasoning",
                                      "metadata", "prompt_cache_key", "store") if k in body}
-    return ModelRequest(api="responses", messages=messages, tools=tools, stream=bool(body.get("stream")),
+    return ModelRequest(api="responses", messages=messages, tools=tools, stream=flag(body, "stream"),
                         sampling=sampling, model=model, json_output=json_output, options={"echo": echo})
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -188,10 +189,75 @@ class EngineResult:
     stop_string: str | None = None
 
 
+def _bad_reply(what: str) -> ApiError:
+    return ApiError(502, f"the engine's /generate reply is malformed: {what}", "server_error", code="engine_bad_reply")
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _version(value: Any) -> int:
+    """A policy version from `meta_info.weight_version`: an int, a decimal string (what
+    gyre sets on SGLang), or SGLang's initial "default" (the starting policy, version 0).
+    Raises ApiError(502) otherwise."""
+    if value is None or value == "default":
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    raise _bad_reply(f"weight_version {value!r} is not a policy version")
+
+
+def engine_reply(body: Any) -> EngineResult:
+    """The generation in an engine's `/generate` reply (SGLang's native format; `cell` and
+    the timings left empty for the caller): `output_ids` (C,) token ids, `meta_info` with
+    `output_token_logprobs` (C entries whose first item is the log-prob, nats),
+    `finish_reason` ({"type": "stop"|"length"|"abort", "matched": ...} or null = stop) and
+    the policy version (`gyre_versions` spans, else `weight_version`).
+
+    Raises ApiError(502, code "engine_bad_reply") when any of these is missing or of the
+    wrong type, a log-prob is null or not finite (SGLang writes NaN and ±inf as null), or
+    the counts differ: such a reply is not a sample of the policy."""
+    if not isinstance(body, dict):
+        raise _bad_reply(f"a JSON object was expected, got {str(body)[:80]!r}")
+    meta = body.get("meta_info")
+    if not isinstance(meta, dict):
+        raise _bad_reply("no meta_info object")
+    ids = body.get("output_ids")
+    if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
+        raise _bad_reply("output_ids is not a list of token ids")
+    lps = meta.get("output_token_logprobs")
+    if not isinstance(lps, list) or not all(isinstance(x, (list, tuple)) and x and _number(x[0]) for x in lps):
+        raise _bad_reply("output_token_logprobs is not a list of [log-prob, ...] with finite log-probs")
+    if len(lps) != len(ids):
+        raise _bad_reply(f"{len(ids)} ids but {len(lps)} log-probs")
+    reason = meta.get("finish_reason")
+    if reason is None:
+        reason = {}
+    if not isinstance(reason, dict) or not isinstance(reason.get("type", "stop"), str):
+        raise _bad_reply(f"finish_reason {reason!r}")
+    finish = reason.get("type") or "stop"
+    spans = meta.get("gyre_versions")
+    if spans:
+        if not isinstance(spans, list) or not all(
+                isinstance(sp, list) and len(sp) == 3 and all(type(v) is int for v in sp) for sp in spans):
+            raise _bad_reply("gyre_versions is not a list of [start, end, version]")
+        versions = tuple((s, e, v) for s, e, v in spans)
+    else:
+        versions = ((0, len(ids), _version(meta.get("weight_version"))),) if ids else ()
+    matched = reason.get("matched")
+    return EngineResult(output_ids=ids, logprobs=[float(x[0]) for x in lps], finish=finish, versions=versions,
+                        cell="", queue_s=0.0, engine_s=0.0,
+                        stop_string=matched if finish == "stop" and isinstance(matched, str) else None)
+
+
 class Dispatcher:
     """Runs calls' generations on the engines the router picks.
 
-    At most `concurrency` engine requests in flight (the rest wait their turn). When the
+    At most `concurrency` requests in flight per engine (the rest wait their turn; a hung
+    engine does not hold up the others). When the
     engine answers 503 / refuses the connection / drops it (`EngineUnavailable`), ends a
     generation with `abort` (up to MAX_ENGINE_ABORTS times), or its cell leaves rollout
     while the request runs (the request is then aborted upstream with `/abort_request`),
@@ -209,13 +275,13 @@ class Dispatcher:
         self.retry_backoff_s = retry_backoff_s
         self.retry_backoff_max_s = retry_backoff_max_s
         self.spawn = spawn
-        self._clients: dict[str, EngineClient] = {}
-        self._semaphore = asyncio.Semaphore(concurrency)
+        self.concurrency = concurrency
+        self._clients: dict[str, tuple[EngineClient, asyncio.Semaphore]] = {}
 
-    def client(self, url: str) -> EngineClient:
+    def _engine(self, url: str) -> tuple[EngineClient, asyncio.Semaphore]:
         c = self._clients.get(url)
         if c is None:
-            c = self._clients[url] = EngineClient(url, self.session)
+            c = self._clients[url] = (EngineClient(url, self.session), asyncio.Semaphore(self.concurrency))
         return c
 
     async def abort_upstream(self, client: EngineClient, rid: str) -> None:
@@ -259,13 +325,13 @@ class Dispatcher:
                 backoff = min(backoff * 2, self.retry_backoff_max_s)
                 continue
             cell, url = target
-            client = self.client(url)
+            client, slots = self._engine(url)
             rid = f"{call_id}:{tries}:{unique_hex()}"
             tries += 1
             attempt.client, attempt.rid, attempt.cell, attempt.evicted = client, rid, cell, False
             self.router.track(attempt)
             try:
-                async with self._semaphore:
+                async with slots:
                     t_engine = time.monotonic()
                     result = await race(client.generate(prompt_ids, engine_sampling(sampling), rid,
                                                          execution=execution), attempt)
@@ -292,10 +358,8 @@ class Dispatcher:
                 continue
             attempt.client = None
             engine_s = time.monotonic() - t_engine
-            meta = result.get("meta_info") or {}
-            reason = meta.get("finish_reason") or {}
-            finish = reason.get("type") or "stop"
-            if finish == "abort":
+            reply = engine_reply(result)
+            if reply.finish == "abort":
                 aborts += 1
                 clog.info("proxy.engine.aborted", cell=cell, aborts=aborts)
                 if aborts > MAX_ENGINE_ABORTS:
@@ -303,18 +367,4 @@ class Dispatcher:
                                    code="engine_aborted")
                 backoff = await self._avoid(avoid, cell, backoff, remaining)
                 continue
-            output_ids = [int(i) for i in result.get("output_ids") or ()]
-            logprobs = [float(x[0]) for x in meta.get("output_token_logprobs") or ()]
-            if len(logprobs) != len(output_ids):
-                raise ApiError(502, f"the engine returned {len(output_ids)} ids but {len(logprobs)} log-probs",
-                               "server_error", code="engine_error")
-            spans = meta.get("gyre_versions")
-            if spans:
-                versions = tuple((int(s), int(e), int(v)) for s, e, v in spans)
-            else:
-                version = int(meta.get("weight_version") or 0)
-                versions = ((0, len(output_ids), version),) if output_ids else ()
-            matched = reason.get("matched")
-            return EngineResult(output_ids=output_ids, logprobs=logprobs, finish=finish, versions=versions,
-                                cell=cell, queue_s=t_engine - t0, engine_s=engine_s,
-                                stop_string=matched if finish == "stop" and isinstance(matched, str) else None)
+            return dataclasses.replace(reply, cell=cell, queue_s=t_engine - t0, engine_s=engine_s)

@@ -1,0 +1,261 @@
+"""Faults around the proxy: malformed engine replies (SGLang's own `weight_version`
+string included), a model's tool call that is not JSON, an error after a non-streamed
+keep-alive, a hung engine beside a healthy one, and request bodies that only classification
+or deep nesting would trip over. Each must end in the caller's error shape or a normal
+answer, with the call on the bus."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import orjson
+import pytest
+from aiohttp import web
+
+from gyre.chat import parse_completion
+from gyre.harness import execution_key
+from handlers.proxy_api import ApiError
+from handlers.proxy_routing import engine_reply
+from schemas import ids
+from schemas.cell import Route, RouteUpdated
+from tests.test_proxy import SECRET, Stack, bus, stack, tok  # noqa: F401 - fixtures
+from tests.test_proxy_apis import switched, wait_for
+
+GOOD = {"output_ids": [9707, 151645], "meta_info": {
+    "finish_reason": {"type": "stop", "matched": 151645}, "output_token_logprobs": [[-0.5, 9707], [-0.1, 151645]],
+    "weight_version": "default"}}
+
+
+def with_meta(**meta) -> dict:
+    return {**GOOD, "meta_info": {**GOOD["meta_info"], **meta}}
+
+
+def test_engine_reply_reads_sglang_versions_and_refuses_what_is_not_a_sample():
+    r = engine_reply(GOOD)  # SGLang before any weight update: "default" is the starting policy
+    assert r.output_ids == [9707, 151645] and r.logprobs == [-0.5, -0.1] and r.finish == "stop"
+    assert r.versions == ((0, 2, 0),) and r.stop_string is None
+    assert engine_reply(with_meta(weight_version="7")).versions == ((0, 2, 7),)
+    assert engine_reply(with_meta(weight_version=3)).versions == ((0, 2, 3),)
+    assert engine_reply(with_meta(gyre_versions=[[0, 1, 4], [1, 2, 5]])).versions == ((0, 1, 4), (1, 2, 5))
+    assert engine_reply(with_meta(finish_reason=None)).finish == "stop"
+    assert engine_reply(with_meta(finish_reason={"type": "length", "length": 2})).finish == "length"
+    bad = [
+        "<html>bad gateway</html>", [1, 2], None,
+        {"output_ids": None, "meta_info": None},
+        {**GOOD, "meta_info": None},
+        {**GOOD, "output_ids": None},
+        {**GOOD, "output_ids": [1.5, 2]},
+        {**GOOD, "output_ids": [True, 2]},
+        {**GOOD, "output_ids": [-1, 2]},
+        with_meta(output_token_logprobs=[[None, 9707], [-0.1, 151645]]),  # SGLang writes -inf / NaN as null
+        with_meta(output_token_logprobs=[[-0.5, 9707]]),
+        with_meta(output_token_logprobs=None),
+        with_meta(output_token_logprobs=[-0.5, -0.1]),
+        with_meta(weight_version="v2-final"),
+        with_meta(weight_version=-1),
+        with_meta(finish_reason="stop"),
+        with_meta(gyre_versions=[[0, 2]]),
+    ]
+    for body in bad:
+        with pytest.raises(ApiError) as err:
+            engine_reply(body)
+        assert err.value.status == 502 and err.value.code == "engine_bad_reply", body
+
+
+class RawEngine:
+    """A `/generate` that answers fixed bytes (after `delay_s`), as a misbehaving engine
+    or a stock SGLang would."""
+
+    def __init__(self, body: bytes, status: int = 200, delay_s: float = 0.0):
+        self.body, self.status, self.delay_s = body, status, delay_s
+        self.requests: list[dict] = []
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> "RawEngine":
+        async def generate(request: web.Request) -> web.Response:
+            self.requests.append(await request.json())
+            await asyncio.sleep(self.delay_s)
+            return web.Response(body=self.body, status=self.status, content_type="application/json")
+
+        async def abort(request: web.Request) -> web.Response:
+            return web.json_response({})
+
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        app.router.add_post("/abort_request", abort)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        return self
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def test_sglang_string_version_is_answered_and_a_garbage_reply_is_a_502_on_the_bus(stack):
+    sglang = await RawEngine(orjson.dumps(GOOD)).start()
+    try:
+        await stack.proxy(engine=None)
+        await stack.state.handle_event(switched("c0", "rollout", sglang.url))
+        answer = await stack.client("ex-sg").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}])
+        assert answer.choices[0].message.content == "Hello" and answer.choices[0].finish_reason == "stop"
+        (ok,) = await stack.calls(1)
+        assert ok.status == "ok" and ok.versions == ((0, 2, 0),) and ok.tokens.completion_ids == (9707, 151645)
+        for body in (b"<html>502 Bad Gateway</html>", b'{"output_ids": null, "meta_info": null}'):
+            sglang.body = body
+            with pytest.raises(openai.InternalServerError) as err:  # 502, OpenAI's error shape
+                await stack.client("ex-sg").chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}])
+            assert err.value.status_code == 502 and err.value.body["code"] == "engine_bad_reply"
+            async with aiohttp.ClientSession() as http:
+                async with http.post(stack.url + "/v1/messages", json={
+                        "model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+                        headers={"x-api-key": execution_key(SECRET, "ex-sg2")}) as r:
+                    assert r.status == 502 and (await r.json())["error"]["type"] == "api_error"
+                async with http.post(stack.url + "/v1/messages", json={
+                        "model": "m", "max_tokens": 5, "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+                        headers={"x-api-key": execution_key(SECRET, "ex-sg2")}) as r:
+                    frames = (await r.read()).decode()
+                    assert r.status == 200 and "event: error" in frames and frames.rstrip().endswith("}")
+            errors = await stack.calls(3)
+            assert [e.status for e in errors] == ["error"] * 3 and all(not e.tokens.completion_ids for e in errors)
+    finally:
+        await sglang.stop()
+
+
+def test_a_tool_call_with_nan_or_infinity_is_text():
+    for value in ("NaN", "Infinity", "-Infinity"):
+        text = '<tool_call>\n{"name": "bash", "arguments": {"command": %s}}\n</tool_call>' % value
+        parsed = parse_completion(text, id_prefix="call_x")
+        assert parsed.tool_calls == () and value in parsed.content
+        nested = '<tool_call>\n{"name": "bash", "arguments": "{\\"n\\": %s}"}\n</tool_call>' % value
+        assert parse_completion(nested, id_prefix="call_x").tool_calls == ()
+
+
+async def test_nan_tool_call_reaches_anthropic_as_text(stack):
+    engine = await stack.engine(['<tool_call>\n{"name": "bash", "arguments": {"command": NaN}}\n</tool_call>'])
+    await stack.proxy(engine=engine)
+    client = stack.anthropic("ex-nan")
+    message = await client.messages.create(model="m", max_tokens=50, messages=[{"role": "user", "content": "go"}])
+    assert message.stop_reason == "end_turn" and "NaN" in message.content[0].text
+    async with client.messages.stream(model="m", max_tokens=50, messages=[{"role": "user", "content": "go"}]) as s:
+        final = await s.get_final_message()
+    assert final.content[0].type == "text" and "NaN" in final.content[0].text
+    assert [c.status for c in await stack.calls(2)] == ["ok", "ok"]
+
+
+async def test_a_failure_after_non_streamed_keepalives_cuts_the_body(stack):
+    engine = await RawEngine(b'{"error": "boom"}', status=500, delay_s=0.5).start()
+    try:
+        await stack.proxy(engine=None, keepalive_s=0.1)
+        await stack.state.handle_event(switched("c0", "rollout", engine.url))
+        # The SDK must not take a 200 with an error object for an answer: it sees a broken
+        # connection (which it would retry).
+        with pytest.raises(openai.APIConnectionError):
+            await stack.client("ex-ka").chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        async with aiohttp.ClientSession() as http:
+            async with http.post(stack.url + "/v1/chat/completions", json={
+                    "model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                    headers={"Authorization": f"Bearer {execution_key(SECRET, 'ex-ka')}"}) as r:
+                assert r.status == 200
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await r.read()
+        assert [c.status for c in await stack.calls(2)] == ["error", "error"]
+    finally:
+        await engine.stop()
+
+
+async def test_a_hung_engine_does_not_hold_up_calls_to_another(stack):
+    hung = await stack.engine(["late"], delay_s=30.0)
+    healthy = await stack.engine(["prompt"])
+    await stack.proxy(engine=None, concurrency=1)
+    state = stack.state
+    await state.handle_event(switched("c0", "rollout", hung.url))
+    await state.handle_event(switched("c1", "rollout", healthy.url))
+    await state.handle_event(RouteUpdated(event_id=ids.route(stack.run_id, 0), seq=0, routes=(
+        Route(execution="ex-h1", cell="c0", reason="test"), Route(execution="ex-h2", cell="c0", reason="test"),
+        Route(execution="ex-ok", cell="c1", reason="test"))))
+    msgs = [{"role": "user", "content": "hi"}]
+    stuck = [asyncio.ensure_future(stack.client(e).chat.completions.create(model="m", messages=msgs))
+             for e in ("ex-h1", "ex-h2")]
+    await wait_for(lambda: hung.requests)
+    answer = await asyncio.wait_for(stack.client("ex-ok").chat.completions.create(model="m", messages=msgs), 10)
+    assert answer.choices[0].message.content == "prompt" and len(hung.requests) == 1  # its one slot is taken
+    for task in stuck:
+        task.cancel()
+    await asyncio.gather(*stuck, return_exceptions=True)
+
+
+@pytest.mark.parametrize("case", ["claude-code-header", "codex-header", "deep-header", "deep-tool-input",
+                                  "deep-custom-tool", "stream-string", "message-number"])
+async def test_bodies_that_trip_classification_or_nesting_get_a_400(stack, case):
+    engine = await stack.engine(["ok"])
+    await stack.proxy(engine=engine)
+    deep = "[" * 1000 + "]" * 1000
+    user = '{"role":"user","content":"hi"}'
+    chat, messages, responses = "/v1/chat/completions", "/v1/messages", "/v1/responses"
+    path, raw, headers = {
+        "claude-code-header": (chat, '{"messages":[1]}', {"x-claude-code-session-id": "s"}),
+        "codex-header": (chat, '{"messages":["x"]}', {"x-codex-turn-metadata": "{}"}),
+        "deep-header": (chat, '{"messages":[%s]}' % user, {"x-codex-turn-metadata": "[" * 3000 + "]" * 3000}),
+        "deep-tool-input": (messages, '{"max_tokens":5,"messages":[%s,{"role":"assistant","content":[{"type":'
+                            '"tool_use","id":"a","name":"f","input":{"x":%s}}]}]}' % (user, deep), {}),
+        "deep-custom-tool": (responses, '{"input":[{"type":"message","role":"user","content":"hi"},{"type":'
+                             '"custom_tool_call","call_id":"a","name":"f","input":%s}]}' % deep, {}),
+        "stream-string": (chat, '{"messages":[%s],"stream":"false"}' % user, {}),
+        "message-number": (messages, '{"max_tokens":5,"messages":[7]}', {}),
+    }[case]
+    async with aiohttp.ClientSession() as http:
+        async with http.post(stack.url + path, data=raw.encode(), headers={
+                **headers, "Authorization": f"Bearer {execution_key(SECRET, 'ex-' + case)}",
+                "Content-Type": "application/json"}) as r:
+            body = await r.json()
+            if case == "deep-header":  # an unreadable harness header is metadata lost, not an error
+                assert r.status == 200, body
+            else:
+                assert r.status == 400, body
+                assert body["error"]["type"] == "invalid_request_error"
+
+
+async def test_unknown_paths_and_models_answer_in_the_callers_shape(stack):
+    engine = await stack.engine(["ok"])
+    await stack.proxy(engine=engine)
+    async with aiohttp.ClientSession() as http:
+        for path, anthropic_shape in (("/messages/foo", True), ("/v1/messages/x/y", True), ("/chat/nope", False),
+                                      ("/nope", False)):
+            async with http.post(stack.url + path, json={}) as r:
+                body = await r.json()
+                assert r.status == 404, path
+                assert (body.get("type") == "error") == anthropic_shape and body["error"]["type"] == "not_found_error"
+        async with http.get(stack.url + "/v1/models", headers={"x-api-key": "nope", "anthropic-version": "2023-06-01"}) as r:
+            assert r.status == 401 and (await r.json())["type"] == "error"
+        async with http.get(stack.url + "/v1/models", headers={"Authorization": "Bearer nope"}) as r:
+            assert r.status == 401 and set((await r.json())["error"]) == {"message", "type", "param", "code"}
+        for method in ("GET", "HEAD"):
+            async with http.request(method, stack.url + "/") as r:
+                assert r.status == 200
+
+
+async def test_a_defect_of_ours_is_a_500_in_the_api_shape_and_the_call_is_on_the_bus(stack, monkeypatch):
+    engine = await stack.engine(["ok"])
+    await stack.proxy(engine=engine)
+
+    def broken(*args, **kwargs):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr("handlers.proxy.parse_completion", broken)
+    with pytest.raises(openai.InternalServerError) as err:
+        await stack.client("ex-bug").chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.status_code == 500 and err.value.body["code"] == "internal_error"
+    client = stack.anthropic("ex-bug2")
+    with pytest.raises(Exception) as err2:
+        async with client.messages.stream(model="m", max_tokens=5, messages=[{"role": "user", "content": "hi"}]) as s:
+            await s.get_final_message()
+    assert "internal error" in str(err2.value)
+    assert [c.status for c in await stack.calls(2)] == ["error", "error"]
+    assert stack.state.active == 0
