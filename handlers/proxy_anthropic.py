@@ -72,7 +72,9 @@ def _blocks_text(content: Any, where: str) -> str:
         if isinstance(block, str):
             texts.append(block)
         elif isinstance(block, dict):
-            if block.get("type", "text") == "text" and isinstance(block.get("text"), str):
+            if block.get("type", "text") == "text":
+                if not isinstance(block.get("text"), str):
+                    raise ApiError(400, f"{where} has a text block whose 'text' is not a string")
                 texts.append(block["text"])
             elif block.get("type") in ("image", "document"):
                 texts.append(f"[{block['type']}]")
@@ -129,7 +131,9 @@ def _assistant(content: Any, where: str) -> dict:
         if not isinstance(block, dict):
             raise ApiError(400, f"{where}[{j}] must be an object", param="messages")
         kind = block.get("type")
-        if kind == "text" and isinstance(block.get("text"), str):
+        if kind == "text":
+            if not isinstance(block.get("text"), str):
+                raise ApiError(400, f"{where}[{j}].text must be a string", param="messages")
             texts.append(block["text"])
         elif kind == "thinking" and isinstance(block.get("thinking"), str):
             thinking.append(block["thinking"])

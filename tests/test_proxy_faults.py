@@ -192,7 +192,8 @@ async def test_a_hung_engine_does_not_hold_up_calls_to_another(stack):
 
 
 @pytest.mark.parametrize("case", ["claude-code-header", "codex-header", "deep-header", "deep-tool-input",
-                                  "deep-custom-tool", "stream-string", "message-number"])
+                                  "deep-custom-tool", "stream-string", "message-number", "text-number",
+                                  "assistant-text-number"])
 async def test_bodies_that_trip_classification_or_nesting_get_a_400(stack, case):
     engine = await stack.engine(["ok"])
     await stack.proxy(engine=engine)
@@ -209,6 +210,10 @@ async def test_bodies_that_trip_classification_or_nesting_get_a_400(stack, case)
                              '"custom_tool_call","call_id":"a","name":"f","input":%s}]}' % deep, {}),
         "stream-string": (chat, '{"messages":[%s],"stream":"false"}' % user, {}),
         "message-number": (messages, '{"max_tokens":5,"messages":[7]}', {}),
+        "text-number": (messages, '{"max_tokens":5,"messages":[{"role":"user","content":[{"type":"text","text":5}]}]}',
+                        {}),
+        "assistant-text-number": (messages, '{"max_tokens":5,"messages":[%s,{"role":"assistant","content":[{"type":'
+                                  '"text","text":null}]},%s]}' % (user, user), {}),
     }[case]
     async with aiohttp.ClientSession() as http:
         async with http.post(stack.url + path, data=raw.encode(), headers={
