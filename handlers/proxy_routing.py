@@ -212,8 +212,10 @@ def _version(value: Any) -> int:
 
 def engine_reply(body: Any) -> EngineResult:
     """The generation in an engine's `/generate` reply (SGLang's native format; `cell` and
-    the timings left empty for the caller): `output_ids` (C,) token ids, `meta_info` with
-    `output_token_logprobs` (C entries whose first item is the log-prob, nats),
+    the timings left empty for the caller): `output_ids` (C,) token ids (when absent, as
+    from SGLang versions that send them only with `--return-token-ids`, the ids in the
+    log-prob entries), `meta_info` with `output_token_logprobs` (C entries
+    [log-prob (nats), token id, ...]),
     `finish_reason` ({"type": "stop"|"length"|"abort", "matched": ...} or null = stop) and
     the policy version (`gyre_versions` spans, else `weight_version`).
 
@@ -225,12 +227,14 @@ def engine_reply(body: Any) -> EngineResult:
     meta = body.get("meta_info")
     if not isinstance(meta, dict):
         raise _bad_reply("no meta_info object")
-    ids = body.get("output_ids")
-    if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
-        raise _bad_reply("output_ids is not a list of token ids")
     lps = meta.get("output_token_logprobs")
     if not isinstance(lps, list) or not all(isinstance(x, (list, tuple)) and x and _number(x[0]) for x in lps):
-        raise _bad_reply("output_token_logprobs is not a list of [log-prob, ...] with finite log-probs")
+        raise _bad_reply("output_token_logprobs is not a list of [log-prob, token id, ...] with finite log-probs")
+    ids = body.get("output_ids")
+    if ids is None:  # SGLang versions that return token ids only with --return-token-ids
+        ids = [x[1] if len(x) > 1 else None for x in lps]
+    if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
+        raise _bad_reply("output_ids is not a list of token ids")
     if len(lps) != len(ids):
         raise _bad_reply(f"{len(ids)} ids but {len(lps)} log-probs")
     reason = meta.get("finish_reason")

@@ -39,12 +39,14 @@ def test_engine_reply_reads_sglang_versions_and_refuses_what_is_not_a_sample():
     assert engine_reply(with_meta(weight_version=3)).versions == ((0, 2, 3),)
     assert engine_reply(with_meta(gyre_versions=[[0, 1, 4], [1, 2, 5]])).versions == ((0, 1, 4), (1, 2, 5))
     assert engine_reply(with_meta(finish_reason=None)).finish == "stop"
+    no_ids = {"meta_info": GOOD["meta_info"], "text": "Hello"}  # SGLang without --return-token-ids
+    assert engine_reply(no_ids).output_ids == [9707, 151645]
     assert engine_reply(with_meta(finish_reason={"type": "length", "length": 2})).finish == "length"
     bad = [
         "<html>bad gateway</html>", [1, 2], None,
         {"output_ids": None, "meta_info": None},
         {**GOOD, "meta_info": None},
-        {**GOOD, "output_ids": None},
+        {"meta_info": with_meta(output_token_logprobs=[[-0.5], [-0.1]])["meta_info"]},
         {**GOOD, "output_ids": [1.5, 2]},
         {**GOOD, "output_ids": [True, 2]},
         {**GOOD, "output_ids": [-1, 2]},
