@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -175,11 +176,39 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 reads as inf, which JSON cannot carry back
+        raise ValueError(f"{text} overflows a double")
+    return value
+
+
+TOOL_ARGS_DEPTH = 64
+"""Deepest nesting of tool-call arguments read as a call (orjson, which the proxy compares
+messages with, stops at 255; no real tool takes more than a few levels)."""
+
+
+def _depth_ok(value: Any, depth: int = 0) -> bool:
+    if depth > TOOL_ARGS_DEPTH:
+        return False
+    if isinstance(value, dict):
+        return all(_depth_ok(v, depth + 1) for v in value.values())
+    if isinstance(value, list):
+        return all(_depth_ok(v, depth + 1) for v in value)
+    return True
+
+
+def _loads(text: str) -> Any:
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+
+
 def _tool_call(body: str, call_id: str) -> ToolCall | None:
-    """A ToolCall from a <tool_call> body, or None when the body is not a valid call
-    (including NaN / Infinity, which Python's json reads but JSON does not allow)."""
+    """A ToolCall from a <tool_call> body, or None when the body is not a valid call:
+    not JSON (NaN, Infinity and overflowing numbers included, which Python's json reads
+    but JSON cannot carry), no name, arguments not an object or nested deeper than
+    TOOL_ARGS_DEPTH."""
     try:
-        obj = json.loads(body, parse_constant=_no_constant)
+        obj = _loads(body)
     except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict):
@@ -190,10 +219,10 @@ def _tool_call(body: str, call_id: str) -> ToolCall | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args, parse_constant=_no_constant)
+            args = _loads(args)
         except (ValueError, RecursionError):
             return None
-    if not isinstance(args, dict):
+    if not isinstance(args, dict) or not _depth_ok(args):
         return None
     return ToolCall(id=call_id, name=name, arguments=json.dumps(args, ensure_ascii=False))
 

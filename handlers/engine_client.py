@@ -2,14 +2,14 @@
 
 One method per endpoint. Errors:
 - `EngineUnavailable` (retryable): 503 (engine not serving, e.g. its cell left
-  rollout), connection refused or reset, read timeout (none on `/generate`). The caller
-  retries, possibly on another cell.
+  rollout), connection refused or reset, read timeout (on `/generate`, the caller's
+  `timeout_s`). The caller retries, possibly on another cell.
 - `EngineRequestError`: any other error status; `.status` and `.body` (the upstream
   error body, parsed JSON when possible) are attached. Not retryable as such.
 
 The session is the caller's: one per process, from `make_session()` (no total timeout,
-bounded connect and socket read; `/generate` bounds only connecting, since a generation
-may run for a long time).
+bounded connect and socket read; `/generate` takes its own bound, since a generation may
+run for a long time).
 """
 from __future__ import annotations
 
@@ -39,10 +39,12 @@ class EngineRequestError(EngineClientError):
         self.body = body
 
 
-def make_session(connect_s: float = 10.0, sock_read_s: float = 600.0, limit: int = 1024) -> aiohttp.ClientSession:
+def make_session(connect_s: float = 10.0, sock_read_s: float = 600.0, limit: int = 0) -> aiohttp.ClientSession:
     """A client session for engine calls: no total timeout, `connect_s` seconds to
     connect, `sock_read_s` seconds of socket silence before giving up, up to `limit`
-    concurrent connections. Create one per process, inside the running event loop."""
+    concurrent connections (0 = no bound: the proxy bounds requests per engine, and a
+    shared pool would let a few busy or hung engines starve the rest). Create one per
+    process, inside the running event loop."""
     timeout = aiohttp.ClientTimeout(total=None, connect=connect_s, sock_connect=connect_s, sock_read=sock_read_s)
     return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=limit),
                                  cookie_jar=aiohttp.DummyCookieJar())  # engines set no cookies
@@ -71,12 +73,6 @@ class EngineClient:
     def __init__(self, base_url: str, session: aiohttp.ClientSession) -> None:
         self.base_url = base_url.rstrip("/")
         self.session = session
-        # A non-streamed /generate is silent until the generation ends, which may take longer
-        # than any socket-read bound: only connecting is bounded. A call on a hung engine
-        # waits until its cell leaves rollout (the router evicts it) or the harness goes
-        # away (the runner's execution timeout at the latest).
-        t = session.timeout
-        self._generate_timeout = aiohttp.ClientTimeout(total=None, connect=t.connect, sock_connect=t.sock_connect)
 
     async def _request(self, method: str, path: str, body: dict | None = None,
                        timeout: aiohttp.ClientTimeout | None = None) -> object:
@@ -104,6 +100,7 @@ class EngineClient:
         rid: str,
         execution: str | None = None,
         return_logprob: bool = True,
+        timeout_s: float | None = None,
     ) -> dict:
         """POST /generate. input_ids: (P,) prompt ids, a list or a 1-D integer array
         (serialised as a JSON list either way, without a copy into Python ints). sampling:
@@ -112,8 +109,9 @@ class EngineClient:
         (`gyre_execution`; ignored by SGLang). Returns the response body: {"output_ids",
         "meta_info": {"finish_reason", "output_token_logprobs", "weight_version",
         "gyre_versions", ...}}. Cancelling the await closes the connection, and the engine
-        aborts the request. Only connecting is bounded in time (the session's connect
-        timeouts), not the wait for the answer."""
+        aborts the request. timeout_s: seconds the whole request may take (a non-streamed
+        /generate is silent until it ends, so the session's socket-read bound does not
+        apply); None = unbounded. Connecting keeps the session's bounds."""
         body: dict = {
             "input_ids": _ids(input_ids),
             "sampling_params": sampling,
@@ -123,7 +121,9 @@ class EngineClient:
         }
         if execution is not None:
             body["gyre_execution"] = execution
-        return await self._request("POST", "/generate", body, self._generate_timeout)
+        t = self.session.timeout
+        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=t.connect, sock_connect=t.sock_connect)
+        return await self._request("POST", "/generate", body, timeout)
 
     async def abort(self, rid: str) -> bool:
         """POST /abort_request; True when the engine had `rid` in flight."""

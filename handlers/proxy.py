@@ -29,11 +29,14 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   assignments from `route.updated`, both replayed from the bus. An execution without an
   assignment goes to the rollout cell with the fewest executions and sticks. With no
   cell known, `Config.engine_url` (cell `Config.static_cell`) serves. When the engine
-  answers 503 / refuses the connection / drops it (`EngineUnavailable`), ends a
-  generation with `abort`, or its cell leaves rollout while the request is in flight
-  (the request is then aborted upstream, `/abort_request`), the proxy retries on another
-  rollout cell, or waits for one, for up to `retry_timeout_s`; the harness sees no error
-  (`handlers.proxy_routing.Dispatcher`).
+  answers 503 / refuses the connection / drops it (`EngineUnavailable`), takes longer
+  than `proxy_routing.generate_bound_s` (10 min + max_tokens at 5 tokens/s: it counts as
+  hung), ends a generation with `abort`, or its cell leaves rollout while the request is
+  in flight (the request is then aborted upstream, `/abort_request`), the proxy retries
+  on another rollout cell, or waits for one, for up to `retry_timeout_s`; the harness
+  sees no error (`handlers.proxy_routing.Dispatcher`). At most `concurrency` requests
+  run on each engine; a reply that is not a sample of the policy (`engine_reply`) is a
+  502.
   While waiting it sends keep-alives (SSE comments; Anthropic `ping` events; in
   non-streaming mode after `keepalive_s`, a 200 response whose body starts with newlines;
   should the call then fail, the body is cut short, which SDKs retry as a broken
@@ -494,10 +497,12 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
         answer = Answer(content=parsed.content, reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
                         finish=result.finish, prompt_tokens=len(prompt), completion_tokens=len(result.output_ids),
                         rid=start.rid, created=start.created, stop_sequence=hit)
+        # Built before the answer goes out: an answer that cannot be recorded is never sent.
+        event = state.call_event(**common, result=result, status="ok", total_s=time.monotonic() - t0,
+                                 cell=result.cell)
         resp = await reply.send(api.render(answer, req))
         delivered = True
-        state.spawn(state.publish(state.call_event(**common, result=result, status="ok",
-                                                   total_s=time.monotonic() - t0, cell=result.cell)))
+        state.spawn(state.publish(event))
         # No await between delivery and recording: the harness's next call sees this one.
         if not auxiliary:
             store.record(match, call=call_id, seq=seq, answer=internal_message(answer),
@@ -516,7 +521,7 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
         raise
     except Exception as exc:  # noqa: BLE001 - a defect of ours: answer in the API's shape, record the call
         clog.exception("proxy.call.internal_error", error=repr(exc), delivered=delivered)
-        if delivered:  # published already; the next call attaches as a branch
+        if delivered:  # published already (only recording failed): the next call attaches as a branch
             return resp
         state.spawn(state.publish(state.call_event(**common, result=None, status="error",
                                                    total_s=time.monotonic() - t0, cell=attempt.cell)))
@@ -578,9 +583,8 @@ async def models(request: web.Request) -> web.Response:
     state: ProxyState = request.app[STATE]
     try:
         authenticate(state, request)
-    except ApiError as err:  # Anthropic's SDK sends x-api-key and anthropic-version
-        anthropic = "anthropic-version" in request.headers or "x-api-key" in request.headers
-        return error_response(MESSAGES if anthropic else CHAT, err)
+    except ApiError as err:
+        return error_response(_api_of(request), err)
     name = state.cfg.model_name
     return web.json_response({"object": "list", "data": [
         {"id": name, "object": "model", "type": "model", "display_name": name, "created": 0,
@@ -596,10 +600,17 @@ async def root(request: web.Request) -> web.Response:
     return web.Response(text="gyre proxy\n")
 
 
+def _api_of(request: web.Request) -> Api:
+    """Whose error shape a request outside the model routes gets: Anthropic's for its paths
+    and for its SDK's headers (`anthropic-version`, `x-api-key`), else OpenAI's."""
+    anthropic = request.path.startswith(("/v1/messages", "/messages")) or "anthropic-version" in request.headers \
+        or "x-api-key" in request.headers
+    return MESSAGES if anthropic else CHAT
+
+
 async def not_found(request: web.Request) -> web.Response:
-    api = MESSAGES if request.path.startswith(("/v1/messages", "/messages")) else CHAT
-    return error_response(api, ApiError(404, f"unknown endpoint {request.method} {request.path}",
-                                        "not_found_error", code="unknown_url"))
+    return error_response(_api_of(request), ApiError(404, f"unknown endpoint {request.method} {request.path}",
+                                                     "not_found_error", code="unknown_url"))
 
 
 STATE = web.AppKey("state", ProxyState)

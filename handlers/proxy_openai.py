@@ -58,7 +58,9 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
         raise ApiError(400, "only n = 1 is supported", param="n")
     sampling = parse_sampling(body, defaults, ("max_completion_tokens", "max_tokens"), "stop")
     options = body.get("stream_options")
-    include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+    if options is not None and not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+    include_usage = flag(options or {}, "include_usage")
     fmt = body.get("response_format")
     json_output = isinstance(fmt, dict) and fmt.get("type") in ("json_schema", "json_object")
     model = body.get("model") if isinstance(body.get("model"), str) else ""

@@ -162,6 +162,17 @@ def _take_back(task: asyncio.Task, attempt: Attempt) -> bool:
     return True
 
 
+GENERATE_GRACE_S = 600.0
+MIN_DECODE_TOKENS_PER_S = 5.0
+
+
+def generate_bound_s(sp: SamplingParams) -> float:
+    """Seconds one `/generate` attempt may take before its engine counts as hung and the
+    call is retried elsewhere: GENERATE_GRACE_S (queueing, prefill) + max_tokens at
+    MIN_DECODE_TOKENS_PER_S (1,024 tokens: ≈ 14 min; 32,768: ≈ 2 h)."""
+    return GENERATE_GRACE_S + sp.max_tokens / MIN_DECODE_TOKENS_PER_S
+
+
 def engine_sampling(sp: SamplingParams) -> dict:
     """SGLang `sampling_params` for recorded SamplingParams."""
     out = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "max_new_tokens": sp.max_tokens}
@@ -189,6 +200,10 @@ class EngineResult:
     stop_string: str | None = None
 
 
+FINISH_TYPES = ("stop", "length", "abort")
+"""SGLang's finish_reason types."""
+
+
 def _bad_reply(what: str) -> ApiError:
     return ApiError(502, f"the engine's /generate reply is malformed: {what}", "server_error", code="engine_bad_reply")
 
@@ -203,11 +218,11 @@ def _version(value: Any) -> int:
     Raises ApiError(502) otherwise."""
     if value is None or value == "default":
         return 0
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
     if isinstance(value, str) and value.isascii() and value.isdigit():
-        return int(value)
-    raise _bad_reply(f"weight_version {value!r} is not a policy version")
+        value = int(value)
+    if type(value) is int and 0 <= value < 2**63:
+        return value
+    raise _bad_reply(f"weight_version {str(value)[:40]!r} is not a policy version")
 
 
 def engine_reply(body: Any) -> EngineResult:
@@ -240,15 +255,19 @@ def engine_reply(body: Any) -> EngineResult:
     reason = meta.get("finish_reason")
     if reason is None:
         reason = {}
-    if not isinstance(reason, dict) or not isinstance(reason.get("type", "stop"), str):
-        raise _bad_reply(f"finish_reason {reason!r}")
-    finish = reason.get("type") or "stop"
+    finish = (reason.get("type") or "stop") if isinstance(reason, dict) else None
+    if finish not in FINISH_TYPES:
+        raise _bad_reply(f"finish_reason {str(reason)[:80]!r}")
     spans = meta.get("gyre_versions")
     if spans:
         if not isinstance(spans, list) or not all(
                 isinstance(sp, list) and len(sp) == 3 and all(type(v) is int for v in sp) for sp in spans):
             raise _bad_reply("gyre_versions is not a list of [start, end, version]")
         versions = tuple((s, e, v) for s, e, v in spans)
+        ends = [0] + [e for _, e, _ in versions]
+        if any(s != ends[k] or e <= s or not 0 <= v < 2**63 for k, (s, e, v) in enumerate(versions)) \
+                or ends[-1] != len(ids):
+            raise _bad_reply(f"gyre_versions {str(spans)[:80]} do not cover the {len(ids)} ids in order")
     else:
         versions = ((0, len(ids), _version(meta.get("weight_version"))),) if ids else ()
     matched = reason.get("matched")
@@ -338,10 +357,13 @@ class Dispatcher:
                 async with slots:
                     t_engine = time.monotonic()
                     result = await race(client.generate(prompt_ids, engine_sampling(sampling), rid,
-                                                         execution=execution), attempt)
+                                                         execution=execution, timeout_s=generate_bound_s(sampling)),
+                                        attempt)
             except EngineUnavailable as exc:
                 attempt.client = None
                 clog.info("proxy.engine.unavailable", cell=cell, error=str(exc)[:200], retry_in_s=backoff)
+                if isinstance(exc.__cause__, asyncio.TimeoutError):  # it may still be generating: stop it
+                    self.spawn(self.abort_upstream(client, rid))
                 backoff = await self._avoid(avoid, cell, backoff, remaining)
                 continue
             except EngineRequestError as exc:

@@ -57,7 +57,12 @@ def test_engine_reply_reads_sglang_versions_and_refuses_what_is_not_a_sample():
         with_meta(weight_version="v2-final"),
         with_meta(weight_version=-1),
         with_meta(finish_reason="stop"),
+        with_meta(finish_reason={"type": "weird"}),
         with_meta(gyre_versions=[[0, 2]]),
+        with_meta(gyre_versions=[[0, 1, 3]]),  # does not cover both ids
+        with_meta(gyre_versions=[[0, 1, 3], [5, 2, 4]]),
+        with_meta(gyre_versions=[[0, 2, 2**63]]),
+        with_meta(weight_version="9" * 30),  # beyond a 64-bit version
     ]
     for body in bad:
         with pytest.raises(ApiError) as err:
@@ -131,12 +136,16 @@ async def test_sglang_string_version_is_answered_and_a_garbage_reply_is_a_502_on
 
 
 def test_a_tool_call_with_nan_or_infinity_is_text():
-    for value in ("NaN", "Infinity", "-Infinity"):
+    for value in ("NaN", "Infinity", "-Infinity", "1e999", "-1e400"):
         text = '<tool_call>\n{"name": "bash", "arguments": {"command": %s}}\n</tool_call>' % value
         parsed = parse_completion(text, id_prefix="call_x")
         assert parsed.tool_calls == () and value in parsed.content
         nested = '<tool_call>\n{"name": "bash", "arguments": "{\\"n\\": %s}"}\n</tool_call>' % value
         assert parse_completion(nested, id_prefix="call_x").tool_calls == ()
+    deep = '<tool_call>\n{"name": "bash", "arguments": {"a": %s}}\n</tool_call>' % ("[" * 100 + "]" * 100)
+    assert parse_completion(deep, id_prefix="call_x").tool_calls == ()
+    fine = '<tool_call>\n{"name": "bash", "arguments": {"a": %s, "x": 1e300}}\n</tool_call>' % ("[" * 20 + "]" * 20)
+    assert len(parse_completion(fine, id_prefix="call_x").tool_calls) == 1
 
 
 async def test_nan_tool_call_reaches_anthropic_as_text(stack):
@@ -194,7 +203,8 @@ async def test_a_hung_engine_does_not_hold_up_calls_to_another(stack):
 
 
 @pytest.mark.parametrize("case", ["claude-code-header", "codex-header", "deep-header", "deep-tool-input",
-                                  "deep-custom-tool", "stream-string", "message-number", "text-number",
+                                  "deep-custom-tool", "stream-string", "include-usage-string", "message-number",
+                                  "text-number",
                                   "assistant-text-number"])
 async def test_bodies_that_trip_classification_or_nesting_get_a_400(stack, case):
     engine = await stack.engine(["ok"])
@@ -211,6 +221,8 @@ async def test_bodies_that_trip_classification_or_nesting_get_a_400(stack, case)
         "deep-custom-tool": (responses, '{"input":[{"type":"message","role":"user","content":"hi"},{"type":'
                              '"custom_tool_call","call_id":"a","name":"f","input":%s}]}' % deep, {}),
         "stream-string": (chat, '{"messages":[%s],"stream":"false"}' % user, {}),
+        "include-usage-string": (chat, '{"messages":[%s],"stream":true,"stream_options":{"include_usage":"false"}}'
+                                 % user, {}),
         "message-number": (messages, '{"max_tokens":5,"messages":[7]}', {}),
         "text-number": (messages, '{"max_tokens":5,"messages":[{"role":"user","content":[{"type":"text","text":5}]}]}',
                         {}),
@@ -233,9 +245,10 @@ async def test_unknown_paths_and_models_answer_in_the_callers_shape(stack):
     engine = await stack.engine(["ok"])
     await stack.proxy(engine=engine)
     async with aiohttp.ClientSession() as http:
-        for path, anthropic_shape in (("/messages/foo", True), ("/v1/messages/x/y", True), ("/chat/nope", False),
-                                      ("/nope", False)):
-            async with http.post(stack.url + path, json={}) as r:
+        for path, anthropic_shape, headers in (
+                ("/messages/foo", True, {}), ("/v1/messages/x/y", True, {}), ("/chat/nope", False, {}),
+                ("/nope", False, {}), ("/v1/complete", True, {"anthropic-version": "2023-06-01"})):
+            async with http.post(stack.url + path, json={}, headers=headers) as r:
                 body = await r.json()
                 assert r.status == 404, path
                 assert (body.get("type") == "error") == anthropic_shape and body["error"]["type"] == "not_found_error"
@@ -266,3 +279,22 @@ async def test_a_defect_of_ours_is_a_500_in_the_api_shape_and_the_call_is_on_the
     assert "internal error" in str(err2.value)
     assert [c.status for c in await stack.calls(2)] == ["error", "error"]
     assert stack.state.active == 0
+
+
+async def test_a_generation_past_its_bound_is_aborted_and_retried_elsewhere(stack, monkeypatch):
+    monkeypatch.setattr("handlers.proxy_routing.GENERATE_GRACE_S", 0.3)
+    monkeypatch.setattr("handlers.proxy_routing.MIN_DECODE_TOKENS_PER_S", 1e9)
+    hung = await stack.engine(["late"], delay_s=30.0)
+    healthy = await stack.engine(["prompt"])
+    await stack.proxy(engine=None)
+    state = stack.state
+    await state.handle_event(switched("c0", "rollout", hung.url))
+    await state.handle_event(switched("c1", "rollout", healthy.url))
+    await state.handle_event(RouteUpdated(event_id=ids.route(stack.run_id, 0), seq=0, routes=(
+        Route(execution="ex-slow", cell="c0", reason="test"),)))
+    answer = await asyncio.wait_for(stack.client("ex-slow").chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}]), 10)
+    assert answer.choices[0].message.content == "prompt"
+    await wait_for(lambda: hung.requests and hung.requests[0]["rid"] in hung.aborted)
+    (call,) = await stack.calls(1)
+    assert call.status == "ok" and call.cell == "c1"
