@@ -29,6 +29,9 @@ log = structlog.get_logger()
 
 MAX_ENGINE_ABORTS = 16
 """Engine-side aborts of one call retried before the call fails (a cell switch aborts once)."""
+MAX_ENGINE_TIMEOUTS = 2
+"""Attempts of one call past `generate_bound_s` retried (each with a fresh `retry_timeout_s`
+to find an engine) before the call fails."""
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -170,7 +173,7 @@ def generate_bound_s(sp: SamplingParams) -> float:
     """Seconds one `/generate` attempt may take before its engine counts as hung and the
     call is retried elsewhere: GENERATE_GRACE_S (queueing, prefill) + max_tokens at
     MIN_DECODE_TOKENS_PER_S (1,024 tokens: ≈ 14 min; 32,768: ≈ 2 h)."""
-    return GENERATE_GRACE_S + sp.max_tokens / MIN_DECODE_TOKENS_PER_S
+    return GENERATE_GRACE_S + min(sp.max_tokens, 2**31) / MIN_DECODE_TOKENS_PER_S
 
 
 def engine_sampling(sp: SamplingParams) -> dict:
@@ -208,8 +211,9 @@ def _bad_reply(what: str) -> ApiError:
     return ApiError(502, f"the engine's /generate reply is malformed: {what}", "server_error", code="engine_bad_reply")
 
 
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+def _logprob(x: Any) -> bool:
+    """A finite log-probability (≤ 0, with 1e-3 of rounding allowed)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x <= 1e-3
 
 
 def _version(value: Any) -> int:
@@ -220,7 +224,7 @@ def _version(value: Any) -> int:
         return 0
     if isinstance(value, str) and value.isascii() and value.isdigit():
         value = int(value)
-    if type(value) is int and 0 <= value < 2**63:
+    if type(value) is int and 0 <= value < 2**31:
         return value
     raise _bad_reply(f"weight_version {str(value)[:40]!r} is not a policy version")
 
@@ -235,21 +239,22 @@ def engine_reply(body: Any) -> EngineResult:
     the policy version (`gyre_versions` spans, else `weight_version`).
 
     Raises ApiError(502, code "engine_bad_reply") when any of these is missing or of the
-    wrong type, a log-prob is null or not finite (SGLang writes NaN and ±inf as null), or
-    the counts differ: such a reply is not a sample of the policy."""
+    wrong type or out of range (ids and versions are int32 downstream; a log-prob must be
+    finite and ≤ 0: SGLang writes NaN and ±inf as null), or the counts differ: such a
+    reply is not a sample of the policy."""
     if not isinstance(body, dict):
         raise _bad_reply(f"a JSON object was expected, got {str(body)[:80]!r}")
     meta = body.get("meta_info")
     if not isinstance(meta, dict):
         raise _bad_reply("no meta_info object")
     lps = meta.get("output_token_logprobs")
-    if not isinstance(lps, list) or not all(isinstance(x, (list, tuple)) and x and _number(x[0]) for x in lps):
-        raise _bad_reply("output_token_logprobs is not a list of [log-prob, token id, ...] with finite log-probs")
+    if not isinstance(lps, list) or not all(isinstance(x, (list, tuple)) and x and _logprob(x[0]) for x in lps):
+        raise _bad_reply("output_token_logprobs is not a list of [log-prob, token id, ...] with finite log-probs ≤ 0")
     ids = body.get("output_ids")
     if ids is None:  # SGLang versions that return token ids only with --return-token-ids
         ids = [x[1] if len(x) > 1 else None for x in lps]
-    if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
-        raise _bad_reply("output_ids is not a list of token ids")
+    if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < 2**31 for i in ids):
+        raise _bad_reply("output_ids is not a list of token ids (int32)")
     if len(lps) != len(ids):
         raise _bad_reply(f"{len(ids)} ids but {len(lps)} log-probs")
     reason = meta.get("finish_reason")
@@ -265,7 +270,7 @@ def engine_reply(body: Any) -> EngineResult:
             raise _bad_reply("gyre_versions is not a list of [start, end, version]")
         versions = tuple((s, e, v) for s, e, v in spans)
         ends = [0] + [e for _, e, _ in versions]
-        if any(s != ends[k] or e <= s or not 0 <= v < 2**63 for k, (s, e, v) in enumerate(versions)) \
+        if any(s != ends[k] or e <= s or not 0 <= v < 2**31 for k, (s, e, v) in enumerate(versions)) \
                 or ends[-1] != len(ids):
             raise _bad_reply(f"gyre_versions {str(spans)[:80]} do not cover the {len(ids)} ids in order")
     else:
@@ -335,7 +340,7 @@ class Dispatcher:
         deadline = t0 + self.retry_timeout_s
         backoff = self.retry_backoff_s
         avoid: set[str] = set()
-        tries = aborts = 0
+        tries = aborts = timeouts = 0
         clog = log.bind(execution=execution, call=call_id)
         while True:
             remaining = deadline - time.monotonic()
@@ -354,16 +359,35 @@ class Dispatcher:
             attempt.client, attempt.rid, attempt.cell, attempt.evicted = client, rid, cell, False
             self.router.track(attempt)
             try:
-                async with slots:
+                if slots.locked():  # the engine's requests are all running: wait, within the deadline
+                    try:
+                        await asyncio.wait_for(slots.acquire(), remaining)
+                    except asyncio.TimeoutError:
+                        clog.info("proxy.engine.busy", cell=cell)
+                        attempt.client = None
+                        avoid.add(cell)
+                        continue
+                else:
+                    await slots.acquire()
+                try:
                     t_engine = time.monotonic()
                     result = await race(client.generate(prompt_ids, engine_sampling(sampling), rid,
                                                          execution=execution, timeout_s=generate_bound_s(sampling)),
                                         attempt)
+                finally:
+                    slots.release()
             except EngineUnavailable as exc:
                 attempt.client = None
                 clog.info("proxy.engine.unavailable", cell=cell, error=str(exc)[:200], retry_in_s=backoff)
                 if isinstance(exc.__cause__, asyncio.TimeoutError):  # it may still be generating: stop it
                     self.spawn(self.abort_upstream(client, rid))
+                    timeouts += 1
+                    if timeouts > MAX_ENGINE_TIMEOUTS:
+                        raise ApiError(503, "the engines timed out on this call repeatedly", "server_error",
+                                       code="engine_unavailable") from exc
+                    # The attempt ran out its bound, not the wait for an engine: wait afresh.
+                    deadline = max(deadline, time.monotonic() + self.retry_timeout_s)
+                    remaining = deadline - time.monotonic()
                 backoff = await self._avoid(avoid, cell, backoff, remaining)
                 continue
             except EngineRequestError as exc:

@@ -61,7 +61,9 @@ def test_engine_reply_reads_sglang_versions_and_refuses_what_is_not_a_sample():
         with_meta(gyre_versions=[[0, 2]]),
         with_meta(gyre_versions=[[0, 1, 3]]),  # does not cover both ids
         with_meta(gyre_versions=[[0, 1, 3], [5, 2, 4]]),
-        with_meta(gyre_versions=[[0, 2, 2**63]]),
+        with_meta(gyre_versions=[[0, 2, 2**31]]),  # versions and ids are int32 downstream
+        {**GOOD, "output_ids": [2**31, 151645]},
+        with_meta(output_token_logprobs=[[50.0, 9707], [-0.1, 151645]]),  # a log-prob above 0
         with_meta(weight_version="9" * 30),  # beyond a 64-bit version
     ]
     for body in bad:
@@ -298,3 +300,30 @@ async def test_a_generation_past_its_bound_is_aborted_and_retried_elsewhere(stac
     await wait_for(lambda: hung.requests and hung.requests[0]["rid"] in hung.aborted)
     (call,) = await stack.calls(1)
     assert call.status == "ok" and call.cell == "c1"
+
+
+async def test_a_timed_out_attempt_gets_a_fresh_wait_and_a_full_engine_a_bounded_one(stack, monkeypatch):
+    # The attempt's bound exceeds retry_timeout_s, as by default (10 min vs 10 min): the
+    # call must still move to the healthy cell once the hung one times out.
+    monkeypatch.setattr("handlers.proxy_routing.GENERATE_GRACE_S", 1.0)
+    monkeypatch.setattr("handlers.proxy_routing.MIN_DECODE_TOKENS_PER_S", 1e9)
+    hung = await stack.engine(["late"], delay_s=30.0)
+    healthy = await stack.engine(["prompt"])
+    await stack.proxy(engine=None, retry_timeout_s=0.5, concurrency=1)
+    state = stack.state
+    await state.handle_event(switched("c0", "rollout", hung.url))
+    await state.handle_event(switched("c1", "rollout", healthy.url))
+    await state.handle_event(RouteUpdated(event_id=ids.route(stack.run_id, 0), seq=0, routes=(
+        Route(execution="ex-t1", cell="c0", reason="test"), Route(execution="ex-t2", cell="c0", reason="test"))))
+    msgs = [{"role": "user", "content": "hi"}]
+    first = asyncio.ensure_future(stack.client("ex-t1").chat.completions.create(model="m", messages=msgs))
+    await wait_for(lambda: hung.requests)
+    # ex-t2 queues behind ex-t1 for c0's one slot: it gives up within its retry_timeout_s.
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(openai.InternalServerError) as err:
+        await stack.client("ex-t2").chat.completions.create(model="m", messages=msgs)
+    assert err.value.status_code == 503 and asyncio.get_running_loop().time() - t0 < 0.9
+    answer = await asyncio.wait_for(first, 10)
+    assert answer.choices[0].message.content == "prompt" and len(hung.requests) == 1
+    statuses = sorted(c.status for c in await stack.calls(2))
+    assert statuses == ["error", "ok"]
