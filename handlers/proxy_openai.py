@@ -48,9 +48,9 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ApiError(400, f"messages[{i}] must be an object", param=f"messages[{i}]")
+    if not all(type(m) is dict for m in messages):
+        i = next(i for i, m in enumerate(messages) if type(m) is not dict)
+        raise ApiError(400, f"messages[{i}] must be an object", param=f"messages[{i}]")
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ApiError(400, "'tools' must be a list", param="tools")

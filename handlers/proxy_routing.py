@@ -211,11 +211,6 @@ def _bad_reply(what: str) -> ApiError:
     return ApiError(502, f"the engine's /generate reply is malformed: {what}", "server_error", code="engine_bad_reply")
 
 
-def _logprob(x: Any) -> bool:
-    """A finite log-probability (≤ 0, with 1e-3 of rounding allowed)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x <= 1e-3
-
-
 def _version(value: Any) -> int:
     """A policy version from `meta_info.weight_version`: an int, a decimal string (what
     gyre sets on SGLang), or SGLang's initial "default" (the starting policy, version 0).
@@ -248,8 +243,14 @@ def engine_reply(body: Any) -> EngineResult:
     if not isinstance(meta, dict):
         raise _bad_reply("no meta_info object")
     lps = meta.get("output_token_logprobs")
-    if not isinstance(lps, list) or not all(isinstance(x, (list, tuple)) and x and _logprob(x[0]) for x in lps):
-        raise _bad_reply("output_token_logprobs is not a list of [log-prob, token id, ...] with finite log-probs ≤ 0")
+    if not isinstance(lps, list) or not all(type(x) is list and x for x in lps):
+        raise _bad_reply("output_token_logprobs is not a list of [log-prob, token id, ...]")
+    logprobs = [x[0] for x in lps]
+    # Numbers, none above 0 (1e-3 of rounding allowed), none null (SGLang's NaN / ±inf) or
+    # non-finite: a non-finite one makes the sum non-finite.
+    if logprobs and not (all(type(v) is float or type(v) is int for v in logprobs)
+                         and max(logprobs) <= 1e-3 and math.isfinite(sum(logprobs))):
+        raise _bad_reply("output_token_logprobs holds a log-prob that is null, not finite or above 0")
     ids = body.get("output_ids")
     if ids is None:  # SGLang versions that return token ids only with --return-token-ids
         ids = [x[1] if len(x) > 1 else None for x in lps]
@@ -276,7 +277,7 @@ def engine_reply(body: Any) -> EngineResult:
     else:
         versions = ((0, len(ids), _version(meta.get("weight_version"))),) if ids else ()
     matched = reason.get("matched")
-    return EngineResult(output_ids=ids, logprobs=[float(x[0]) for x in lps], finish=finish, versions=versions,
+    return EngineResult(output_ids=ids, logprobs=[float(v) for v in logprobs], finish=finish, versions=versions,
                         cell="", queue_s=0.0, engine_s=0.0,
                         stop_string=matched if finish == "stop" and isinstance(matched, str) else None)
 
