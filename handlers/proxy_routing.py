@@ -359,28 +359,17 @@ class Dispatcher:
             tries += 1
             attempt.client, attempt.rid, attempt.cell, attempt.evicted = client, rid, cell, False
             self.router.track(attempt)
+            bound = generate_bound_s(sampling)
             try:
-                if slots.locked():  # the engine's requests are all running: wait, within the deadline
-                    try:
-                        await asyncio.wait_for(slots.acquire(), remaining)
-                    except asyncio.TimeoutError:
-                        clog.info("proxy.engine.busy", cell=cell)
-                        attempt.client = None
-                        avoid.add(cell)
-                        continue
-                else:
-                    await slots.acquire()
-                try:
+                async with slots:  # a full engine queues the call (its requests end within `bound`)
                     t_engine = time.monotonic()
                     result = await race(client.generate(prompt_ids, engine_sampling(sampling), rid,
-                                                         execution=execution, timeout_s=generate_bound_s(sampling)),
-                                        attempt)
-                finally:
-                    slots.release()
+                                                         execution=execution, timeout_s=bound), attempt)
             except EngineUnavailable as exc:
                 attempt.client = None
                 clog.info("proxy.engine.unavailable", cell=cell, error=str(exc)[:200], retry_in_s=backoff)
-                if isinstance(exc.__cause__, asyncio.TimeoutError):  # it may still be generating: stop it
+                # The attempt's bound ran out (not a connect timeout): it may still be generating.
+                if isinstance(exc.__cause__, asyncio.TimeoutError) and time.monotonic() - t_engine >= 0.99 * bound:
                     self.spawn(self.abort_upstream(client, rid))
                     timeouts += 1
                     if timeouts > MAX_ENGINE_TIMEOUTS:

@@ -302,9 +302,10 @@ async def test_a_generation_past_its_bound_is_aborted_and_retried_elsewhere(stac
     assert call.status == "ok" and call.cell == "c1"
 
 
-async def test_a_timed_out_attempt_gets_a_fresh_wait_and_a_full_engine_a_bounded_one(stack, monkeypatch):
+async def test_a_timed_out_attempt_gets_a_fresh_wait_and_calls_queued_behind_it_move_on(stack, monkeypatch):
     # The attempt's bound exceeds retry_timeout_s, as by default (10 min vs 10 min): the
-    # call must still move to the healthy cell once the hung one times out.
+    # calls must still move to the healthy cell once their attempts on the hung one time out,
+    # the second after queueing for the hung engine's one slot.
     monkeypatch.setattr("handlers.proxy_routing.GENERATE_GRACE_S", 1.0)
     monkeypatch.setattr("handlers.proxy_routing.MIN_DECODE_TOKENS_PER_S", 1e9)
     hung = await stack.engine(["late"], delay_s=30.0)
@@ -318,12 +319,29 @@ async def test_a_timed_out_attempt_gets_a_fresh_wait_and_a_full_engine_a_bounded
     msgs = [{"role": "user", "content": "hi"}]
     first = asyncio.ensure_future(stack.client("ex-t1").chat.completions.create(model="m", messages=msgs))
     await wait_for(lambda: hung.requests)
-    # ex-t2 queues behind ex-t1 for c0's one slot: it gives up within its retry_timeout_s.
+    second = await asyncio.wait_for(stack.client("ex-t2").chat.completions.create(model="m", messages=msgs), 10)
+    answer = await asyncio.wait_for(first, 10)
+    assert answer.choices[0].message.content == second.choices[0].message.content == "prompt"
+    assert len(hung.requests) == 2 and len(healthy.requests) == 2
+    await wait_for(lambda: {r["rid"] for r in hung.requests} <= hung.aborted)
+    assert sorted(c.status for c in await stack.calls(2)) == ["ok", "ok"]
+
+
+async def test_a_connect_timeout_is_retried_until_the_deadline_not_counted_as_a_hung_engine(stack, monkeypatch):
+    import aiohttp as _aiohttp
+
+    from handlers import engine_client
+    calls = []
+
+    async def refuse(self, method, path, body=None, timeout=None):
+        calls.append(path)
+        raise engine_client.EngineUnavailable("connect timeout") from _aiohttp.ConnectionTimeoutError("slow connect")
+
+    monkeypatch.setattr(engine_client.EngineClient, "_request", refuse)
+    await stack.proxy(engine=None, retry_timeout_s=1.0, retry_backoff_s=0.05)
+    await stack.state.handle_event(switched("c0", "rollout", "http://127.0.0.1:9"))
     t0 = asyncio.get_running_loop().time()
     with pytest.raises(openai.InternalServerError) as err:
-        await stack.client("ex-t2").chat.completions.create(model="m", messages=msgs)
-    assert err.value.status_code == 503 and asyncio.get_running_loop().time() - t0 < 0.9
-    answer = await asyncio.wait_for(first, 10)
-    assert answer.choices[0].message.content == "prompt" and len(hung.requests) == 1
-    statuses = sorted(c.status for c in await stack.calls(2))
-    assert statuses == ["error", "ok"]
+        await stack.client("ex-ct").chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.status_code == 503 and "within" in str(err.value)  # the deadline, not "timed out repeatedly"
+    assert asyncio.get_running_loop().time() - t0 >= 0.9 and "/abort_request" not in calls and len(calls) > 3
