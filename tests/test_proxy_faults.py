@@ -105,7 +105,7 @@ class RawEngine:
         await self.runner.cleanup()
 
 
-async def test_sglang_string_version_is_answered_and_a_garbage_reply_is_a_502_on_the_bus(stack):
+async def test_sglang_string_version_is_answered_and_a_garbage_reply_is_a_502_on_the_bus(stack):  # noqa: F811
     sglang = await RawEngine(orjson.dumps(GOOD)).start()
     try:
         await stack.proxy(engine=None)
@@ -150,7 +150,7 @@ def test_a_tool_call_with_nan_or_infinity_is_text():
     assert len(parse_completion(fine, id_prefix="call_x").tool_calls) == 1
 
 
-async def test_nan_tool_call_reaches_anthropic_as_text(stack):
+async def test_nan_tool_call_reaches_anthropic_as_text(stack):  # noqa: F811
     engine = await stack.engine(['<tool_call>\n{"name": "bash", "arguments": {"command": NaN}}\n</tool_call>'])
     await stack.proxy(engine=engine)
     client = stack.anthropic("ex-nan")
@@ -162,7 +162,7 @@ async def test_nan_tool_call_reaches_anthropic_as_text(stack):
     assert [c.status for c in await stack.calls(2)] == ["ok", "ok"]
 
 
-async def test_a_failure_after_non_streamed_keepalives_cuts_the_body(stack):
+async def test_a_failure_after_non_streamed_keepalives_cuts_the_body(stack):  # noqa: F811
     engine = await RawEngine(b'{"error": "boom"}', status=500, delay_s=0.5).start()
     try:
         await stack.proxy(engine=None, keepalive_s=0.1)
@@ -183,7 +183,7 @@ async def test_a_failure_after_non_streamed_keepalives_cuts_the_body(stack):
         await engine.stop()
 
 
-async def test_a_hung_engine_does_not_hold_up_calls_to_another(stack):
+async def test_a_hung_engine_does_not_hold_up_calls_to_another(stack):  # noqa: F811
     hung = await stack.engine(["late"], delay_s=30.0)
     healthy = await stack.engine(["prompt"])
     await stack.proxy(engine=None, concurrency=1)
@@ -208,7 +208,7 @@ async def test_a_hung_engine_does_not_hold_up_calls_to_another(stack):
                                   "deep-custom-tool", "stream-string", "include-usage-string", "message-number",
                                   "text-number",
                                   "assistant-text-number"])
-async def test_bodies_that_trip_classification_or_nesting_get_a_400(stack, case):
+async def test_bodies_that_trip_classification_or_nesting_get_a_400(stack, case):  # noqa: F811
     engine = await stack.engine(["ok"])
     await stack.proxy(engine=engine)
     deep = "[" * 1000 + "]" * 1000
@@ -243,7 +243,7 @@ async def test_bodies_that_trip_classification_or_nesting_get_a_400(stack, case)
                 assert body["error"]["type"] == "invalid_request_error"
 
 
-async def test_unknown_paths_and_models_answer_in_the_callers_shape(stack):
+async def test_unknown_paths_and_models_answer_in_the_callers_shape(stack):  # noqa: F811
     engine = await stack.engine(["ok"])
     await stack.proxy(engine=engine)
     async with aiohttp.ClientSession() as http:
@@ -254,7 +254,8 @@ async def test_unknown_paths_and_models_answer_in_the_callers_shape(stack):
                 body = await r.json()
                 assert r.status == 404, path
                 assert (body.get("type") == "error") == anthropic_shape and body["error"]["type"] == "not_found_error"
-        async with http.get(stack.url + "/v1/models", headers={"x-api-key": "nope", "anthropic-version": "2023-06-01"}) as r:
+        anthropic_sdk = {"x-api-key": "nope", "anthropic-version": "2023-06-01"}
+        async with http.get(stack.url + "/v1/models", headers=anthropic_sdk) as r:
             assert r.status == 401 and (await r.json())["type"] == "error"
         async with http.get(stack.url + "/v1/models", headers={"Authorization": "Bearer nope"}) as r:
             assert r.status == 401 and set((await r.json())["error"]) == {"message", "type", "param", "code"}
@@ -263,7 +264,7 @@ async def test_unknown_paths_and_models_answer_in_the_callers_shape(stack):
                 assert r.status == 200
 
 
-async def test_a_defect_of_ours_is_a_500_in_the_api_shape_and_the_call_is_on_the_bus(stack, monkeypatch):
+async def test_a_defect_of_ours_is_a_500_in_the_api_shape_and_the_call_is_on_the_bus(stack, monkeypatch):  # noqa: F811
     engine = await stack.engine(["ok"])
     await stack.proxy(engine=engine)
 
@@ -283,7 +284,7 @@ async def test_a_defect_of_ours_is_a_500_in_the_api_shape_and_the_call_is_on_the
     assert stack.state.active == 0
 
 
-async def test_a_generation_past_its_bound_is_aborted_and_retried_elsewhere(stack, monkeypatch):
+async def test_a_generation_past_its_bound_is_aborted_and_retried_elsewhere(stack, monkeypatch):  # noqa: F811
     monkeypatch.setattr("handlers.proxy_routing.GENERATE_GRACE_S", 0.3)
     monkeypatch.setattr("handlers.proxy_routing.MIN_DECODE_TOKENS_PER_S", 1e9)
     hung = await stack.engine(["late"], delay_s=30.0)
@@ -302,7 +303,7 @@ async def test_a_generation_past_its_bound_is_aborted_and_retried_elsewhere(stac
     assert call.status == "ok" and call.cell == "c1"
 
 
-async def test_a_timed_out_attempt_gets_a_fresh_wait_and_calls_queued_behind_it_move_on(stack, monkeypatch):
+async def test_a_timed_out_attempt_gets_a_fresh_wait_and_calls_queued_behind_it_move_on(stack, monkeypatch):  # noqa: F811
     # The attempt's bound exceeds retry_timeout_s, as by default (10 min vs 10 min): the
     # calls must still move to the healthy cell once their attempts on the hung one time out,
     # the second after queueing for the hung engine's one slot.
@@ -327,7 +328,7 @@ async def test_a_timed_out_attempt_gets_a_fresh_wait_and_calls_queued_behind_it_
     assert sorted(c.status for c in await stack.calls(2)) == ["ok", "ok"]
 
 
-async def test_a_connect_timeout_is_retried_until_the_deadline_not_counted_as_a_hung_engine(stack, monkeypatch):
+async def test_a_connect_timeout_is_retried_until_the_deadline_not_counted_as_a_hung_engine(stack, monkeypatch):  # noqa: F811
     import aiohttp as _aiohttp
 
     from handlers import engine_client
