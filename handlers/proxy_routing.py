@@ -233,8 +233,9 @@ def engine_reply(body: Any) -> EngineResult:
     `finish_reason` ({"type": "stop"|"length"|"abort", "matched": ...} or null = stop) and
     the policy version (`gyre_versions` spans, else `weight_version`).
 
-    Raises ApiError(502, code "engine_bad_reply") when any of these is missing or of the
-    wrong type or out of range (ids and versions are int32 downstream; a log-prob must be
+    An `abort` reply is returned without ids (it is no sample; the caller retries).
+    Otherwise raises ApiError(502, code "engine_bad_reply") when any of these is missing
+    or of the wrong type or out of range (ids and versions are int32 downstream; a log-prob must be
     finite and ≤ 0: SGLang writes NaN and ±inf as null), or the counts differ: such a
     reply is not a sample of the policy."""
     if not isinstance(body, dict):
@@ -242,6 +243,15 @@ def engine_reply(body: Any) -> EngineResult:
     meta = body.get("meta_info")
     if not isinstance(meta, dict):
         raise _bad_reply("no meta_info object")
+    reason = meta.get("finish_reason")
+    if reason is None:
+        reason = {}
+    finish = (reason.get("type") or "stop") if isinstance(reason, dict) else None
+    if finish not in FINISH_TYPES:
+        raise _bad_reply(f"finish_reason {str(reason)[:80]!r}")
+    if finish == "abort":  # no sample: the caller retries (SGLang may send no ids or log-probs)
+        return EngineResult(output_ids=[], logprobs=[], finish=finish, versions=(), cell="", queue_s=0.0,
+                            engine_s=0.0)
     lps = meta.get("output_token_logprobs")
     if not isinstance(lps, list) or not all(type(x) is list and x for x in lps):
         raise _bad_reply("output_token_logprobs is not a list of [log-prob, token id, ...]")
@@ -258,12 +268,6 @@ def engine_reply(body: Any) -> EngineResult:
         raise _bad_reply("output_ids is not a list of token ids (int32)")
     if len(lps) != len(ids):
         raise _bad_reply(f"{len(ids)} ids but {len(lps)} log-probs")
-    reason = meta.get("finish_reason")
-    if reason is None:
-        reason = {}
-    finish = (reason.get("type") or "stop") if isinstance(reason, dict) else None
-    if finish not in FINISH_TYPES:
-        raise _bad_reply(f"finish_reason {str(reason)[:80]!r}")
     spans = meta.get("gyre_versions")
     if spans:
         if not isinstance(spans, list) or not all(

@@ -39,6 +39,8 @@ def test_engine_reply_reads_sglang_versions_and_refuses_what_is_not_a_sample():
     assert engine_reply(with_meta(weight_version=3)).versions == ((0, 2, 3),)
     assert engine_reply(with_meta(gyre_versions=[[0, 1, 4], [1, 2, 5]])).versions == ((0, 1, 4), (1, 2, 5))
     assert engine_reply(with_meta(finish_reason=None)).finish == "stop"
+    aborted = engine_reply({"text": "", "meta_info": {"finish_reason": {"type": "abort", "message": "evicted"}}})
+    assert aborted.finish == "abort" and aborted.output_ids == [] and aborted.versions == ()
     no_ids = {"meta_info": GOOD["meta_info"], "text": "Hello"}  # SGLang without --return-token-ids
     assert engine_reply(no_ids).output_ids == [9707, 151645]
     assert engine_reply(with_meta(finish_reason={"type": "length", "length": 2})).finish == "length"
