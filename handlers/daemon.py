@@ -91,6 +91,9 @@ def base_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--recipe", help="recipe name or TOML path (with --run and GYRE_NATS_URL)")
     p.add_argument("--run", help="run id (with --recipe)")
     p.add_argument("--log-json", action="store_true", help="JSON log lines even on a terminal")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                   help="least severe log lines written (debug adds per-call lines, e.g. the proxy's "
+                        "`proxy.call.recorded`)")
     return p
 
 
@@ -175,7 +178,8 @@ def daemon_main(name: str, description: str,
     if extra_args:
         extra_args(parser)
     args = parser.parse_args(argv)
-    configure_logging(name, json_lines=True if args.log_json else None)
+    configure_logging(name, json_lines=True if args.log_json else None,
+                      level=logging.getLevelName(args.log_level.upper()))
     try:
         ctx = context_from_args(args)
         cfg = make_config(ctx, args)

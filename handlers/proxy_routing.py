@@ -346,7 +346,7 @@ class Dispatcher:
         backoff = self.retry_backoff_s
         avoid: set[str] = set()
         tries = aborts = timeouts = 0
-        clog = log.bind(execution=execution, call=call_id)
+        ctx = {"execution": execution, "call": call_id}  # log context
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -371,7 +371,7 @@ class Dispatcher:
                                                          execution=execution, timeout_s=bound), attempt)
             except EngineUnavailable as exc:
                 attempt.client = None
-                clog.info("proxy.engine.unavailable", cell=cell, error=str(exc)[:200], retry_in_s=backoff)
+                log.info("proxy.engine.unavailable", **ctx, cell=cell, error=str(exc)[:200], retry_in_s=backoff)
                 # The attempt's bound ran out (not a connect timeout): it may still be generating.
                 if isinstance(exc.__cause__, asyncio.TimeoutError) and time.monotonic() - t_engine >= 0.99 * bound:
                     self.spawn(self.abort_upstream(client, rid))
@@ -386,7 +386,7 @@ class Dispatcher:
                 continue
             except EngineRequestError as exc:
                 attempt.client = None
-                clog.warning("proxy.engine.refused", cell=cell, status=exc.status, body=str(exc.body)[:500])
+                log.warning("proxy.engine.refused", **ctx, cell=cell, status=exc.status, body=str(exc.body)[:500])
                 status = 400 if 400 <= exc.status < 500 else 502
                 raise ApiError(status, f"the engine refused the request: {exc.body}",
                                "invalid_request_error" if status == 400 else "server_error",
@@ -395,7 +395,7 @@ class Dispatcher:
                 self.router.untrack(attempt)
             # On cancellation attempt.client stays set, so the caller can abort `rid` upstream.
             if result is None:  # the cell left rollout mid-request: abort there, go elsewhere
-                clog.info("proxy.engine.evicted", cell=cell, rid=rid)
+                log.info("proxy.engine.evicted", **ctx, cell=cell, rid=rid)
                 attempt.client = None
                 self.spawn(self.abort_upstream(client, rid))
                 avoid.add(cell)
@@ -405,7 +405,7 @@ class Dispatcher:
             reply = engine_reply(result)
             if reply.finish == "abort":
                 aborts += 1
-                clog.info("proxy.engine.aborted", cell=cell, aborts=aborts)
+                log.info("proxy.engine.aborted", **ctx, cell=cell, aborts=aborts)
                 if aborts > MAX_ENGINE_ABORTS:
                     raise ApiError(502, "the engine aborted the generation repeatedly", "server_error",
                                    code="engine_aborted")

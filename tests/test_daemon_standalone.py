@@ -24,16 +24,20 @@ async def _consumer_exists(server, stream: str, durable: str) -> bool:
         await nc.close()
 
 
-@pytest.mark.parametrize("daemon,stream,durable", [
-    ("builder", "CALLS", "builder-calls-v1"),
-    ("scheduler", "STEPS", "scheduler-steps-v1"),
+@pytest.mark.parametrize("daemon,stream,durable,level", [
+    ("builder", "CALLS", "builder-calls-v1", None),
+    ("scheduler", "STEPS", "scheduler-steps-v1", None),
+    ("builder", "CALLS", "builder-calls-v1", "warning"),
 ])
 async def test_daemon_runs_against_existing_nats_and_stops_on_sigterm(nats_server, run_id, tmp_path, daemon, stream,
-                                                                       durable):
+                                                                       durable, level):
+    """... and `--log-level warning` leaves out its info lines."""
     env = dict(os.environ, GYRE_NATS_URL=nats_server.url, GYRE_NATS_TOKEN=nats_server.token,
                GYRE_RUNS_DIR=str(tmp_path))
-    proc = subprocess.Popen([sys.executable, "-m", "handlers.cli", daemon, "--recipe", "toy", "--run", run_id],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    argv = [sys.executable, "-m", "handlers.cli", daemon, "--recipe", "toy", "--run", run_id]
+    if level:
+        argv += ["--log-level", level]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stream_name = f"GYRE_{run_id.upper()}_{stream}"
     try:
         deadline = time.monotonic() + 60
@@ -47,7 +51,7 @@ async def test_daemon_runs_against_existing_nats_and_stops_on_sigterm(nats_serve
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out
-    assert "daemon.stopped" in out
+    assert ("daemon.stopped" in out) == (level is None), out
 
 
 def test_daemon_without_nats_configuration_exits_2(tmp_path):
