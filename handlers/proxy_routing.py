@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import operator
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -206,6 +207,9 @@ class EngineResult:
 FINISH_TYPES = ("stop", "length", "abort")
 """SGLang's finish_reason types."""
 
+_LIST, _INT, _NUMBER = {list}, {int}, {int, float}
+_first = operator.itemgetter(0)
+
 
 def _bad_reply(what: str) -> ApiError:
     return ApiError(502, f"the engine's /generate reply is malformed: {what}", "server_error", code="engine_bad_reply")
@@ -252,19 +256,20 @@ def engine_reply(body: Any) -> EngineResult:
     if finish == "abort":  # no sample: the caller retries (SGLang may send no ids or log-probs)
         return EngineResult(output_ids=[], logprobs=[], finish=finish, versions=(), cell="", queue_s=0.0,
                             engine_s=0.0)
+    # The checks below loop in C (set(map(type, ...)), min, max, sum): they run on every call.
     lps = meta.get("output_token_logprobs")
-    if not isinstance(lps, list) or not all(type(x) is list and x for x in lps):
+    if type(lps) is not list or (lps and (set(map(type, lps)) != _LIST or not all(lps))):
         raise _bad_reply("output_token_logprobs is not a list of [log-prob, token id, ...]")
-    logprobs = [x[0] for x in lps]
+    logprobs = list(map(_first, lps))
     # Numbers, none above 0 (1e-3 of rounding allowed), none null (SGLang's NaN / ±inf) or
     # non-finite: a non-finite one makes the sum non-finite.
-    if logprobs and not (all(type(v) is float or type(v) is int for v in logprobs)
-                         and max(logprobs) <= 1e-3 and math.isfinite(sum(logprobs))):
+    if logprobs and not (set(map(type, logprobs)) <= _NUMBER and max(logprobs) <= 1e-3
+                         and math.isfinite(sum(logprobs))):
         raise _bad_reply("output_token_logprobs holds a log-prob that is null, not finite or above 0")
     ids = body.get("output_ids")
     if ids is None:  # SGLang versions that return token ids only with --return-token-ids
         ids = [x[1] if len(x) > 1 else None for x in lps]
-    if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < 2**31 for i in ids):
+    if type(ids) is not list or (ids and (set(map(type, ids)) != _INT or min(ids) < 0 or max(ids) >= 2**31)):
         raise _bad_reply("output_ids is not a list of token ids (int32)")
     if len(lps) != len(ids):
         raise _bad_reply(f"{len(ids)} ids but {len(lps)} log-probs")
@@ -281,7 +286,7 @@ def engine_reply(body: Any) -> EngineResult:
     else:
         versions = ((0, len(ids), _version(meta.get("weight_version"))),) if ids else ()
     matched = reason.get("matched")
-    return EngineResult(output_ids=ids, logprobs=[float(v) for v in logprobs], finish=finish, versions=versions,
+    return EngineResult(output_ids=ids, logprobs=list(map(float, logprobs)), finish=finish, versions=versions,
                         cell="", queue_s=0.0, engine_s=0.0,
                         stop_string=matched if finish == "stop" and isinstance(matched, str) else None)
 
