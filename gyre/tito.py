@@ -74,7 +74,9 @@ message objects they have in common.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -626,6 +628,33 @@ class CallStore:
         return Match(parent=c, prefix_len=c.full_len, prompt_ids=prompt, extended=True, drift=drift,
                      messages=(*c.messages, c.answer, *rest), tools=tools, digest=digest, query=query, shown=shown)
 
+    def _recorded_turn_drift(self, match: Match, turn_start: int, comp: np.ndarray, text: str) -> int:
+        """`_turn_drift` of a call being recorded: its ids from `turn_start` (the last turn's
+        start in `match.prompt_ids`) with the completion `comp` (+ <|im_end|> when it did not
+        stop), against `text`, its turn as rendered.
+
+        The usual case is counted without building the turn's arrays, as `_turn_drift`'s
+        shortcut counts it: the turn's header ids all lie in the call's own prompt (none
+        sampled), neither they nor the completion before its last id hold <|im_end|>, the
+        completion ends with it, and `_turn_head` applies with the header no longer than the
+        head: the header ids against the head's."""
+        tail = match.prompt_ids[turn_start:]
+        n = len(tail)
+        head = self._turn_head(text)
+        if head is not None and n <= len(head) and len(comp) and int(comp[-1]) == IM_END \
+                and (match.parent is None or turn_start >= match.prefix_len) \
+                and comp.tolist().count(IM_END) == 1 and IM_END not in tail.tolist():
+            return int(np.count_nonzero(tail != head[:n]))
+        ids = np.concatenate([tail, comp])
+        sampled = np.zeros(len(ids), bool)
+        sampled[n:] = True
+        if match.parent is not None and turn_start < match.prefix_len:
+            sampled[: match.prefix_len - turn_start] = match.parent.sampled_range(turn_start, match.prefix_len)
+        if not (len(comp) and int(comp[-1]) == IM_END):
+            ids = np.append(ids, np.int32(IM_END))
+            sampled = np.append(sampled, False)
+        return self._turn_drift(ids, sampled, text)
+
     def _turn_drift(self, ids: np.ndarray, sampled: np.ndarray, text: str) -> int:
         """Drift of a call's last turn as an extension reuses it: `ids` (T,) the stored ids
         from the prompt's last turn start to the end (+ the closing <|im_end|> when the
@@ -652,15 +681,20 @@ class CallStore:
         the encoding splits at as written (`_splitting_tokens`); else None."""
         if not text.startswith(TURN_HEADER) or not text.endswith(IM_END_TEXT) or text.count(IM_END_TEXT) != 1:
             return None
-        body = text[len(TURN_HEADER):]
-        if not self._splitting or not body.startswith(self._splitting):
+        k = len(TURN_HEADER)
+        if not self._splitting or not text.startswith(self._splitting, k):
             return None
-        opening = [t for t in self._splitting if body.startswith(t)]
-        if len(opening) != 1:
-            return None
-        head = self._heads.get(opening[0])
+        pattern = _opening_pattern(self._splitting)
+        if pattern is not None:  # no token is a prefix of another: the one that opens the body
+            opening = pattern.match(text, k).group()
+        else:
+            openings = [t for t in self._splitting if text.startswith(t, k)]
+            if len(openings) != 1:
+                return None
+            opening = openings[0]
+        head = self._heads.get(opening)
         if head is None:
-            head = self._heads[opening[0]] = self.encode(TURN_HEADER + opening[0])
+            head = self._heads[opening] = self.encode(TURN_HEADER + opening)
         return head
 
     def full_drift(self, match: Match) -> int:
@@ -720,16 +754,8 @@ class CallStore:
                 turn_start = _last_im_end_before(match.parent, match.prefix_len) + 1
             turn_start = min(turn_start, prompt_len)
             if self.check_drift:
-                ids = np.concatenate([match.prompt_ids[turn_start:], comp])
-                sampled = np.zeros(len(ids), bool)
-                sampled[prompt_len - turn_start:] = True
-                if match.parent is not None and turn_start < match.prefix_len:
-                    sampled[: match.prefix_len - turn_start] = match.parent.sampled_range(turn_start, match.prefix_len)
-                if not (len(comp) and int(comp[-1]) == IM_END):
-                    ids = np.append(ids, np.int32(IM_END))
-                    sampled = np.append(sampled, False)
                 text = render_assistant_turn(self.tokenizer, answer_n, after_query=match.query)
-                turn_drift = self._turn_drift(ids, sampled, text)
+                turn_drift = self._recorded_turn_drift(match, turn_start, comp, text)
         rec = CallRecord(call=call, seq=seq, parent=match.parent, prefix_len=match.prefix_len, own_ids=own,
                          completion_len=len(comp), messages=match.messages, tools=match.tools,
                          answer=answer_n, conv_key=conv_key, drift=match.drift, conv_query=match.query,
@@ -772,6 +798,15 @@ def _splitting_tokens(tokenizer: Any) -> tuple[str, ...]:
     return tuple(str(t) for t in decoder.values()
                  if str(t) and not any(getattr(t, flag, True) for flag in ("lstrip", "rstrip", "single_word",
                                                                           "normalized")))
+
+
+@functools.lru_cache(maxsize=8)
+def _opening_pattern(tokens: tuple[str, ...]) -> re.Pattern | None:
+    """A regex matching any of `tokens` where none is a prefix of another (then at most one
+    matches at a position), else None."""
+    if any(a != b and b.startswith(a) for a in tokens for b in tokens):
+        return None
+    return re.compile("|".join(map(re.escape, tokens)))
 
 
 def _special_tokens_split(tokenizer: Any) -> bool:
