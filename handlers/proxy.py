@@ -124,7 +124,8 @@ values, interleaved with them (`chat`, 3 runs each), saturated CPU per call fell
 waits longer for its collection (a full collection after 100 middle ones)."""
 
 KEY_CACHE = 65_536
-"""API keys whose verification `ProxyState.execution_of` keeps (least recently used dropped)."""
+"""Valid API keys whose execution `ProxyState.execution_of` keeps (least recently used
+dropped); rejected keys are never kept, so unauthenticated requests cannot fill it."""
 
 REPLAYED = ("cell.switched", "route.updated", "execution.started", "execution.finished")
 """Events the proxy's state is rebuilt from (`ProxyState.handle_event`)."""
@@ -245,13 +246,24 @@ class _Execution:
     harness: str | None = None
 
 
+class _InvalidKey(Exception):
+    pass
+
+
+def _valid_key(verify_key: Callable[[bytes, str], str | None], secret: bytes, key: str) -> str:
+    execution = verify_key(secret, key)
+    if not execution:
+        raise _InvalidKey
+    return execution
+
+
 class ProxyState:
     """Everything the proxy's handlers share: config, tokenizer, engine clients, calls.
 
     bus: a connected `bus.Bus` or None (no events published). session: the process's one
     aiohttp ClientSession (`engine_client.make_session()`). verify_key: (secret, key) →
-    execution or None; its answers are cached per key (`execution_of`: an HMAC per call
-    otherwise).
+    execution or None; `execution_of(key)` caches its valid answers (an HMAC per call
+    otherwise; `KEY_CACHE`).
     """
 
     def __init__(self, cfg: Config, tokenizer: Any, session: Any, bus: Any = None,
@@ -261,7 +273,7 @@ class ProxyState:
         self.decode = fast_decoder(tokenizer)
         self.session = session
         self.bus = bus
-        self.execution_of = functools.lru_cache(maxsize=KEY_CACHE)(functools.partial(verify_key, cfg.key_secret))
+        self._valid_key = functools.lru_cache(maxsize=KEY_CACHE)(functools.partial(_valid_key, verify_key, cfg.key_secret))
         self.router = Router(cfg.engine_url, cfg.static_cell)
         self.executions: dict[str, _Execution] = {}
         self.active = 0
@@ -271,6 +283,13 @@ class ProxyState:
                                   retry_backoff_max_s=cfg.retry_backoff_max_s, spawn=self.spawn)
         self._publishing = asyncio.Semaphore(cfg.max_publishes_in_flight)
         self._background: set[asyncio.Task] = set()
+
+    def execution_of(self, key: str) -> str | None:
+        """The execution `key` was issued for, or None for a forged or malformed key."""
+        try:
+            return self._valid_key(key)
+        except _InvalidKey:  # lru_cache keeps no exception: rejected keys take no room
+            return None
 
     # -- bus-fed state
     async def handle_event(self, event: Any) -> None:

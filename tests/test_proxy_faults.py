@@ -348,3 +348,20 @@ async def test_a_connect_timeout_is_retried_until_the_deadline_not_counted_as_a_
         await stack.client("ex-ct").chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
     assert err.value.status_code == 503 and "within" in str(err.value)  # the deadline, not "timed out repeatedly"
     assert asyncio.get_running_loop().time() - t0 >= 0.9 and "/abort_request" not in calls and len(calls) > 3
+
+
+def test_key_cache_keeps_valid_keys_only():
+    """Verified keys are cached (no HMAC per call); rejected ones never are, so requests
+    with made-up keys cannot fill the cache or push the real keys out."""
+    from handlers.proxy import Config, ProxyState
+
+    state = ProxyState(Config(run="r", key_secret=SECRET), None, None)
+    key = execution_key(SECRET, "exA")
+    forged = key[:-1] + ("0" if key[-1] != "0" else "1")
+    for bad in [forged, "gyre-exA-" + "0" * 32, "x" * 8000, *(f"junk-{i}" for i in range(100))]:
+        assert state.execution_of(bad) is None
+    assert state._valid_key.cache_info().currsize == 0
+    assert state.execution_of(key) == "exA" and state.execution_of(key) == "exA"
+    info = state._valid_key.cache_info()
+    assert (info.currsize, info.hits) == (1, 1)
+    assert state.execution_of(forged) is None
