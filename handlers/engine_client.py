@@ -57,9 +57,12 @@ def _parse(raw: bytes) -> object:
         return raw.decode("utf-8", "replace")
 
 
-def _ids(input_ids: Sequence[int] | np.ndarray) -> list[int] | np.ndarray:
-    """Prompt ids as orjson writes them: a list, or a 1-D integer array (C order). Raises
-    TypeError for an array of another dtype or rank."""
+def _ids(input_ids: Sequence[int] | np.ndarray | orjson.Fragment) -> list[int] | np.ndarray | orjson.Fragment:
+    """Prompt ids as orjson writes them: a list, a 1-D integer array (C order), or their
+    JSON array already written (`orjson.Fragment`, passed as it is). Raises TypeError for
+    an array of another dtype or rank."""
+    if isinstance(input_ids, orjson.Fragment):
+        return input_ids
     if not isinstance(input_ids, np.ndarray):
         return list(input_ids)
     if input_ids.ndim != 1 or input_ids.dtype.kind not in "iu":
@@ -95,7 +98,7 @@ class EngineClient:
 
     async def generate(
         self,
-        input_ids: Sequence[int] | np.ndarray,
+        input_ids: Sequence[int] | np.ndarray | orjson.Fragment,
         sampling: dict,
         rid: str,
         execution: str | None = None,
@@ -103,7 +106,8 @@ class EngineClient:
         timeout_s: float | None = None,
     ) -> dict:
         """POST /generate. input_ids: (P,) prompt ids, a list or a 1-D integer array
-        (serialised as a JSON list either way, without a copy into Python ints). sampling:
+        (serialised as a JSON list either way, without a copy into Python ints), or that JSON
+        list already written, as an `orjson.Fragment`. sampling:
         SGLang sampling_params (temperature, top_p, top_k, max_new_tokens, stop_token_ids,
         seed). execution: sticky key of the engine's per-execution prefix KV cache
         (`gyre_execution`; ignored by SGLang). Returns the response body: {"output_ids",

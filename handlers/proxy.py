@@ -64,9 +64,10 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
 - Cost per extended call: Python work in proportion to the new messages only (the
   store renders and tokenises the suffix alone, counts drift on one turn, and reuses the
   normalisation and, for Messages, the conversion of messages seen in the execution's
-  earlier requests); what still grows with the history are C-speed passes over the body
-  (JSON parse, comparing the resent messages, the prompt ids sent to the engine). The
-  answer's turn is rendered and tokenised for the next call's drift after delivery.
+  earlier requests, and the JSON text of the prompt ids their calls sent the engine); what
+  still grows with the history are C-speed passes over the body (JSON parse, comparing the
+  resent messages) and copying the prompt's ids and their JSON text. The answer's turn is
+  rendered and tokenised for the next call's drift after delivery.
   Publishes run in the background, at most `max_publishes_in_flight` awaiting a PubAck.
 
 Known limits: per-execution seq counters live in memory, so a restarted proxy starts
@@ -122,6 +123,10 @@ flight over and over (≈ 3 % of a saturated proxy's CPU, pauses of 3-9 ms); at 
 values, interleaved with them (`chat`, 3 runs each), saturated CPU per call fell 1.064 →
 1.025 ms and added p99 9.4 → 6.0 ms. Cyclic garbage (rare: exceptions on failure paths)
 waits longer for its collection (a full collection after 100 middle ones)."""
+
+WIRE_CACHE = 4
+"""Recorded calls per execution whose ids are kept as JSON text (`_Execution.wire`): enough
+for a main line, a sub-agent line and their retries; memory ≈ 6 bytes a token each."""
 
 KEY_CACHE = 65_536
 """Valid API keys whose execution `ProxyState.execution_of` keeps (least recently used
@@ -244,6 +249,39 @@ class _Execution:
     model_calls: int = 0
     active: int = 0
     harness: str | None = None
+    wire: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    """call → the JSON text of its full ids (prompt + completion), for its latest
+    WIRE_CACHE recorded calls (`prompt_json`)."""
+
+    def prompt_json(self, match: Match) -> bytes:
+        """The JSON array of `match.prompt_ids` as sent to the engine. An extension of a call
+        in `wire` is that call's text + its new ids, so a long history is not serialised
+        again on every call (13k ids: ≈ 25-75 µs; a 1M-token rollout: milliseconds)."""
+        parent = match.parent
+        head = self.wire.get(parent.call) if parent is not None and match.extended else None
+        if head is None or match.prefix_len != parent.full_len:
+            return _ids_json(match.prompt_ids)
+        return _joined(head, _ids_json(match.new_prompt_ids))
+
+    def remember(self, call: str, prompt_json: bytes, completion_ids: list[int]) -> None:
+        """Keep the JSON of a recorded call's full ids for its extensions."""
+        self.wire[call] = _joined(prompt_json, _ids_json(completion_ids))
+        while len(self.wire) > WIRE_CACHE:
+            del self.wire[next(iter(self.wire))]
+
+
+def _ids_json(ids: Any) -> bytes:
+    """A JSON array of token ids (a list or a 1-D integer array)."""
+    return orjson.dumps(ids, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _joined(head: bytes, tail: bytes) -> bytes:
+    """The JSON arrays `head` and `tail` as one array."""
+    if tail == b"[]":
+        return head
+    if head == b"[]":
+        return tail
+    return head[:-1] + b"," + tail[1:]
 
 
 class _InvalidKey(Exception):
@@ -308,6 +346,7 @@ class ProxyState:
             ex = self.executions.get(event.info.execution)
             if ex is not None:
                 ex.store = ex.memo = None
+                ex.wire = {}
             self.router.sticky.pop(event.info.execution, None)
 
     def execution(self, execution: str) -> _Execution:
@@ -507,11 +546,13 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
     result: EngineResult | None = None
     delivered = False
     prompt = match.prompt_ids  # (P,) int32, never mutated: the store keeps this array
+    prompt_json = ex.prompt_json(match)
     start = StreamStart(rid=api.new_id(), created=int(time.time()), model=req.model, prompt_tokens=len(prompt))
     try:
         await reply.start(start, api.preamble(start, req) if req.stream else [])
         try:
-            result = await state.engines.generate(execution, prompt, req.sampling, call_id, attempt)
+            result = await state.engines.generate(execution, orjson.Fragment(prompt_json), req.sampling, call_id,
+                                                  attempt)
         except ApiError as err:
             log.warning("proxy.call.failed", **ctx, status=err.status, error=err.message[:300])
             resp = await reply.fail(err)
@@ -537,6 +578,7 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
         if not auxiliary:
             store.record(match, call=call_id, seq=seq, answer=internal_message(answer),
                          completion_ids=result.output_ids)
+            ex.remember(call_id, prompt_json, result.output_ids)
         # Debug: `call.completed` is the call's record; at info this line cost ~3% of a saturated proxy.
         log.debug("proxy.call.recorded", **ctx, seq=seq, parent=match.parent.call if match.parent else None,
                   prefix_len=match.prefix_len, extended=match.extended, prompt_tokens=len(prompt),

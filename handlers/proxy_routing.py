@@ -18,7 +18,6 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-import numpy as np
 import structlog
 
 from handlers.engine_client import EngineClient, EngineRequestError, EngineUnavailable
@@ -337,11 +336,11 @@ class Dispatcher:
         await asyncio.sleep(min(backoff, max(remaining, 0.0)))
         return min(backoff * 2, self.retry_backoff_max_s)
 
-    async def generate(self, execution: str, prompt_ids: np.ndarray, sampling: SamplingParams, call_id: str,
+    async def generate(self, execution: str, prompt_ids: Any, sampling: SamplingParams, call_id: str,
                        attempt: Attempt) -> EngineResult:
         """Run the call on an engine, waiting and retrying transparently (class docstring).
-        prompt_ids: (P,) int32. attempt: filled with the request in flight (for an abort
-        upstream if the caller is cancelled).
+        prompt_ids: (P,) int32, or their JSON array as an `orjson.Fragment`. attempt: filled
+        with the request in flight (for an abort upstream if the caller is cancelled).
 
         Raises ApiError(503) when no engine answered within retry_timeout_s, ApiError(400|502)
         when the engine refused the request.

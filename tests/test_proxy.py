@@ -452,3 +452,44 @@ async def test_answers_end_where_their_framing_says(stack, stream, delay_s, keep
         assert head.startswith("http/1.1 200") and _complete(path, stream, payload), (path, head, payload[-200:])
     (head, payload), = await asyncio.wait_for(_exchange(url, requests[2:3], key, "HTTP/1.0"), 10)
     assert " 200 " in head.split("\r\n")[0] and _complete("/v1/messages", stream, payload), (head, payload[-200:])
+
+
+async def test_engine_gets_the_stores_prompt_ids_exactly(stack):
+    """Extensions send the engine their parent's ids as JSON text kept from its call plus the
+    new ids (`_Execution.prompt_json`): across two interleaved lines, a completion cut by
+    length (the next prompt adds `<|im_end|>`) and a branch, every /generate carries exactly
+    the prompt ids the store recorded (parent's full ids up to prefix_len + the new ones)."""
+    engine = await stack.engine(["first answer", "second answer is longer than four", "third", "sub one",
+                                 "sub two", "fourth", "branch"])
+    await stack.proxy(engine=engine, object_threshold_bytes=1 << 30)
+    client = stack.client("exw")
+    main = [SYSTEM, TASK]
+    sub = [{"role": "system", "content": "You are a sub-agent."}, {"role": "user", "content": "Find a.txt"}]
+
+    async def ask(msgs, **kw):
+        r = await client.chat.completions.create(model="m", messages=msgs, **kw)
+        msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+
+    await ask(main)
+    main.append({"role": "user", "content": "go on"})
+    await ask(main, max_tokens=4)  # cut by length: no <|im_end|> sampled
+    main.append({"role": "user", "content": "and then?"})
+    await ask(main)
+    await ask(sub)
+    sub.append({"role": "user", "content": "more"})
+    await ask(sub)
+    main.append({"role": "user", "content": "last"})
+    await ask(main)
+    await ask([SYSTEM, {"role": "user", "content": "an edited task"}])  # a branch
+    events = await stack.calls(7)
+    full_ids, extends = {}, []
+    for e, request in zip(events, engine.requests):
+        parent = full_ids[e.parent_call][: e.prefix_len] if e.parent_call else []
+        extends.append(bool(e.parent_call) and e.prefix_len == len(full_ids[e.parent_call]))
+        prompt = parent + list(e.tokens.prompt_ids)
+        assert request["input_ids"] == prompt, e.call
+        full_ids[e.call] = prompt + list(e.tokens.completion_ids)
+    assert [e.finish_reason for e in events][1] == "length" and events[2].tokens.prompt_ids[0] == IM_END
+    # The sub-agent's first call and the edited task are branches (a shared token prefix).
+    assert extends == [False, True, True, False, True, True, False]
+    assert stack.state.executions["exw"].wire and len(stack.state.executions["exw"].wire) <= 4
