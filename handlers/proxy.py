@@ -281,7 +281,7 @@ def _joined(head: bytes, tail: bytes) -> bytes:
         return head
     if head == b"[]":
         return tail
-    return head[:-1] + b"," + tail[1:]
+    return b"".join((memoryview(head)[:-1], b",", memoryview(tail)[1:]))  # one copy
 
 
 class _InvalidKey(Exception):
