@@ -125,8 +125,10 @@ values, interleaved with them (`chat`, 3 runs each), saturated CPU per call fell
 waits longer for its collection (a full collection after 100 middle ones)."""
 
 WIRE_CACHE = 4
-"""Recorded calls per execution whose ids are kept as JSON text (`_Execution.wire`): enough
-for a main line, a sub-agent line and their retries; memory ≈ 6 bytes a token each."""
+"""Recorded calls per execution whose ids are kept as JSON text (`_Execution.wire`): a call
+leaves when a recorded call extends it, so these are the tips of up to 4 lines (main,
+sub-agents, summaries) and a line's history is kept once, ≈ 4.5-6 bytes a token (a
+1M-token rollout: ≈ 5 MB beside the store's ids)."""
 
 KEY_CACHE = 65_536
 """Valid API keys whose execution `ProxyState.execution_of` keeps (least recently used
@@ -239,8 +241,9 @@ class Config:
 
 @dataclasses.dataclass(slots=True)
 class _Execution:
-    """Per-execution proxy state: the TITO store and the request-conversion memo (both None
-    once the execution finished), the next call's seq (kept for the proxy's lifetime so event ids never repeat), model calls
+    """Per-execution proxy state: the TITO store, the request-conversion memo and the prompt
+    JSON of the latest calls (`wire`; None, None and empty once the execution finished), the
+    next call's seq (kept for the proxy's lifetime so event ids never repeat), model calls
     started (for `max_calls`), calls in flight, and the roles profile (None = detect)."""
 
     store: CallStore | None
@@ -263,8 +266,12 @@ class _Execution:
             return _ids_json(match.prompt_ids)
         return _joined(head, _ids_json(match.new_prompt_ids))
 
-    def remember(self, call: str, prompt_json: bytes, completion_ids: list[int]) -> None:
-        """Keep the JSON of a recorded call's full ids for its extensions."""
+    def remember(self, match: Match, call: str, prompt_json: bytes, completion_ids: list[int]) -> None:
+        """Keep the JSON of a recorded call's full ids for its extensions, in place of its
+        parent's when it extends it (the line's tip moves; a retry of the parent's
+        extension then serialises its prompt in full)."""
+        if match.extended and match.parent is not None:
+            self.wire.pop(match.parent.call, None)
         self.wire[call] = _joined(prompt_json, _ids_json(completion_ids))
         while len(self.wire) > WIRE_CACHE:
             del self.wire[next(iter(self.wire))]
@@ -333,7 +340,7 @@ class ProxyState:
     async def handle_event(self, event: Any) -> None:
         """Replay handler for `cell.switched`, `route.updated`, `execution.started` (the
         execution's harness profile) and `execution.finished` (frees the execution's call
-        store; its seq counter is kept)."""
+        store, memo and prompt JSON; its seq counter is kept)."""
         if isinstance(event, CellSwitched):
             self.router.handle_cell_switched(event)
             log.info("proxy.cell.updated", cell=event.cell, role=event.to_role, engine_url=event.engine_url)
@@ -578,7 +585,8 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
         if not auxiliary:
             store.record(match, call=call_id, seq=seq, answer=internal_message(answer),
                          completion_ids=result.output_ids)
-            ex.remember(call_id, prompt_json, result.output_ids)
+            if ex.store is store:  # not when the execution finished meanwhile (nothing would free it)
+                ex.remember(match, call_id, prompt_json, result.output_ids)
         # Debug: `call.completed` is the call's record; at info this line cost ~3% of a saturated proxy.
         log.debug("proxy.call.recorded", **ctx, seq=seq, parent=match.parent.call if match.parent else None,
                   prefix_len=match.prefix_len, extended=match.extended, prompt_tokens=len(prompt),

@@ -492,4 +492,22 @@ async def test_engine_gets_the_stores_prompt_ids_exactly(stack):
     assert [e.finish_reason for e in events][1] == "length" and events[2].tokens.prompt_ids[0] == IM_END
     # The sub-agent's first call and the edited task are branches (a shared token prefix).
     assert extends == [False, True, True, False, True, True, False]
-    assert stack.state.executions["exw"].wire and len(stack.state.executions["exw"].wire) <= 4
+    # The cache keeps each line's tip only: main's, the sub-agent's and the branch's.
+    assert set(stack.state.executions["exw"].wire) == {"exw:4", "exw:5", "exw:6"}
+
+
+async def test_a_call_answered_after_its_execution_finished_leaves_no_prompt_json(stack, run_id):
+    """`execution.finished` frees the execution's prompt JSON; a call still in flight then
+    must not put its own back (nothing would free it again)."""
+    engine = await stack.engine(["one"], delay_s=0.3)
+    await stack.proxy(engine=engine)
+    client = stack.client("exl")
+    inflight = asyncio.ensure_future(client.chat.completions.create(model="m", messages=[SYSTEM, TASK]))
+    await asyncio.sleep(0.1)
+    info = ExecutionInfo(execution="exl", task="t", group="s0-g0", step=0, harness="toy", group_size=1,
+                         step_groups=1)
+    await stack.state.handle_event(ExecutionFinished(event_id=ids.finished(run_id, "exl"), info=info, status="ok",
+                                                     workspace=""))
+    await inflight
+    ex = stack.state.executions["exl"]
+    assert ex.store is None and ex.wire == {}
