@@ -89,7 +89,7 @@ def _arguments_text(arguments: Any, where: str) -> str:
     if isinstance(arguments, str):
         return arguments
     if isinstance(arguments, Mapping):
-        return json.dumps(arguments, ensure_ascii=False)
+        return _DUMPS(arguments)
     raise ValueError(f"{where} must be a JSON string or an object, got {type(arguments).__name__}")
 
 
@@ -198,8 +198,13 @@ def _depth_ok(value: Any, depth: int = 0) -> bool:
     return True
 
 
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
+_DUMPS = json.JSONEncoder(ensure_ascii=False).encode
+"""Made once: `json.loads` / `json.dumps` with options build a decoder / encoder per call."""
+
+
 def _loads(text: str) -> Any:
-    return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    return _DECODER.decode(text)
 
 
 def _tool_call(body: str, call_id: str) -> ToolCall | None:
@@ -224,7 +229,7 @@ def _tool_call(body: str, call_id: str) -> ToolCall | None:
             return None
     if not isinstance(args, dict) or not _depth_ok(args):
         return None
-    return ToolCall(id=call_id, name=name, arguments=json.dumps(args, ensure_ascii=False))
+    return ToolCall(id=call_id, name=name, arguments=_DUMPS(args))
 
 
 def parse_completion(text: str, *, id_prefix: str = "call") -> Parsed:
@@ -470,6 +475,6 @@ def _assistant_body(message: dict[str, Any], shows: bool) -> str:
         fn = call["function"]
         if i or content:
             out.append("\n")
-        out.append('<tool_call>\n{"name": ' + json.dumps(fn["name"], ensure_ascii=False) + ', "arguments": '
+        out.append('<tool_call>\n{"name": ' + _DUMPS(fn["name"]) + ', "arguments": '
                    + fn["arguments"] + "}\n</tool_call>")
     return "".join(out)
