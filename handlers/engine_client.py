@@ -70,6 +70,12 @@ def _ids(input_ids: Sequence[int] | np.ndarray | orjson.Fragment) -> list[int] |
     return np.ascontiguousarray(input_ids, dtype=input_ids.dtype.newbyteorder("="))
 
 
+def ids_json(input_ids: Sequence[int] | np.ndarray) -> bytes:
+    """The JSON array `/generate` carries as `input_ids` (for `orjson.Fragment`). Raises
+    TypeError as `_ids`."""
+    return orjson.dumps(_ids(input_ids), option=orjson.OPT_SERIALIZE_NUMPY)
+
+
 class EngineClient:
     """Client of one engine at `base_url` (e.g. "http://127.0.0.1:30000")."""
 

@@ -95,7 +95,7 @@ from gyre.harness import verify_key as harness_verify_key
 from gyre.roles import PROFILES, CallFacts, Classification, classify, profile_for_harness
 from gyre.tito import CallStore, Match
 from gyre.tokenizer import fast_decoder, fast_encoder
-from handlers.engine_client import make_session
+from handlers.engine_client import ids_json, make_session
 from handlers.proxy_anthropic import MessagesApi, parse_messages_request
 from handlers.proxy_api import Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, internal_message
 from handlers.proxy_http import Reply, error_response, key_of, read_json
@@ -263,8 +263,8 @@ class _Execution:
         parent = match.parent
         head = self.wire.get(parent.call) if parent is not None and match.extended else None
         if head is None or match.prefix_len != parent.full_len:
-            return _ids_json(match.prompt_ids)
-        return _joined(head, _ids_json(match.new_prompt_ids))
+            return ids_json(match.prompt_ids)
+        return _joined(head, ids_json(match.new_prompt_ids))
 
     def remember(self, match: Match, call: str, prompt_json: bytes, completion_ids: list[int]) -> None:
         """Keep the JSON of a recorded call's full ids for its extensions, in place of its
@@ -272,14 +272,9 @@ class _Execution:
         extension then serialises its prompt in full)."""
         if match.extended and match.parent is not None:
             self.wire.pop(match.parent.call, None)
-        self.wire[call] = _joined(prompt_json, _ids_json(completion_ids))
+        self.wire[call] = _joined(prompt_json, ids_json(completion_ids))
         while len(self.wire) > WIRE_CACHE:
             del self.wire[next(iter(self.wire))]
-
-
-def _ids_json(ids: Any) -> bytes:
-    """A JSON array of token ids (a list or a 1-D integer array)."""
-    return orjson.dumps(ids, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def _joined(head: bytes, tail: bytes) -> bytes:
