@@ -495,6 +495,7 @@ class CallStore:
         self._seen: list[_Seen] = []
         self._tips: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._splitting = _splitting_tokens(tokenizer)
+        self._opening = _opening_pattern(self._splitting)
         self._heads: dict[str, np.ndarray] = {}
         backend = getattr(tokenizer, "backend_tokenizer", None)
         split = getattr(tokenizer, "split_special_tokens", False)  # the backend would parse them
@@ -684,9 +685,8 @@ class CallStore:
         k = len(TURN_HEADER)
         if not self._splitting or not text.startswith(self._splitting, k):
             return None
-        pattern = _opening_pattern(self._splitting)
-        if pattern is not None:  # no token is a prefix of another: the one that opens the body
-            opening = pattern.match(text, k).group()
+        if self._opening is not None:  # no token is a prefix of another: the one that opens the body
+            opening = self._opening.match(text, k).group()
         else:
             openings = [t for t in self._splitting if text.startswith(t, k)]
             if len(openings) != 1:
