@@ -41,8 +41,10 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   non-streaming mode after `keepalive_s`, a 200 response whose body starts with newlines;
   should the call then fail, the body is cut short, which SDKs retry as a broken
   connection, since no status can be sent any more).
-  Anthropic and Responses streams send their opening events (`message_start` with the
-  prompt length; `response.created`, `response.in_progress`) as soon as a call is admitted.
+  A stream opens (headers, then the opening events of Anthropic and Responses:
+  `message_start` with the prompt length; `response.created`, `response.in_progress`)
+  with its answer or after `STREAM_OPEN_S` (0.25 s), whichever comes first: an answer
+  ready by then goes out in one write, and a failure by then is an HTTP error.
 - Per call: `gyre.tito.CallStore.match` (prompt ids reused or a branch), `/generate` with
   `gyre_execution` set and a fresh rid, decode (special tokens kept) and
   `gyre.chat.parse_completion`, answer in the API's shape, then record: the store learns

@@ -144,7 +144,7 @@ class Api:
         return sse(err.body())
 
     def preamble(self, start: StreamStart, req: ModelRequest) -> list[bytes]:
-        """SSE frames sent as soon as a streamed call is admitted."""
+        """SSE frames that open a stream, ahead of the answer's (`proxy_http.Reply`)."""
         return []
 
     def render(self, answer: Answer, req: ModelRequest) -> dict | list[bytes]:

@@ -47,13 +47,23 @@ def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
 
 
+STREAM_OPEN_S = 0.25
+"""Seconds a streamed call may wait before its response opens (a real engine's answer
+takes longer; a quick one then goes out in one write instead of two or three)."""
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+
+
 class Reply:
     """The harness's response while a call waits: opening frames and keep-alives now, the
     answer later.
 
-    Streaming: SSE prepared at once, the API's preamble frames, then its keep-alive frame
-    every keepalive_s. Non-streaming: after keepalive_s a 200 JSON response is prepared
-    and newlines are sent; an error after that cuts the connection (`fail`).
+    Streaming: the SSE response opens (headers and the API's preamble frames) when the
+    answer is ready or after `STREAM_OPEN_S`, whichever comes first, then its keep-alive
+    frame every keepalive_s; an answer ready by then goes out in one write, and an error by
+    then is an HTTP error in the API's shape. Non-streaming: after keepalive_s a 200 JSON
+    response is prepared and newlines are sent; an error after that cuts the connection
+    (`fail`).
     """
 
     def __init__(self, request: web.Request, api: Api, stream: bool, keepalive_s: float):
@@ -63,8 +73,10 @@ class Reply:
         self.keepalive_s = keepalive_s
         self.resp: web.StreamResponse | None = None
         self.start_info: StreamStart | None = None
+        self._preamble = b""
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task | None = None
+        self._opening: asyncio.Future | None = None
 
     async def _prepare(self, content_type: str) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers={"Content-Type": content_type, "Cache-Control": "no-cache",
@@ -77,24 +89,35 @@ class Reply:
 
     async def start(self, start: StreamStart, preamble: list[bytes]) -> None:
         self.start_info = start
-        if self.stream:
-            resp = await self._prepare("text/event-stream; charset=utf-8")
-            if preamble:
-                await resp.write(b"".join(preamble))
-        # A timer, not a task: most calls are answered long before the first keep-alive.
-        self._timer = asyncio.get_running_loop().call_later(self.keepalive_s, self._start_keepalive)
+        self._preamble = b"".join(preamble)
+        # A timer, not a task: most calls are answered long before the response opens.
+        first = min(self.keepalive_s, STREAM_OPEN_S) if self.stream else self.keepalive_s
+        self._timer = asyncio.get_running_loop().call_later(first, self._start_keepalive)
 
     def _start_keepalive(self) -> None:
         self._timer = None
-        self._task = asyncio.ensure_future(self._keepalive())
+        self._opening = asyncio.ensure_future(self._open())
+        self._task = asyncio.ensure_future(self._keepalive(self._opening))
 
-    async def _keepalive(self) -> None:
+    async def _open(self) -> None:
+        """Headers, then the preamble (streams) or a first newline."""
         try:
-            while True:
-                if self.resp is None:
-                    await self._prepare("application/json")
-                await self.resp.write(self.api.keepalive if self.stream else b"\n")
+            if self.stream:
+                resp = await self._prepare("text/event-stream; charset=utf-8")
+                if self._preamble:
+                    await resp.write(self._preamble)
+            else:
+                resp = await self._prepare("application/json")
+                await resp.write(b"\n")
+        except ConnectionResetError:
+            pass
+
+    async def _keepalive(self, opening: asyncio.Future) -> None:
+        try:
+            await asyncio.shield(opening)
+            while self.resp is not None:
                 await asyncio.sleep(self.keepalive_s)
+                await self.resp.write(self.api.keepalive if self.stream else b"\n")
         except (ConnectionResetError, asyncio.CancelledError):
             pass
 
@@ -102,27 +125,30 @@ class Reply:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._task is not None:
-            self._task.cancel()
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
             try:
-                await self._task
+                await task
             except asyncio.CancelledError:
                 pass
-            self._task = None
+        opening, self._opening = self._opening, None
+        if opening is not None:
+            await opening  # an opening begun is finished: cut, it would lose headers or preamble
 
     async def send(self, body: dict | list[bytes]) -> web.StreamResponse:
         """Deliver the answer (a body object, or the stream's remaining frames, written at
         once) and end it."""
         await self.stop_keepalive()
-        if self.stream:
-            data = b"".join(body)
-        else:
-            data = orjson.dumps(body)
-            if self.resp is None:
+        data = b"".join(body) if self.stream else orjson.dumps(body)
+        if self.resp is None:  # not opened yet: headers, preamble and answer in one write
+            if self.stream:
+                resp = web.Response(body=self._preamble + data, headers=SSE_HEADERS)
+            else:
                 resp = web.Response(body=data, content_type="application/json")
-                await resp.prepare(self.request)
-                await resp.write_eof()
-                return resp
+            await resp.prepare(self.request)
+            await resp.write_eof()
+            return resp
         # The last frames with the end of the body: one send, not two.
         await self.resp.write_eof(data)
         return self.resp

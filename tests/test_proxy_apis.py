@@ -17,6 +17,7 @@ from aiohttp import web
 from gyre.harness import execution_key
 from handlers.proxy_anthropic import parse_messages_request
 from handlers.proxy_api import unique_hex, zstd_decompressor
+from handlers.proxy_http import STREAM_OPEN_S
 from handlers.proxy_routing import MAX_ENGINE_ABORTS, Attempt, Router, race
 from schemas import ids
 from schemas.cell import CellSwitched, Route, RouteUpdated
@@ -150,6 +151,36 @@ async def test_anthropic_raw_stream_framing_and_pings_while_waiting(local, tok):
     assert blocks == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
                       "content_block_stop", "message_delta", "message_stop"]
     assert "[DONE]" not in text and datas[-2]["delta"]["stop_reason"] == "tool_use"
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+async def test_a_stream_opens_with_its_answer_or_after_stream_open_s(local, api):  # noqa: F811
+    """A streamed answer ready before STREAM_OPEN_S goes out whole, with its length (one
+    write, not chunks); a slower one opens the stream first: headers (and the API's opening
+    frames, where it has them) arrive while the engine still works, the answer after."""
+    engine = await local.engine(["quick", "slow"])
+    url = await local.proxy(engine=engine, keepalive_s=30.0)
+    path, body = APIS[api]
+    body = {**body, "stream": True}
+    first = {"chat": "data: ", "responses": "event: response.created", "messages": "event: message_start"}[api]
+    key = {"x-api-key": execution_key(SECRET, f"exo-{api}")}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + path, json=body, headers=key) as r:
+            quick = (await r.read()).decode()
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        assert int(r.headers["Content-Length"]) == len(quick.encode()) and quick.startswith(first)
+        engine.delay_s = STREAM_OPEN_S + 0.5
+        t0 = asyncio.get_running_loop().time()
+        async with http.post(url + path, json=body, headers=key) as r:
+            opened_s = asyncio.get_running_loop().time() - t0
+            head = (await r.content.readuntil(b"\n\n")).decode()
+            head_s = asyncio.get_running_loop().time() - t0
+            rest = (await r.read()).decode()
+            done_s = asyncio.get_running_loop().time() - t0
+    assert "Content-Length" not in r.headers and head.startswith(first) and "slow" in head + rest
+    assert opened_s < engine.delay_s <= done_s, (opened_s, done_s)
+    if api != "chat":  # Chat Completions has no opening frames: its first chunk carries the answer
+        assert head_s < engine.delay_s, head_s
 
 
 class HoldThen503:

@@ -17,6 +17,7 @@ from gyre.chat import parse_completion
 from gyre.harness import execution_key
 from handlers.proxy_api import ApiError
 from handlers.proxy_routing import engine_reply
+from handlers.proxy_http import STREAM_OPEN_S
 from schemas import ids
 from schemas.cell import Route, RouteUpdated
 from tests.test_proxy import SECRET, Stack, bus, stack, tok  # noqa: F401 - fixtures
@@ -117,6 +118,7 @@ async def test_sglang_string_version_is_answered_and_a_garbage_reply_is_a_502_on
         assert answer.choices[0].message.content == "Hello" and answer.choices[0].finish_reason == "stop"
         (ok,) = await stack.calls(1)
         assert ok.status == "ok" and ok.versions == ((0, 2, 0),) and ok.tokens.completion_ids == (9707, 151645)
+        streamed = {"model": "m", "max_tokens": 5, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
         for body in (b"<html>502 Bad Gateway</html>", b'{"output_ids": null, "meta_info": null}'):
             sglang.body = body
             with pytest.raises(openai.InternalServerError) as err:  # 502, OpenAI's error shape
@@ -128,13 +130,20 @@ async def test_sglang_string_version_is_answered_and_a_garbage_reply_is_a_502_on
                         "model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
                         headers={"x-api-key": execution_key(SECRET, "ex-sg2")}) as r:
                     assert r.status == 502 and (await r.json())["error"]["type"] == "api_error"
-                async with http.post(stack.url + "/v1/messages", json={
-                        "model": "m", "max_tokens": 5, "stream": True, "messages": [{"role": "user", "content": "hi"}]},
-                        headers={"x-api-key": execution_key(SECRET, "ex-sg2")}) as r:
-                    frames = (await r.read()).decode()
-                    assert r.status == 200 and "event: error" in frames and frames.rstrip().endswith("}")
+                # Streamed, failing before the stream opened (STREAM_OPEN_S): an HTTP error too.
+                async with http.post(stack.url + "/v1/messages", json=streamed,
+                                     headers={"x-api-key": execution_key(SECRET, "ex-sg2")}) as r:
+                    assert r.status == 502 and (await r.json())["error"]["type"] == "api_error"
             errors = await stack.calls(3)
             assert [e.status for e in errors] == ["error"] * 3 and all(not e.tokens.completion_ids for e in errors)
+        sglang.delay_s = STREAM_OPEN_S + 0.3  # the stream opens first: the error is an SSE event
+        async with aiohttp.ClientSession() as http:
+            async with http.post(stack.url + "/v1/messages", json=streamed,
+                                 headers={"x-api-key": execution_key(SECRET, "ex-sg2")}) as r:
+                frames = (await r.read()).decode()
+        assert r.status == 200 and frames.startswith("event: message_start")
+        assert "event: error" in frames and frames.rstrip().endswith("}")
+        assert [e.status for e in await stack.calls(1)] == ["error"]
     finally:
         await sglang.stop()
 
