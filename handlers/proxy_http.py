@@ -55,15 +55,15 @@ SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contro
 
 
 class Reply:
-    """The harness's response while a call waits: opening frames and keep-alives now, the
-    answer later.
+    """The harness's response while a call waits: nothing, or an opened response and
+    keep-alives, then the answer.
 
     Streaming: the SSE response opens (headers and the API's preamble frames) when the
-    answer is ready or after `STREAM_OPEN_S`, whichever comes first, then its keep-alive
-    frame every keepalive_s; an answer ready by then goes out in one write, and an error by
-    then is an HTTP error in the API's shape. Non-streaming: after keepalive_s a 200 JSON
-    response is prepared and newlines are sent; an error after that cuts the connection
-    (`fail`).
+    answer is ready or after min(`STREAM_OPEN_S`, keepalive_s), whichever comes first, then
+    its keep-alive frame every keepalive_s from the opening; an answer ready by then goes
+    out in one write, and an error by then is an HTTP error in the API's shape.
+    Non-streaming: after keepalive_s a 200 JSON response is prepared and newlines are sent;
+    an error after that cuts the connection (`fail`).
     """
 
     def __init__(self, request: web.Request, api: Api, stream: bool, keepalive_s: float):
@@ -77,6 +77,7 @@ class Reply:
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task | None = None
         self._opening: asyncio.Future | None = None
+        self._opening_begun = False
 
     async def _prepare(self, content_type: str) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers={"Content-Type": content_type, "Cache-Control": "no-cache",
@@ -101,6 +102,7 @@ class Reply:
 
     async def _open(self) -> None:
         """Headers, then the preamble (streams) or a first newline."""
+        self._opening_begun = True
         try:
             if self.stream:
                 resp = await self._prepare("text/event-stream; charset=utf-8")
@@ -122,9 +124,17 @@ class Reply:
             pass
 
     async def stop_keepalive(self) -> None:
+        """End the timer and keep-alives. An opening that began is finished first (cut, it
+        would lose headers or preamble); one only scheduled is dropped. Raises
+        CancelledError when the calling task was cancelled meanwhile (the awaits here would
+        otherwise absorb it)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        opening, self._opening = self._opening, None
+        if opening is not None and not self._opening_begun:
+            opening.cancel()  # before any await here: cancelled before its first step, it never runs
+            opening = None
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -132,9 +142,11 @@ class Reply:
                 await task
             except asyncio.CancelledError:
                 pass
-        opening, self._opening = self._opening, None
         if opening is not None:
-            await opening  # an opening begun is finished: cut, it would lose headers or preamble
+            await asyncio.shield(opening)
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise asyncio.CancelledError
 
     async def send(self, body: dict | list[bytes]) -> web.StreamResponse:
         """Deliver the answer (a body object, or the stream's remaining frames, written at

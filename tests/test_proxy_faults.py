@@ -15,9 +15,10 @@ from aiohttp import web
 
 from gyre.chat import parse_completion
 from gyre.harness import execution_key
-from handlers.proxy_api import ApiError
+from handlers.proxy import CHAT
+from handlers.proxy_api import ApiError, StreamStart
 from handlers.proxy_routing import engine_reply
-from handlers.proxy_http import STREAM_OPEN_S
+from handlers.proxy_http import STREAM_OPEN_S, Reply
 from schemas import ids
 from schemas.cell import Route, RouteUpdated
 from tests.test_proxy import SECRET, Stack, bus, stack, tok  # noqa: F401 - fixtures
@@ -374,3 +375,62 @@ def test_key_cache_keeps_valid_keys_only():
     info = state._valid_key.cache_info()
     assert (info.currsize, info.hits) == (1, 1)
     assert state.execution_of(forged) is None
+
+
+async def _serve_one(handler) -> tuple[int | None, bytes]:
+    """POST once to a bare aiohttp server running `handler`: (status, body), or (None,
+    the error's repr) when the connection broke."""
+    app = web.Application()
+    app.router.add_post("/x", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            try:
+                async with http.post(f"http://127.0.0.1:{runner.addresses[0][1]}/x") as r:
+                    return r.status, await r.read()
+            except aiohttp.ClientError as exc:
+                return None, repr(exc).encode()
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_failure_as_the_response_was_to_open_is_an_http_error(stream):
+    """The keep-alive timer fired (the opening is scheduled, not begun) in the loop pass the
+    handler resumes with a failure: nothing went out yet, so the caller gets an HTTP error
+    in its API's shape, not a cut body or an SSE error."""
+    async def handler(request):
+        reply = Reply(request, CHAT, stream, keepalive_s=0.05)
+        await reply.start(StreamStart(rid="r", created=0, model="m", prompt_tokens=1), [])
+        await asyncio.sleep(0.01)
+        reply._timer.cancel()  # what the loop does when the timer fires just before this resumes
+        reply._start_keepalive()
+        return await reply.fail(ApiError(503, "no engine", "server_error", code="engine_unavailable"))
+
+    status, body = await _serve_one(handler)
+    assert status == 503 and orjson.loads(body)["error"]["code"] == "engine_unavailable", (status, body)
+
+
+async def test_a_cancellation_while_keepalives_stop_is_not_lost():
+    """The handler cancelled (the harness went away) while `stop_keepalive` awaits the
+    keep-alive task: the cancellation reaches the handler instead of being absorbed."""
+    seen = {}
+
+    async def handler(request):
+        reply = Reply(request, CHAT, True, keepalive_s=0.05)
+        await reply.start(StreamStart(rid="r", created=0, model="m", prompt_tokens=1), [])
+        await asyncio.sleep(0.2)  # opened, keep-alives running
+        asyncio.get_running_loop().call_soon(asyncio.current_task().cancel)
+        try:
+            await reply.send([b"data: answer\n\n"])
+            seen["outcome"] = "answered"
+        except asyncio.CancelledError:
+            seen["outcome"] = "cancelled"
+            raise
+        return reply.resp
+
+    await _serve_one(handler)
+    assert seen == {"outcome": "cancelled"}
