@@ -2,7 +2,7 @@
 VENV ?= .venv
 PYTEST_ARGS ?=
 
-.PHONY: demo test install test-slow clean
+.PHONY: demo test install clean
 
 install: $(VENV)/.installed
 
@@ -15,9 +15,6 @@ demo: install
 
 test: install
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
-
-test-slow: install
-	$(VENV)/bin/python -m pytest -q -m slow $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -47,8 +47,12 @@ def main(argv: list[str] | None = None) -> int:
 def _bench(argv: list[str]) -> int:
     import importlib
 
+    usage = "usage: gyre bench NAME [--json PATH] ...  (NAME: proxy, trajectories; gyre bench NAME --help)"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if not argv or argv[0].startswith("-"):
-        print("usage: gyre bench NAME [--json PATH] ...  (NAME: proxy, trajectories)", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     name = argv[0].replace("-", "_")
     try:
