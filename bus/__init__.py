@@ -5,6 +5,7 @@ from bus.client import (
     Bus,
     BusConfig,
     BusError,
+    ConnectError,
     PayloadTooLarge,
     PublishError,
     Tap,
@@ -13,6 +14,6 @@ from bus.client import (
 from bus.consumer import Backoff, Delivery, Invalid, Outcome, Retry, classify
 
 __all__ = [
-    "MAX_EVENT_BYTES", "OBJECT_THRESHOLD_BYTES", "Bus", "BusConfig", "BusError", "PayloadTooLarge",
+    "MAX_EVENT_BYTES", "OBJECT_THRESHOLD_BYTES", "Bus", "BusConfig", "BusError", "ConnectError", "PayloadTooLarge",
     "PublishError", "Tap", "too_big", "Backoff", "Delivery", "Invalid", "Outcome", "Retry", "classify",
 ]

@@ -54,6 +54,22 @@ class BusError(RuntimeError):
     """Base of bus errors."""
 
 
+async def _close_quietly(nc: Any) -> None:
+    try:
+        await nc.close()
+    except Exception:  # noqa: BLE001 - nothing to close
+        pass
+
+
+class ConnectError(BusError):
+    """The initial connect did not succeed within its bound, or `stop` was set first
+    (`stopped` True)."""
+
+    def __init__(self, message: str, stopped: bool = False):
+        super().__init__(message)
+        self.stopped = stopped
+
+
 class PublishError(BusError):
     """A publish still failed after its retries; `__cause__` holds the last error."""
 
@@ -134,11 +150,14 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, *, token: str | None = None, run: str, name: str,
-                      user_credentials: str | None = None, config: BusConfig | None = None) -> "Bus":
+                      user_credentials: str | None = None, config: BusConfig | None = None,
+                      stop: asyncio.Event | None = None) -> "Bus":
         """Connect to `url` as client `name` for run `run`; reconnects forever afterwards.
 
-        Raises BusError when the initial connect does not succeed within
-        config.connect_timeout_s (None = keep trying).
+        Raises ConnectError (a BusError) when the initial connect does not succeed within
+        config.connect_timeout_s (None = keep trying), or when `stop` (a daemon's stop
+        event) is set before it does (`stopped` True): a daemon told to stop while the
+        server is unreachable stops at once.
         """
         config = config or BusConfig()
         subjects.check_run(run)
@@ -166,14 +185,25 @@ class Bus:
             reconnected_cb=reconnected, error_cb=error, closed_cb=closed,
             drain_timeout=config.drain_timeout_s,
         )
+        connecting = asyncio.ensure_future(asyncio.wait_for(nc.connect(**options), config.connect_timeout_s))
+        stopping = asyncio.ensure_future(stop.wait()) if stop is not None else None
         try:
-            await asyncio.wait_for(nc.connect(**options), config.connect_timeout_s)
+            if stopping is not None:
+                await asyncio.wait((connecting, stopping), return_when=asyncio.FIRST_COMPLETED)
+                if not connecting.done():
+                    raise ConnectError(f"stopped before connecting to {url}", stopped=True)
+            await connecting
         except (asyncio.TimeoutError, nats.errors.Error, OSError) as exc:
-            try:
-                await nc.close()
-            except Exception:  # noqa: BLE001 - nothing to close
-                pass
-            raise BusError(f"could not connect to {url} within {config.connect_timeout_s}s: {exc!r}") from exc
+            await _close_quietly(nc)
+            raise ConnectError(f"could not connect to {url} within {config.connect_timeout_s}s: {exc!r}") from exc
+        except BaseException:  # stopped, or the caller cancelled: no connect goes on behind it
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+            await _close_quietly(nc)
+            raise
+        finally:
+            if stopping is not None:
+                stopping.cancel()
         clog.info("bus.connected")
         return cls(nc, run=run, name=name, config=config)
 

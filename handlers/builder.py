@@ -83,7 +83,7 @@ class Builder:
 
 
 async def run(cfg: Config, stop: asyncio.Event) -> None:
-    bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="builder")
+    bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="builder", stop=stop)
     try:
         await bus.ensure_streams()
         builder = Builder(cfg, bus)

@@ -197,7 +197,7 @@ class Cell:
 
 
 async def run(cfg: Config, stop: asyncio.Event) -> None:
-    bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name=cfg.cell)
+    bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name=cfg.cell, stop=stop)
     cell = Cell(cfg, bus)
     try:
         await bus.ensure_streams()

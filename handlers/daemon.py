@@ -23,6 +23,7 @@ from typing import TextIO
 import orjson
 import structlog
 
+from bus import ConnectError
 from gyre.config import Recipe, load_recipe, recipe_from_dict
 
 log = structlog.get_logger()
@@ -195,6 +196,12 @@ def daemon_main(name: str, description: str,
 
     try:
         run_async(_main())
+    except ConnectError as exc:  # no bus: say so in one line (the traceback adds nothing)
+        if exc.stopped:
+            log.info("daemon.stopped", before="the bus connected")
+            return 0
+        log.error("daemon.fatal", error=str(exc))
+        return 1
     except FatalError as exc:
         log.error("daemon.fatal", error=str(exc))
         return 1

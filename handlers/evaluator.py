@@ -225,7 +225,7 @@ class Evaluator:
 
 async def run(cfg: Config, stop: asyncio.Event) -> None:
     tasks = task_index(load_tasks(cfg.tasks))
-    bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="evaluator")
+    bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="evaluator", stop=stop)
     try:
         await bus.ensure_streams()
         evaluator = Evaluator(cfg, bus, tasks, stop)

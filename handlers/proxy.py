@@ -747,7 +747,7 @@ async def run(cfg: Config, stop: asyncio.Event,
     fast_encoder(tokenizer)  # build tiktoken's tables now, not on the first call
     bus = None
     if cfg.nats_url:
-        bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="proxy")
+        bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="proxy", stop=stop)
         await bus.ensure_streams()
     session = make_session()
     state = ProxyState(cfg, tokenizer, session, bus)

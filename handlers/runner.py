@@ -294,7 +294,7 @@ def kill_group(pid: int) -> None:
 
 async def run(cfg: Config, stop: asyncio.Event) -> None:
     tasks = task_index(load_tasks(cfg.tasks))
-    bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="runner")
+    bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="runner", stop=stop)
     try:
         await bus.ensure_streams()
         runner = Runner(cfg, bus, tasks, stop)

@@ -116,7 +116,7 @@ class Scheduler:
 
 
 async def run(cfg: Config, stop: asyncio.Event) -> None:
-    bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="scheduler")
+    bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="scheduler", stop=stop)
     try:
         await bus.ensure_streams()
         sched = Scheduler(cfg, bus)

@@ -2,6 +2,7 @@
 cleanly on SIGTERM with exit status 0; bad arguments exit 2."""
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -76,3 +77,26 @@ def test_json_log_lines_never_raise():
     assert json.loads(_json_line({"big": 2**64})) == {"big": 2**64}
     assert _json_line({"lone": "\ud800"}) == '{"lone": "\\ud800"}'
     assert json.loads(_json_line({"p": Path("/x")}, default=repr)) == {"p": "PosixPath('/x')"}
+
+
+def test_a_daemon_told_to_stop_while_the_bus_is_unreachable_stops_at_once(tmp_path):
+    """NATS down (a closed port): the daemon keeps trying to connect (connect_timeout_s,
+    30 s) until SIGTERM, then exits 0 at once; no traceback."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, GYRE_NATS_URL=f"nats://127.0.0.1:{port}", GYRE_NATS_TOKEN="t", GYRE_RUNS_DIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "handlers.cli", "builder", "--recipe", "toy", "--run", "down"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(3.0)  # started and trying to connect
+        assert proc.poll() is None, proc.stdout.read()
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and took < 5, (took, out)
+    assert "daemon.stopped" in out and "Traceback" not in out and "daemon.crashed" not in out, out
