@@ -61,6 +61,12 @@ async def _close_quietly(nc: Any) -> None:
         pass
 
 
+async def _give_up(connecting: asyncio.Future, nc: Any) -> None:
+    connecting.cancel()
+    await asyncio.gather(connecting, return_exceptions=True)
+    await _close_quietly(nc)
+
+
 class ConnectError(BusError):
     """The initial connect did not succeed within its bound, or `stop` was set first
     (`stopped` True)."""
@@ -195,11 +201,21 @@ class Bus:
             await connecting
         except (asyncio.TimeoutError, nats.errors.Error, OSError) as exc:
             await _close_quietly(nc)
+            if stop is not None and stop.is_set():  # failed and stopped in the same loop pass
+                raise ConnectError(f"stopped before connecting to {url}", stopped=True) from exc
             raise ConnectError(f"could not connect to {url} within {config.connect_timeout_s}s: {exc!r}") from exc
         except BaseException:  # stopped, or the caller cancelled: no connect goes on behind it
-            connecting.cancel()
-            await asyncio.gather(connecting, return_exceptions=True)
-            await _close_quietly(nc)
+            # The clean-up runs to its end even through further cancellations (an unclosed
+            # client would keep its socket and tasks); one that came meanwhile is raised after.
+            cleanup = asyncio.ensure_future(_give_up(connecting, nc))
+            cancelled = False
+            while not cleanup.done():
+                try:
+                    await asyncio.shield(cleanup)
+                except asyncio.CancelledError:
+                    cancelled = True
+            if cancelled:
+                raise asyncio.CancelledError from None
             raise
         finally:
             if stopping is not None:

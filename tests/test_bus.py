@@ -430,6 +430,35 @@ async def test_initial_connect_is_bounded(run_id):
                           config=BusConfig(connect_timeout_s=0.5))
 
 
+async def test_a_connect_stopped_or_cancelled_leaves_no_client_behind(nats_server, run_id):  # noqa: F811
+    """`Bus.connect(stop=...)`: a stop set first gives ConnectError(stopped); a connect
+    cancelled at any step, even twice, ends cancelled with nats-py's tasks gone (its
+    clean-up runs through the second cancellation)."""
+    stop = asyncio.Event()
+    stop.set()
+    with pytest.raises(bus_module.ConnectError) as err:
+        await Bus.connect(nats_server.url, token=nats_server.token, run=run_id, name="t", stop=stop)
+    assert err.value.stopped
+    ours = asyncio.all_tasks()
+    for steps in range(0, 24, 2):
+        for gap in (0, 1, 2):
+            task = asyncio.ensure_future(Bus.connect(nats_server.url, token=nats_server.token, run=run_id, name="t",
+                                                     stop=asyncio.Event()))
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            if task.done():
+                await task.result().close()
+                continue
+            task.cancel()
+            for _ in range(gap):
+                await asyncio.sleep(0)
+            task.cancel()
+            (outcome,) = await asyncio.gather(task, return_exceptions=True)
+            await asyncio.sleep(0.02)
+            left = [t.get_coro().__qualname__ for t in asyncio.all_tasks() - ours if t is not asyncio.current_task()]
+            assert isinstance(outcome, asyncio.CancelledError) and not left, (steps, gap, outcome, left)
+
+
 async def test_publish_and_consume_survive_server_restart(tmp_path, run_id):
     from bus.server import NatsServer
 
