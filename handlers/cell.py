@@ -198,8 +198,9 @@ class Cell:
 
 async def run(cfg: Config, stop: asyncio.Event) -> None:
     bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name=cfg.cell, stop=stop)
-    cell = Cell(cfg, bus)
+    cell: Cell | None = None
     try:
+        cell = Cell(cfg, bus)  # may fail (e.g. no model): the bus is closed all the same
         await bus.ensure_streams()
         await bus.ensure_consumer(ConsumerSpec(f"{cfg.cell}-v1", "CELLS", ("cell.switch",), ack_wait_s=120.0,
                                                max_ack_pending=1))
@@ -209,7 +210,8 @@ async def run(cfg: Config, stop: asyncio.Event) -> None:
             tg.create_task(bus.replay(["step.sealed"], cell.handle_sealed, stop=stop))
             tg.create_task(bus.replay(["weights.published"], cell.handle_weights, stop=stop))
     finally:
-        await cell.stop()
+        if cell is not None:
+            await cell.stop()
         await bus.close()
 
 
