@@ -18,7 +18,7 @@ from pathlib import Path
 import structlog
 
 import schemas
-from bus import Bus, Retry
+from bus import Bus
 from bus.subjects import ConsumerSpec
 from gyre.engine import Engine, EngineConfig
 from gyre.microstep import from_bytes

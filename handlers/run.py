@@ -284,7 +284,7 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
     except OSError:
         pass
     print(f"gyre: run {run} — directory {run_dir}")
-    print(f"gyre: follow its events from another terminal with `gyre tap`")
+    print("gyre: follow its events from another terminal with `gyre tap`")
 
     t0 = time.monotonic()
     if not recipe.model.dir:

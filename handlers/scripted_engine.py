@@ -57,7 +57,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from gyre.tokenizer import IM_END, IM_START, fast_decoder, parse_stop, stop_hit, stop_window
+from gyre.tokenizer import IM_END, fast_decoder, parse_stop, stop_hit, stop_window
 
 log = structlog.get_logger(__name__)
 

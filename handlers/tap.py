@@ -34,7 +34,7 @@ def summarise(subject: str, data: bytes, *, width: int = 160) -> str:
         return f"{run_of(subject)} {name} {str(obj)[:width]}"
     when = str(obj.pop("emitted_at", ""))[11:23]
     obj.pop("schema_version", None)
-    event_id = obj.pop("event_id", "")
+    obj.pop("event_id", None)  # noise in a live view
     tokens = obj.get("tokens")
     if isinstance(tokens, dict):
         obj["tokens"] = {k: f"<{len(v)}>" for k, v in tokens.items() if k in _ARRAYS}
