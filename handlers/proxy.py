@@ -43,8 +43,9 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   connection, since no status can be sent any more).
   A stream opens (headers, then the opening events of Anthropic and Responses:
   `message_start` with the prompt length; `response.created`, `response.in_progress`)
-  with its answer or after min(`STREAM_OPEN_S` (0.25 s), keepalive_s), whichever comes first: an answer
-  ready by then goes out in one write, and a failure by then is an HTTP error.
+  with its answer or after min(`STREAM_OPEN_S` (0.25 s), keepalive_s), whichever comes
+  first: an answer ready by then goes out in one write, and a failure by then is an HTTP
+  error.
 - Per call: `gyre.tito.CallStore.match` (prompt ids reused or a branch), `/generate` with
   `gyre_execution` set and a fresh rid, decode (special tokens kept) and
   `gyre.chat.parse_completion`, answer in the API's shape, then record: the store learns
@@ -804,8 +805,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--port", type=int, default=0, help="listening port on 127.0.0.1 (0 = free port)")
         p.add_argument("--engine-url", default="", help="engine used while no rollout cell is known")
 
-    return daemon_main("proxy", "model endpoint for agent harnesses (OpenAI Chat and Responses, Anthropic Messages) with token-in/token-out capture",
-                       config_from_context, run, argv, extra_args=extra)
+    return daemon_main("proxy", "model endpoint for agent harnesses (OpenAI Chat and Responses, Anthropic "
+                                "Messages) with token-in/token-out capture", config_from_context, run, argv,
+                       extra_args=extra)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ so a harness that echoes it matches), `text`, `tool_use` (ids `toolu_…`); `sto
 `tool_use` | `max_tokens` | `end_turn` | `stop_sequence` (with `stop_sequence`, the text cut
 before it); usage `input_tokens` = the whole prompt length.
 Streams: `message_start` (with the true prompt length; sent when the stream opens,
-`handlers.proxy_http.Reply`), `ping` keep-alives, per block `content_block_start` / `content_block_delta`
-(`thinking_delta` + `signature_delta`, `text_delta`, `input_json_delta` whose first
+`handlers.proxy_http.Reply`), `ping` keep-alives, per block `content_block_start` /
+`content_block_delta` (`thinking_delta` + `signature_delta`, `text_delta`, `input_json_delta` whose first
 fragment is "" and whose fragments concatenate to the input's JSON) / `content_block_stop`,
 `message_delta` (stop reason, usage), `message_stop`; no `[DONE]`.
 Errors: `{"type": "error", "error": {"type", "message"}}`, the type from the HTTP status;

@@ -50,8 +50,12 @@ def _dumps(obj: Any) -> str:
 STREAM_OPEN_S = 0.25
 """Seconds a streamed call may wait before its response opens (a real engine's answer
 takes longer; a quick one then goes out in one write instead of two or three)."""
-SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-               "X-Accel-Buffering": "no"}
+SSE_TYPE = "text/event-stream; charset=utf-8"
+
+
+def _waiting_headers(content_type: str) -> dict[str, str]:
+    """Headers of a response that streams or waits (no caching, no proxy buffering)."""
+    return {"Content-Type": content_type, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class Reply:
@@ -80,8 +84,7 @@ class Reply:
         self._opening_begun = False
 
     async def _prepare(self, content_type: str) -> web.StreamResponse:
-        resp = web.StreamResponse(status=200, headers={"Content-Type": content_type, "Cache-Control": "no-cache",
-                                                       "X-Accel-Buffering": "no"})
+        resp = web.StreamResponse(status=200, headers=_waiting_headers(content_type))
         if self.request.version < HttpVersion11:
             resp.force_close()  # HTTP/1.0 has no chunking: the body ends where the connection does
         await resp.prepare(self.request)
@@ -105,7 +108,7 @@ class Reply:
         self._opening_begun = True
         try:
             if self.stream:
-                resp = await self._prepare("text/event-stream; charset=utf-8")
+                resp = await self._prepare(SSE_TYPE)
                 if self._preamble:
                     await resp.write(self._preamble)
             else:
@@ -155,7 +158,7 @@ class Reply:
         data = b"".join(body) if self.stream else orjson.dumps(body)
         if self.resp is None:  # not opened yet: headers, preamble and answer in one write
             if self.stream:
-                resp = web.Response(body=self._preamble + data, headers=SSE_HEADERS)
+                resp = web.Response(body=self._preamble + data, headers=_waiting_headers(SSE_TYPE))
             else:
                 resp = web.Response(body=data, content_type="application/json")
             await resp.prepare(self.request)
