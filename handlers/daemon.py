@@ -61,6 +61,26 @@ def read_nats_info(run_dir: Path) -> dict:
         raise FatalError(f"{path} not found: is the run started (gyre run) and is --run-dir right?") from None
 
 
+def run_owner_alive(info: dict) -> bool:
+    """Whether the `gyre run` process that wrote `nats.json` (its "pid") still runs; True
+    when the file names no pid or the process belongs to another user."""
+    pid = info.get("pid")
+    if not pid:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def ended_run_message(run_dir: Path, info: dict) -> str:
+    return (f"run {info['run']} has ended (its `gyre run` process {info.get('pid')} is gone); "
+            f"its summary is in {run_dir / 'summary.json'}")
+
+
 def context_from_args(args: argparse.Namespace) -> RunContext:
     """Build the RunContext from `--run-dir` or `--recipe/--run` plus the environment."""
     env_url = os.environ.get("GYRE_NATS_URL")
@@ -69,6 +89,8 @@ def context_from_args(args: argparse.Namespace) -> RunContext:
     if args.run_dir:
         run_dir = Path(args.run_dir).resolve()
         info = read_nats_info(run_dir)
+        if not env_url and not run_owner_alive(info):  # say so now, not after a 30 s connect timeout
+            raise FatalError(ended_run_message(run_dir, info))
         recipe = recipe_from_dict(orjson.loads((run_dir / "config.json").read_bytes()))
         run = info["run"]
         url = env_url or info["url"]

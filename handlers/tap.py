@@ -17,7 +17,7 @@ import orjson
 
 from bus import Bus
 from bus.subjects import PREFIX, name_of, run_of
-from handlers.daemon import install_signals, read_nats_info
+from handlers.daemon import ended_run_message, install_signals, read_nats_info, run_owner_alive
 from handlers.run import runs_root
 
 _ARRAYS = ("prompt_ids", "completion_ids", "logprobs")
@@ -55,26 +55,13 @@ def _short(v) -> str:
     return str(v)
 
 
-def _alive(pid: int | None) -> bool:
-    if not pid:
-        return True  # unknown owner: assume it runs
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _locate(args) -> tuple[str, str | None, str | None, int | None]:
     """(url, token, run, pid of the `gyre run` owning the server or None) of the run to tap."""
     if args.run_dir or not os.environ.get("GYRE_NATS_URL"):
         run_dir = Path(args.run_dir) if args.run_dir else runs_root() / "latest"
         info = read_nats_info(run_dir)
-        if not _alive(info.get("pid")):
-            raise RuntimeError(f"run {info['run']} has ended (its `gyre run` process {info.get('pid')} is gone); "
-                               f"its summary is in {run_dir.resolve() / 'summary.json'}")
+        if not run_owner_alive(info):
+            raise RuntimeError(ended_run_message(run_dir.resolve(), info))
         return info["url"], info.get("token"), None if args.all_runs else (args.run or info["run"]), info.get("pid")
     return (os.environ["GYRE_NATS_URL"], os.environ.get("GYRE_NATS_TOKEN"),
             None if args.all_runs else args.run, None)
@@ -94,7 +81,7 @@ async def _tap(url: str, token: str | None, run: str | None, pattern: str, width
     try:
         await bus.tap(subject, show)
         while not stop.is_set():
-            if not _alive(pid):
+            if not run_owner_alive({"pid": pid}):
                 print("gyre tap: the run has ended", file=sys.stderr, flush=True)
                 break
             try:

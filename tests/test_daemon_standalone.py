@@ -100,3 +100,26 @@ def test_a_daemon_told_to_stop_while_the_bus_is_unreachable_stops_at_once(tmp_pa
             proc.kill()
     assert proc.returncode == 0 and took < 5, (took, out)
     assert "daemon.stopped" in out and "Traceback" not in out and "daemon.crashed" not in out, out
+
+
+def test_a_daemon_pointed_at_an_ended_run_says_so_at_once(tmp_path):
+    """`--run-dir` of a run whose `gyre run` is gone: exit 2 with one line naming the
+    ended run, not a 30 s connect timeout against its stopped NATS server."""
+    import orjson
+
+    from gyre.config import load_recipe
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    run_dir = tmp_path / "toy-ended"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_bytes(orjson.dumps(load_recipe("toy").to_dict()))
+    (run_dir / "nats.json").write_bytes(orjson.dumps({"run": "toy-ended", "url": "nats://127.0.0.1:1",
+                                                      "pid": gone.pid}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_NATS")}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "handlers.cli", "proxy", "--run-dir", str(run_dir)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 2 and took < 20, (took, proc.stderr)
+    assert "run toy-ended has ended" in proc.stderr and "summary.json" in proc.stderr, proc.stderr

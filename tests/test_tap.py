@@ -1,0 +1,76 @@
+"""`gyre tap` as a person runs it: against a live run's directory it prints each event as
+one readable line and stops by itself when the run ends; an ended run is refused at once."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+
+import schemas
+from bus import Bus
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_dir(tmp_path: Path, run: str, url: str, token: str | None, pid: int) -> Path:
+    run_dir = tmp_path / run
+    run_dir.mkdir()
+    info = {"run": run, "url": url, "pid": pid}
+    if token:
+        info["token"] = token
+    (run_dir / "nats.json").write_bytes(orjson.dumps(info))
+    return run_dir
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("GYRE_NATS")}
+
+
+async def test_tap_prints_a_live_runs_events_and_stops_when_the_run_ends(nats_server, run_id, tmp_path):
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # stands in for `gyre run`
+    run_dir = _run_dir(tmp_path, run_id, nats_server.url, nats_server.token, owner.pid)
+    tap = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "handlers.cli", "tap", "--run-dir", str(run_dir), "cell.*", cwd=ROOT, env=_env(),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    bus = await Bus.connect(nats_server.url, token=nats_server.token, run=run_id, name="test-tap")
+    try:
+        await bus.ensure_streams()
+        line, deadline = b"", time.monotonic() + 60
+        while not line and time.monotonic() < deadline and tap.returncode is None:
+            # the tap subscribes some time after it starts: publish until it shows one
+            await bus.publish(schemas.CellSwitch(event_id=f"{run_id}:sw:{time.monotonic()}", cell="cell7", seq=3,
+                                                 from_role="idle", to_role="rollout", reason="tap test"))
+            try:
+                line = await asyncio.wait_for(tap.stdout.readline(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+        text = line.decode()
+        assert text.split()[1:2] == ["cell.switch"], text
+        assert "cell=cell7" in text and "to_role=rollout" in text and "event_id" not in text, text
+        owner.kill()
+        owner.wait()
+        _, err = await asyncio.wait_for(tap.communicate(), 30)  # stops by itself about 1 s after the run ends
+        assert tap.returncode == 0, err
+        assert b"the run has ended" in err, err
+    finally:
+        await bus.close()
+        if owner.poll() is None:
+            owner.kill()
+        if tap.returncode is None:
+            tap.kill()
+            await tap.wait()
+
+
+def test_tap_refuses_an_ended_run_at_once(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    run_dir = _run_dir(tmp_path, "ended", "nats://127.0.0.1:1", None, gone.pid)
+    proc = subprocess.run([sys.executable, "-m", "handlers.cli", "tap", "--run-dir", str(run_dir)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "run ended has ended" in proc.stderr and "summary.json" in proc.stderr, proc.stderr
