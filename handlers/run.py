@@ -122,7 +122,7 @@ class Progress:
             self.completed[event.step] = event
             self._emit("step.completed", step=event.step, loss=event.loss, grad_norm=event.grad_norm,
                        tokens=event.tokens, policy_version=event.policy_version, duration_s=event.duration_s)
-            self._say(f"step {event.step}: completed — loss {event.loss:.5f}, grad norm {event.grad_norm:.4f}, "
+            self._say(f"step {event.step}: completed — loss {event.loss:.3g}, grad norm {event.grad_norm:.4g}, "
                       f"{event.tokens} tokens trained, policy version {event.policy_version}")
             if len(self.completed) >= steps:
                 self.done.set()
