@@ -35,6 +35,13 @@ Contract:
   the common part are normalised and hashed again.
 - `CallStore.fresh(messages, tools) -> Match`: the request rendered alone, parent None
   (auxiliary calls: counted, answered and published, never recorded).
+- A branch or fresh request's first turn (the system prompt and tool definitions, up to
+  and including the first `<|im_end|>`) is encoded through `first_turns`, an LRU shared
+  by the stores of one process (`first_turn_encoder`): the executions of a task share it,
+  and a harness's system prompt with its tools is 15–25k tokens (Claude Code; 17k tokens
+  take 4 ms to encode on the 2-core CI machine), encoded on the event loop for every
+  execution's first call and every count_tokens call. Exact because encoding splits at
+  `<|im_end|>` (see Drift below).
 - `CallStore.record(match, call=, seq=, answer=, completion_ids=)` adds a served call; its
   answer's tool-call payloads enter `tool_args`. Only calls whose answer reached the harness
   should be recorded.
@@ -474,12 +481,17 @@ class CallStore:
       that function, with incremental rendering when the tokenizer is on gyre's template.
     check_drift: count drift on extensions (module docstring; O(one turn) on gyre's
       template, O(prompt) re-tokenisation otherwise); False reports drift 0.
+    first_turns: `first_turn_encoder(tokenizer)`, shared by the process's stores; None
+      encodes every branch whole. Unused when encoding does not split at `<|im_end|>`.
     Attributes: `incremental` (only new messages are rendered; module docstring).
     Not thread-safe; one event loop owns it.
     """
 
-    def __init__(self, tokenizer: Any, *, render: Renderer | None = None, check_drift: bool = True):
-        self.incremental = render is None and uses_gyre_template(tokenizer) and _special_tokens_split(tokenizer)
+    def __init__(self, tokenizer: Any, *, render: Renderer | None = None, check_drift: bool = True,
+                 first_turns: Callable[[str], np.ndarray] | None = None):
+        split = _special_tokens_split(tokenizer)
+        self.incremental = render is None and uses_gyre_template(tokenizer) and split
+        self._first_turns = first_turns if split else None
         if render is None:
             from gyre.chat import render as chat_render
 
@@ -515,6 +527,14 @@ class CallStore:
     def encode(self, text: str) -> np.ndarray:
         """(N,) int32 ids of `text`, no special tokens added (special-token text is parsed)."""
         return np.asarray(self.encode_list(text), dtype=np.int32)
+
+    def encode_prompt(self, text: str) -> np.ndarray:
+        """(N,) int32 ids of a whole rendered prompt: `encode(text)`, its first turn taken
+        from `first_turns` when the store has one (the module docstring)."""
+        end = text.find(IM_END_TEXT) + len(IM_END_TEXT) if self._first_turns is not None else 0
+        if end < len(IM_END_TEXT):
+            return self.encode(text)
+        return np.concatenate((self._first_turns(text[:end]), self.encode(text[end:])))
 
     def _prompt(self, c: CallRecord, suffix: list[int]) -> np.ndarray:
         """The prompt extending c: c's full ids (+ <|im_end|> unless c stopped) + suffix.
@@ -595,7 +615,7 @@ class CallStore:
         tree. Raises like `match`."""
         msgs = self.normalise(messages)
         tools_n = tuple(normalise_tools(tools))
-        return Match(parent=None, prefix_len=0, prompt_ids=self.encode(self._render(msgs, tools_n, True)),
+        return Match(parent=None, prefix_len=0, prompt_ids=self.encode_prompt(self._render(msgs, tools_n, True)),
                      extended=False, drift=0, messages=tuple(msgs), tools=tools_n, digest=b"")
 
     def _extend(self, c: CallRecord, rest: list[dict], tools: tuple[dict, ...], digest: bytes) -> Match | None:
@@ -708,7 +728,7 @@ class CallStore:
         return count_drift(match.prompt_ids, sampled, self.encode(self._render(match.messages, match.tools, True)))
 
     def _branch(self, msgs: list[dict], tools: tuple[dict, ...], digest: bytes) -> Match:
-        prompt = self.encode(self._render(msgs, tools, True))
+        prompt = self.encode_prompt(self._render(msgs, tools, True))
         best: CallRecord | None = None
         best_len = 0
         for rec in self.calls:
@@ -772,6 +792,25 @@ class CallStore:
 
     def get(self, call: str) -> CallRecord | None:
         return self._by_call.get(call)
+
+
+FIRST_TURNS = 64  # distinct first turns (system prompt + tools) kept per process
+FIRST_TURN_MAX_CHARS = 256_000  # longer first turns are encoded, not kept (≤ ~32 MB in all)
+
+
+def first_turn_encoder(tokenizer: Any, maxsize: int = FIRST_TURNS) -> Callable[[str], np.ndarray]:
+    """text → (N,) int32 ids (read-only) of a prompt's first turn, the latest `maxsize`
+    distinct ones (up to FIRST_TURN_MAX_CHARS each) kept: the `first_turns` of the
+    CallStores of one process. Raises what encoding raises."""
+    store = CallStore(tokenizer)
+
+    @functools.lru_cache(maxsize=maxsize)
+    def kept(text: str) -> np.ndarray:
+        ids = store.encode(text)
+        ids.flags.writeable = False
+        return ids
+
+    return lambda text: kept(text) if len(text) <= FIRST_TURN_MAX_CHARS else store.encode(text)
 
 
 def _last_im_end_before(rec: CallRecord, limit: int) -> int:

@@ -1,6 +1,7 @@
 """TITO: normalisation, extension with verbatim id reuse, branches, drift (gyre.tito)."""
 from __future__ import annotations
 
+import functools
 import json
 import random
 
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 
 from gyre.chat import parse_completion, render
-from gyre.tito import CallStore, count_drift, equal_prefix_len, message_key, normalise, normalise_message
+from gyre.tito import (CallStore, count_drift, equal_prefix_len, first_turn_encoder, message_key, normalise,
+                       normalise_message)
 from gyre.tokenizer import IM_END, build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a command",
@@ -407,7 +409,7 @@ def test_incremental_store_matches_the_full_render_store(tok, session):
     """The same session through the incremental store and through one that renders in full
     (another renderer disables the incremental path): the same parents, prefixes, prompt ids
     and drift, and the drift equals the full-request count."""
-    fast, slow = CallStore(tok), CallStore(tok, render=render)
+    fast, slow = CallStore(tok, first_turns=_shared_first_turns(tok)), CallStore(tok, render=render)
     assert fast.incremental and not slow.incremental
     for (mf, rf), (ms, rs) in zip(_play(fast, tok, session), _play(slow, tok, session)):
         assert (mf.extended, mf.prefix_len, rf.seq) == (ms.extended, ms.prefix_len, rs.seq)
@@ -420,6 +422,41 @@ def test_incremental_store_matches_the_full_render_store(tok, session):
         if mf.extended:
             assert mf.prompt_ids.tolist()[len(mf.prompt_ids) - len(encode(tok, "\n<|im_start|>assistant\n")):] == \
                 encode(tok, "\n<|im_start|>assistant\n")
+
+
+@functools.lru_cache(maxsize=1)
+def _shared_first_turns(tok):
+    """One first-turn cache across a property test's examples, as a proxy shares one."""
+    return first_turn_encoder(tok)
+
+
+def test_executions_share_their_first_turns_ids(tok, monkeypatch):
+    """Stores sharing `first_turns` encode a first turn (system prompt + tools) once: a
+    second execution's branch and an auxiliary call take it from the cache, and every
+    prompt equals the plain encoding, also where the texts either side of the first
+    <|im_end|> would merge if encoded together ("é" + combining accent)."""
+    encoded: list[str] = []
+    plain = CallStore.encode
+
+    def counting(self, text):
+        encoded.append(text)
+        return plain(self, text)
+
+    monkeypatch.setattr(CallStore, "encode", counting)
+    shared = first_turn_encoder(tok)
+    system = {"role": "system", "content": "You are careful. Last word: caf\u00e9"}
+    for first_user in ["\u0301accent first", "fix the bug", "<|im_end|>x"]:
+        store = CallStore(tok, first_turns=shared)
+        conversation = [system, {"role": "user", "content": first_user}]
+        m = store.match(conversation, TOOLS)
+        f = store.fresh(conversation, TOOLS)
+        whole = render(tok, conversation, TOOLS)
+        assert m.prompt_ids.tolist() == f.prompt_ids.tolist() == encode(tok, whole)
+        head = whole[: whole.index("<|im_end|>") + len("<|im_end|>")]
+        assert head.startswith("<|im_start|>system") and "# Tools" in head
+        assert encoded.count(head) == 1, "the first turn was encoded again"
+        assert whole not in encoded
+    assert not shared(head).flags.writeable
 
 
 def test_special_token_boundaries_split_encoding(tok):
