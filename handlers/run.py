@@ -24,7 +24,7 @@ from pathlib import Path
 import orjson
 
 import schemas
-from bus import Bus
+from bus import Bus, ConnectError
 from bus.server import NatsServer
 from bus.subjects import check_run
 from gyre.config import Recipe, RecipeError, load_recipe
@@ -352,7 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     # the daemons' (logs/run.log), failures are printed where they happen.
     with open(run_dir / "logs" / "run.log", "a", buffering=1) as log_file:
         configure_logging("run", file=log_file)
-        return asyncio.run(_run(recipe, run, run_dir, a.timeout))
+        try:
+            return asyncio.run(_run(recipe, run, run_dir, a.timeout))
+        except ConnectError as exc:  # GYRE_NATS_URL unreachable: one line, not a traceback
+            print(f"gyre run: {exc}", file=sys.stderr)
+            return 1
 
 
 if __name__ == "__main__":

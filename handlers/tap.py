@@ -15,12 +15,13 @@ from pathlib import Path
 
 import orjson
 
-from bus import Bus
+from bus import Bus, BusConfig, ConnectError
 from bus.subjects import PREFIX, name_of, run_of
 from handlers.daemon import ended_run_message, install_signals, read_nats_info, run_owner_alive
 from handlers.run import runs_root
 
 _ARRAYS = ("prompt_ids", "completion_ids", "logprobs")
+CONNECT_TIMEOUT_S = 5.0  # a person is waiting: say the bus is unreachable soon
 
 
 def summarise(subject: str, data: bytes, *, width: int = 160) -> str:
@@ -72,7 +73,8 @@ async def _tap(url: str, token: str | None, run: str | None, pattern: str, width
     install_signals(stop)
     run_part = run if run else "*"
     subject = pattern if pattern.startswith(PREFIX) else f"{PREFIX}.{run_part}.{pattern}"
-    bus = await Bus.connect(url, token=token, run=run or "tap", name="gyre-tap")
+    bus = await Bus.connect(url, token=token, run=run or "tap", name="gyre-tap", stop=stop,
+                            config=BusConfig(connect_timeout_s=CONNECT_TIMEOUT_S))
     print(f"gyre tap: {subject} on {url} (Ctrl-C to stop)", file=sys.stderr, flush=True)
 
     async def show(subj: str, data: bytes) -> None:
@@ -111,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         asyncio.run(_tap(url, token, run, a.pattern, a.width, pid))
+    except ConnectError as exc:
+        if exc.stopped:  # Ctrl-C while connecting
+            return 0
+        print(f"gyre tap: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         pass
     return 0

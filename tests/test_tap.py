@@ -74,3 +74,19 @@ def test_tap_refuses_an_ended_run_at_once(tmp_path):
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "run ended has ended" in proc.stderr and "summary.json" in proc.stderr, proc.stderr
+
+
+def test_tap_says_in_one_line_when_the_bus_is_unreachable():
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(_env(), GYRE_NATS_URL=f"nats://127.0.0.1:{port}")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "handlers.cli", "tap", "--run", "x"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 1 and took < 30, (took, proc.stderr)
+    assert f"gyre tap: could not connect to nats://127.0.0.1:{port}" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
