@@ -36,12 +36,12 @@ Contract:
 - `CallStore.fresh(messages, tools) -> Match`: the request rendered alone, parent None
   (auxiliary calls: counted, answered and published, never recorded).
 - A branch or fresh request's first turn (the system prompt and tool definitions, up to
-  and including the first `<|im_end|>`) is encoded through `first_turns`, an LRU shared
-  by the stores of one process (`first_turn_encoder`): the executions of a task share it,
-  and a harness's system prompt with its tools is 15–25k tokens (Claude Code; 17k tokens
-  take 4 ms to encode on the 2-core CI machine), encoded on the event loop for every
-  execution's first call and every count_tokens call. Exact because encoding splits at
-  `<|im_end|>` (see Drift below).
+  and including the first `<|im_end|>`) is encoded once per store: the latest
+  `FIRST_TURNS` distinct ones are kept with their ids. Branches (a compaction, the main
+  line after it, a second sub-agent of a kind) and count_tokens calls resend them, and
+  Claude Code's are ~17k tokens, 4 ms of encoding on the event loop on the 2-core CI
+  machine. They name the execution's working directory, so stores do not share them.
+  Exact because encoding splits at `<|im_end|>` (see Drift below).
 - `CallStore.record(match, call=, seq=, answer=, completion_ids=)` adds a served call; its
   answer's tool-call payloads enter `tool_args`. Only calls whose answer reached the harness
   should be recorded.
@@ -96,6 +96,10 @@ from gyre.tokenizer import IM_END, fast_encoder
 IM_END_TEXT = "<|im_end|>"
 TURN_HEADER = "\n<|im_start|>assistant\n"
 """What an assistant turn opens with in gyre's template, after the previous `<|im_end|>`."""
+
+FIRST_TURNS = 4
+"""Distinct first turns (system prompt + tools) kept per execution with their ids: the
+main agent's, before and after a compaction, and sub-agents' and side calls' own."""
 
 MEMO_REQUESTS = 4
 """Latest requests per execution whose normalised messages are reused (main line,
@@ -481,17 +485,16 @@ class CallStore:
       that function, with incremental rendering when the tokenizer is on gyre's template.
     check_drift: count drift on extensions (module docstring; O(one turn) on gyre's
       template, O(prompt) re-tokenisation otherwise); False reports drift 0.
-    first_turns: `first_turn_encoder(tokenizer)`, shared by the process's stores; None
-      encodes every branch whole. Unused when encoding does not split at `<|im_end|>`.
     Attributes: `incremental` (only new messages are rendered; module docstring).
     Not thread-safe; one event loop owns it.
     """
 
-    def __init__(self, tokenizer: Any, *, render: Renderer | None = None, check_drift: bool = True,
-                 first_turns: Callable[[str], np.ndarray] | None = None):
+    def __init__(self, tokenizer: Any, *, render: Renderer | None = None, check_drift: bool = True):
         split = _special_tokens_split(tokenizer)
         self.incremental = render is None and uses_gyre_template(tokenizer) and split
-        self._first_turns = first_turns if split else None
+        self._splitting = _splitting_tokens(tokenizer)
+        # First turns are split off only where encoding splits at <|im_end|> wherever it is written.
+        self._first_turns: dict[str, np.ndarray] | None = {} if split and IM_END_TEXT in self._splitting else None
         if render is None:
             from gyre.chat import render as chat_render
 
@@ -506,7 +509,6 @@ class CallStore:
         self._extended: set[str] = set()
         self._seen: list[_Seen] = []
         self._tips: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        self._splitting = _splitting_tokens(tokenizer)
         self._opening = _opening_pattern(self._splitting)
         self._heads: dict[str, np.ndarray] = {}
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -529,12 +531,19 @@ class CallStore:
         return np.asarray(self.encode_list(text), dtype=np.int32)
 
     def encode_prompt(self, text: str) -> np.ndarray:
-        """(N,) int32 ids of a whole rendered prompt: `encode(text)`, its first turn taken
-        from `first_turns` when the store has one (the module docstring)."""
-        end = text.find(IM_END_TEXT) + len(IM_END_TEXT) if self._first_turns is not None else 0
+        """(N,) int32 ids of a whole rendered prompt: `encode(text)`, its first turn
+        encoded once per store (the module docstring)."""
+        kept = self._first_turns
+        end = text.find(IM_END_TEXT) + len(IM_END_TEXT) if kept is not None else 0
         if end < len(IM_END_TEXT):
             return self.encode(text)
-        return np.concatenate((self._first_turns(text[:end]), self.encode(text[end:])))
+        head = text[:end]
+        ids = kept.get(head)
+        if ids is None:
+            if len(kept) >= FIRST_TURNS:
+                del kept[next(iter(kept))]  # the oldest
+            ids = kept[head] = self.encode(head)
+        return np.concatenate((ids, self.encode(text[end:])))
 
     def _prompt(self, c: CallRecord, suffix: list[int]) -> np.ndarray:
         """The prompt extending c: c's full ids (+ <|im_end|> unless c stopped) + suffix.
@@ -792,25 +801,6 @@ class CallStore:
 
     def get(self, call: str) -> CallRecord | None:
         return self._by_call.get(call)
-
-
-FIRST_TURNS = 64  # distinct first turns (system prompt + tools) kept per process
-FIRST_TURN_MAX_CHARS = 256_000  # longer first turns are encoded, not kept (≤ ~32 MB in all)
-
-
-def first_turn_encoder(tokenizer: Any, maxsize: int = FIRST_TURNS) -> Callable[[str], np.ndarray]:
-    """text → (N,) int32 ids (read-only) of a prompt's first turn, the latest `maxsize`
-    distinct ones (up to FIRST_TURN_MAX_CHARS each) kept: the `first_turns` of the
-    CallStores of one process. Raises what encoding raises."""
-    store = CallStore(tokenizer)
-
-    @functools.lru_cache(maxsize=maxsize)
-    def kept(text: str) -> np.ndarray:
-        ids = store.encode(text)
-        ids.flags.writeable = False
-        return ids
-
-    return lambda text: kept(text) if len(text) <= FIRST_TURN_MAX_CHARS else store.encode(text)
 
 
 def _last_im_end_before(rec: CallRecord, limit: int) -> int:

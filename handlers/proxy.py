@@ -96,7 +96,7 @@ from aiohttp import web
 from gyre.chat import parse_completion
 from gyre.harness import verify_key as harness_verify_key
 from gyre.roles import PROFILES, CallFacts, Classification, classify, profile_for_harness
-from gyre.tito import CallStore, Match, first_turn_encoder
+from gyre.tito import CallStore, Match
 from gyre.tokenizer import fast_decoder, fast_encoder
 from handlers.engine_client import ids_json, make_session
 from handlers.proxy_anthropic import MessagesApi, parse_messages_request
@@ -314,7 +314,6 @@ class ProxyState:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.decode = fast_decoder(tokenizer)
-        self.first_turns = first_turn_encoder(tokenizer)
         self.session = session
         self.bus = bus
         self._valid_key = functools.lru_cache(maxsize=KEY_CACHE)(functools.partial(_valid_key, verify_key, cfg.key_secret))
@@ -360,7 +359,7 @@ class ProxyState:
         if ex is None:
             ex = self.executions[execution] = _Execution(store=None)
         if ex.store is None:
-            ex.store = CallStore(self.tokenizer, check_drift=self.cfg.check_drift, first_turns=self.first_turns)
+            ex.store = CallStore(self.tokenizer, check_drift=self.cfg.check_drift)
             ex.memo = MessageMemo()
         return ex
 

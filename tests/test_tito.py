@@ -1,7 +1,6 @@
 """TITO: normalisation, extension with verbatim id reuse, branches, drift (gyre.tito)."""
 from __future__ import annotations
 
-import functools
 import json
 import random
 
@@ -9,8 +8,7 @@ import numpy as np
 import pytest
 
 from gyre.chat import parse_completion, render
-from gyre.tito import (CallStore, count_drift, equal_prefix_len, first_turn_encoder, message_key, normalise,
-                       normalise_message)
+from gyre.tito import CallStore, count_drift, equal_prefix_len, message_key, normalise, normalise_message
 from gyre.tokenizer import IM_END, build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a command",
@@ -409,7 +407,7 @@ def test_incremental_store_matches_the_full_render_store(tok, session):
     """The same session through the incremental store and through one that renders in full
     (another renderer disables the incremental path): the same parents, prefixes, prompt ids
     and drift, and the drift equals the full-request count."""
-    fast, slow = CallStore(tok, first_turns=_shared_first_turns(tok)), CallStore(tok, render=render)
+    fast, slow = CallStore(tok), CallStore(tok, render=render)
     assert fast.incremental and not slow.incremental
     for (mf, rf), (ms, rs) in zip(_play(fast, tok, session), _play(slow, tok, session)):
         assert (mf.extended, mf.prefix_len, rf.seq) == (ms.extended, ms.prefix_len, rs.seq)
@@ -424,17 +422,13 @@ def test_incremental_store_matches_the_full_render_store(tok, session):
                 encode(tok, "\n<|im_start|>assistant\n")
 
 
-@functools.lru_cache(maxsize=1)
-def _shared_first_turns(tok):
-    """One first-turn cache across a property test's examples, as a proxy shares one."""
-    return first_turn_encoder(tok)
+def test_a_store_encodes_each_first_turn_once(tok, monkeypatch):
+    """Branches and auxiliary calls resending a system prompt and tools take the first
+    turn's ids from the store (FIRST_TURNS distinct ones, oldest dropped), and every prompt
+    equals the plain encoding, also where the texts either side of the first <|im_end|>
+    would merge if encoded together ("é" + a combining accent)."""
+    from gyre.tito import FIRST_TURNS
 
-
-def test_executions_share_their_first_turns_ids(tok, monkeypatch):
-    """Stores sharing `first_turns` encode a first turn (system prompt + tools) once: a
-    second execution's branch and an auxiliary call take it from the cache, and every
-    prompt equals the plain encoding, also where the texts either side of the first
-    <|im_end|> would merge if encoded together ("é" + combining accent)."""
     encoded: list[str] = []
     plain = CallStore.encode
 
@@ -443,20 +437,47 @@ def test_executions_share_their_first_turns_ids(tok, monkeypatch):
         return plain(self, text)
 
     monkeypatch.setattr(CallStore, "encode", counting)
-    shared = first_turn_encoder(tok)
+    store = CallStore(tok)
+
+    def head_of(conversation):
+        whole = render(tok, conversation, TOOLS)
+        return whole, whole[: whole.index("<|im_end|>") + len("<|im_end|>")]
+
     system = {"role": "system", "content": "You are careful. Last word: caf\u00e9"}
     for first_user in ["\u0301accent first", "fix the bug", "<|im_end|>x"]:
-        store = CallStore(tok, first_turns=shared)
         conversation = [system, {"role": "user", "content": first_user}]
-        m = store.match(conversation, TOOLS)
-        f = store.fresh(conversation, TOOLS)
-        whole = render(tok, conversation, TOOLS)
+        m, f = store.match(conversation, TOOLS), store.fresh(conversation, TOOLS)
+        whole, head = head_of(conversation)
         assert m.prompt_ids.tolist() == f.prompt_ids.tolist() == encode(tok, whole)
-        head = whole[: whole.index("<|im_end|>") + len("<|im_end|>")]
         assert head.startswith("<|im_start|>system") and "# Tools" in head
-        assert encoded.count(head) == 1, "the first turn was encoded again"
-        assert whole not in encoded
-    assert not shared(head).flags.writeable
+        assert encoded.count(head) == 1 and whole not in encoded
+    others = [[{"role": "system", "content": f"agent {k}"}, {"role": "user", "content": "go"}]
+              for k in range(FIRST_TURNS)]
+    for conversation in others:  # FIRST_TURNS new first turns: the first one is dropped
+        store.fresh(conversation, TOOLS)
+    store.fresh([system, {"role": "user", "content": "again"}], TOOLS)
+    store.fresh(others[-1], TOOLS)
+    assert encoded.count(head) == 2 and encoded.count(head_of(others[-1])[1]) == 1
+
+
+def test_first_turns_are_not_split_off_where_encoding_does_not_split_at_im_end(tok):
+    """A tokenizer whose <|im_end|> is `normalized` or `single_word` does not split at every
+    written <|im_end|>: the store encodes such prompts whole."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    conversation = [{"role": "system", "content": "Reply, then write <|im_end|>\u0338 or <|im_end|>x."},
+                    {"role": "user", "content": "fix the bug"}]
+    for flag in ("normalized", "single_word"):
+        doc = json.loads(tok.backend_tokenizer.to_str())
+        for t in doc["added_tokens"]:
+            if t["content"] == "<|im_end|>":
+                t[flag] = True
+        variant = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(doc)))
+        variant.chat_template = tok.chat_template
+        whole = render(variant, conversation, None)
+        assert CallStore(variant).fresh(conversation, None).prompt_ids.tolist() == \
+            variant(whole, add_special_tokens=False)["input_ids"], flag
 
 
 def test_special_token_boundaries_split_encoding(tok):
