@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import traceback
 from collections.abc import Awaitable, Callable
@@ -61,11 +62,37 @@ def read_nats_info(run_dir: Path) -> dict:
         raise FatalError(f"{path} not found: is the run started (gyre run) and is --run-dir right?") from None
 
 
+def process_identity(pid: int | None = None) -> dict:
+    """Where a process can be found again: {"pid", "host", "pid_ns", "started"}; "pid_ns"
+    and "started" (clock ticks after boot, /proc/PID/stat field 22) only where /proc has
+    them. `gyre run` writes its own into nats.json; `run_owner_alive` reads it back."""
+    pid = pid or os.getpid()
+    out: dict = {"pid": pid, "host": socket.gethostname()}
+    try:
+        out["pid_ns"] = os.readlink("/proc/self/ns/pid")
+        out["started"] = _proc_stat(pid)[1]
+    except (OSError, IndexError, ValueError):
+        pass
+    return out
+
+
+def _proc_stat(pid: int) -> tuple[str, int]:
+    """(state, start time in clock ticks) of a process from /proc/PID/stat. Raises OSError."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return fields[0], int(fields[19])
+
+
 def run_owner_alive(info: dict) -> bool:
-    """Whether the `gyre run` process that wrote `nats.json` (its "pid") still runs; True
-    when the file names no pid or the process belongs to another user."""
+    """Whether the `gyre run` that wrote `nats.json` (`process_identity`) still runs. True
+    whenever this process cannot tell: no pid written, another host or pid namespace (a
+    container sharing the run directory), a process of another user."""
     pid = info.get("pid")
     if not pid:
+        return True
+    if "host" in info and info["host"] != socket.gethostname():
+        return True
+    here = process_identity()
+    if "pid_ns" in info and info["pid_ns"] != here.get("pid_ns"):
         return True
     try:
         os.kill(pid, 0)
@@ -73,7 +100,13 @@ def run_owner_alive(info: dict) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        state, started = _proc_stat(pid)
+    except (OSError, IndexError, ValueError):
+        return True
+    if state in ("Z", "X"):  # exited, not yet reaped
+        return False
+    return "started" not in info or info["started"] == started  # else the pid was reused
 
 
 def ended_run_message(run_dir: Path, info: dict) -> str:

@@ -272,7 +272,9 @@ async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float) -> int
 
 async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: float, url: str,
                            token: str | None, key_secret: str) -> int:
-    info = {"run": run, "url": url, "pid": os.getpid()}
+    from handlers.daemon import process_identity
+
+    info = {"run": run, "url": url, **process_identity()}
     if token:
         info["token"] = token
     _write_private(run_dir / "nats.json", orjson.dumps(info))

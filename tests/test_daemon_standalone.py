@@ -123,3 +123,34 @@ def test_a_daemon_pointed_at_an_ended_run_says_so_at_once(tmp_path):
     took = time.monotonic() - t0
     assert proc.returncode == 2 and took < 20, (took, proc.stderr)
     assert "run toy-ended has ended" in proc.stderr and "summary.json" in proc.stderr, proc.stderr
+
+
+def test_run_owner_alive_tells_only_what_this_process_can_see():
+    """An ended `gyre run` is one whose process is gone, exited but unreaped, or whose pid
+    now names another process; from another host or pid namespace it cannot tell and
+    says alive (a container sharing the run directory must not refuse a live run)."""
+    from handlers.daemon import process_identity, run_owner_alive
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        deadline = time.monotonic() + 20
+        while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.05)
+        me = process_identity(live.pid)
+        assert {"pid", "host", "pid_ns", "started"} <= set(me)
+        assert run_owner_alive(me)
+        assert run_owner_alive({"pid": live.pid})  # an older nats.json: the pid alone
+        assert not run_owner_alive({**me, "started": me["started"] - 1})  # the pid was reused
+        assert not run_owner_alive(process_identity(zombie.pid))
+        assert not run_owner_alive({**me, "pid": gone.pid})
+        assert run_owner_alive({**me, "pid": gone.pid, "host": me["host"] + "-elsewhere"})
+        assert run_owner_alive({**me, "pid": gone.pid, "pid_ns": "pid:[1]"})
+        assert run_owner_alive({"run": "r"})
+    finally:
+        live.kill()
+        live.wait()
+        zombie.wait()
