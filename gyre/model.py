@@ -131,6 +131,15 @@ def write_tokenizer(out_dir: str | Path) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n", "utf-8")
 
 
+def weights_readable_as_config(out: Path) -> None:
+    """Give `out`'s *.safetensors the mode of its config.json. save_pretrained writes the
+    weights through a temporary file (mode 0600) and config.json with open() (the umask's
+    mode): an engine or trainer of another user that reads the one could not read the other."""
+    mode = (out / "config.json").stat().st_mode & 0o777
+    for path in out.glob("*.safetensors"):
+        path.chmod(mode)
+
+
 def init_model(out_dir: str | Path, spec: ModelSpec = ModelSpec()) -> Path:
     """Build the seeded model for `spec` and save it with its tokenizer as an HF checkpoint.
 
@@ -142,6 +151,7 @@ def init_model(out_dir: str | Path, spec: ModelSpec = ModelSpec()) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model = build_model(spec)
     model.save_pretrained(out)
+    weights_readable_as_config(out)
     _add_legacy_config_keys(out / "config.json", spec)
     GenerationConfig(
         bos_token_id=qtok.ENDOFTEXT,

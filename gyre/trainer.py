@@ -50,6 +50,7 @@ import torch
 
 from gyre.gspo import gspo_loss
 from gyre.microstep import SHARED_PREFIX_MIN_TOKENS, MicrostepData, common_prefix
+from gyre.model import weights_readable_as_config
 
 log = structlog.get_logger()
 
@@ -332,6 +333,7 @@ class Trainer:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out, safe_serialization=True)
+        weights_readable_as_config(out)
         for name in _TOKENIZER_FILES:
             src = self.model_dir / name
             if src.exists() and not (out / name).exists():

@@ -934,9 +934,9 @@ def main(argv: list[str] | None = None) -> int:
         serve_proxy(a.url_file, a.engine_url, a.nats_url, os.environ.get("GYRE_BENCH_NATS_TOKEN") or None, a.run,
                     check_drift=not a.no_drift_check)
         return 0
-    p = argparse.ArgumentParser(prog="gyre bench proxy", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="gyre bench proxy", description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--smoke", action="store_true", help="a few seconds in all (CI): 8 executions, 0.5 s runs")
+    p.add_argument("--smoke", action="store_true", help="the machinery only (CI; 20–30 s, mostly starting processes): 8 executions, 0.5 s runs")
     p.add_argument("--duration-s", type=float, default=None)
     p.add_argument("--executions", type=int, default=None)
     p.add_argument("--concurrency", type=int, default=None)

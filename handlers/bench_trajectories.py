@@ -293,7 +293,7 @@ def format_table(doc: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="gyre bench trajectories", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="gyre bench trajectories", description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
     p.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="tokens per execution, comma-separated")
     p.add_argument("--executions", type=int, default=8, help="executions per size (default 8)")

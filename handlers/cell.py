@@ -187,7 +187,8 @@ class Cell:
                                                step=step, path=str(out))
             self.latest_weights = weights
             await self.bus.publish(weights)
-            duration = time.perf_counter() - self.step_started.get(step, time.perf_counter())
+            now = time.perf_counter()
+            duration = now - self.step_started.get(step, now)  # 0 for a step without micro-steps
             await self.bus.publish(schemas.StepCompleted(
                 event_id=ids.step_completed(self.cfg.run, step), step=step, loss=float(stats.loss),
                 grad_norm=float(stats.grad_norm), tokens=int(stats.tokens), executions=sealed.executions,

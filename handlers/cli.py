@@ -1,8 +1,10 @@
 """The `gyre` command.
 
-    gyre run RECIPE [--set table.key=value ...]   start everything, show progress, exit 0
-    gyre tap [PATTERN] [--run ID | --all-runs]    print live events of the current run
-    gyre init-model DIR                           write the embedded default model
+    gyre run RECIPE [--set table.key=value ...] [--run-id ID] [--timeout S]
+                                                  start everything, show progress, exit 0
+    gyre tap [PATTERN] [--run-dir DIR] [--run ID | --all-runs]
+                                                  print live events of the current run
+    gyre init-model DIR [--layers N ...]          write the embedded default model
     gyre bench NAME [--json PATH]                 a benchmark of docs/BENCHMARKS.md (proxy, trajectories)
     gyre proxy|cell|scheduler|builder|runner|evaluator --run-dir DIR   one daemon
 """
@@ -71,12 +73,12 @@ def _init_model(argv: list[str]) -> int:
     from gyre.model import ModelSpec, init_model
 
     p = argparse.ArgumentParser(prog="gyre init-model", description="Write the embedded default model (HF checkpoint).")
-    p.add_argument("dir")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("dir", help="where to write it (created)")
+    p.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads, grouped-query attention (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     a = p.parse_args(argv)
     spec = ModelSpec(layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
                      head_dim=a.hidden // a.heads, intermediate=3 * a.hidden, seed=a.seed)

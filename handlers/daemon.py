@@ -34,6 +34,10 @@ class FatalError(RuntimeError):
     """A daemon cannot continue; main() exits non-zero so a supervisor restarts it."""
 
 
+class RunEnded(FatalError):
+    """`--run-dir` names a run whose `gyre run` has ended (`run_owner_alive`)."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RunContext:
     """Where a daemon belongs: its run, run directory, recipe and bus credentials.
@@ -123,7 +127,7 @@ def context_from_args(args: argparse.Namespace) -> RunContext:
         run_dir = Path(args.run_dir).resolve()
         info = read_nats_info(run_dir)
         if not env_url and not run_owner_alive(info):  # say so now, not after a 30 s connect timeout
-            raise FatalError(ended_run_message(run_dir, info))
+            raise RunEnded(ended_run_message(run_dir, info))
         recipe = recipe_from_dict(orjson.loads((run_dir / "config.json").read_bytes()))
         run = info["run"]
         url = env_url or info["url"]
@@ -202,15 +206,18 @@ def run_async(main: Awaitable[object]) -> object:
     return asyncio.run(main)
 
 
-def install_signals(stop: asyncio.Event) -> None:
-    """SIGTERM/SIGINT set `stop`; a second signal exits at once."""
+def install_signals(stop: asyncio.Event, received: list[int] | None = None) -> None:
+    """SIGTERM/SIGINT set `stop` (and are appended to `received`); a second signal exits
+    at once with 128 + its number."""
     loop = asyncio.get_running_loop()
 
     def _on_signal(signum: int) -> None:
         if stop.is_set():
             log.warning("daemon.signal.forced", signal=signum)
-            os._exit(130)
+            os._exit(128 + signum)
         log.info("daemon.signal", signal=signum)
+        if received is not None:
+            received.append(signum)
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -239,6 +246,9 @@ def daemon_main(name: str, description: str,
     try:
         ctx = context_from_args(args)
         cfg = make_config(ctx, args)
+    except RunEnded as exc:
+        log.error("daemon.run.ended", error=str(exc))
+        return 2
     except (FatalError, ValueError, OSError) as exc:
         log.error("daemon.config.invalid", error=str(exc))
         return 2

@@ -154,7 +154,7 @@ class Progress:
 
 def _print_summary(s: dict) -> None:
     print("\n== gyre run summary ==")
-    print(f"run              {s['run']}")
+    print(f"run              {s['run']}   outcome {s['outcome']}")
     print(f"steps            {s['steps']}   executions {s['executions']} {s['executions_by_status']}")
     print(f"calls            {s['calls']}   by policy version {s['calls_by_policy_version']}")
     print(f"reward per step  {[None if r is None else round(r, 3) for r in s['rewards_per_step']]}")
@@ -211,11 +211,14 @@ class Supervisor:
             return ""
 
 
-async def _follow(bus: Bus, progress: Progress, sup: Supervisor, timeout_s: float) -> str:
+async def _follow(bus: Bus, progress: Progress, sup: Supervisor, timeout_s: float,
+                  signals: list[int]) -> str:
+    """Follow the run until done, a daemon dies, a signal (appended to `signals`) or the
+    timeout; returns the outcome."""
     stop = asyncio.Event()
     interrupted = asyncio.Event()
     from handlers.daemon import install_signals
-    install_signals(interrupted)
+    install_signals(interrupted, signals)
     names = ["execution.started", "execution.finished", "execution.scored", "call.completed",
              "step.sealed", "step.completed", "cell.switched"]
     follower = asyncio.create_task(bus.replay(names, progress.on_event, stop=stop))
@@ -305,6 +308,7 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
     bus = await Bus.connect(url, token=token, run=run, name="gyre-run")
     sup = Supervisor(run_dir, env)
     progress = Progress(recipe, run_dir / "metrics.jsonl")
+    signals: list[int] = []
     try:
         await bus.ensure_streams()
         for name in DAEMONS:
@@ -312,7 +316,7 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
         for i in range(recipe.cells.count):
             sup.start(f"cell{i}", "handlers.cell", "--cell", f"cell{i}")
         sup.start("scheduler", "handlers.scheduler")
-        outcome = await _follow(bus, progress, sup, timeout_s)
+        outcome = await _follow(bus, progress, sup, timeout_s, signals)
     finally:
         sup.stop()
         await bus.close()
@@ -321,7 +325,9 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
     (run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     _print_summary(summary)
     print(f"gyre: summary written to {run_dir / 'summary.json'}")
-    return {"done": 0, "interrupted": 130}.get(outcome, 1)
+    if outcome == "interrupted":  # the shell's convention: 130 after Ctrl-C, 143 after SIGTERM
+        return 128 + (signals[0] if signals else signal.SIGINT)
+    return 0 if outcome == "done" else 1
 
 
 def main(argv: list[str] | None = None) -> int:

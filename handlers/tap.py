@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     from handlers.daemon import configure_logging
-    configure_logging("tap", level=logging.WARNING)
+    configure_logging("tap", level=logging.ERROR)  # its own lines say what matters; not the bus's retries
     try:
         url, token, run, pid = _locate(a)
     except Exception as exc:  # noqa: BLE001 - tell the user, exit 2

@@ -24,3 +24,29 @@ def test_run_rejects_bad_input_before_starting(tmp_path, args, needle):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert needle in proc.stderr
     assert not (tmp_path / "escape").exists() and not (tmp_path / "runs").exists()
+
+
+def test_run_stopped_by_sigterm_exits_143_with_its_summary(tmp_path):
+    """SIGTERM stops the daemons and exits 128 + 15 (the shell's convention; Ctrl-C: 130),
+    with the summary printed and written, its outcome `interrupted`."""
+    import json
+    import signal
+    import time
+
+    env = dict(os.environ, GYRE_RUNS_DIR=str(tmp_path / "runs"), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "handlers.cli", "run", "toy", "--run-id", "term"], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:  # the first progress line: the run follows its events
+            if line.startswith("[") or time.monotonic() > deadline:
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, out
+    assert "outcome interrupted" in out, out
+    summary = json.loads((tmp_path / "runs" / "term" / "summary.json").read_text())
+    assert summary["outcome"] == "interrupted"

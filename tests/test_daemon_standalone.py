@@ -123,6 +123,7 @@ def test_a_daemon_pointed_at_an_ended_run_says_so_at_once(tmp_path):
     took = time.monotonic() - t0
     assert proc.returncode == 2 and took < 20, (took, proc.stderr)
     assert "run toy-ended has ended" in proc.stderr and "summary.json" in proc.stderr, proc.stderr
+    assert "daemon.run.ended" in proc.stderr, proc.stderr
 
 
 def test_run_owner_alive_tells_only_what_this_process_can_see():

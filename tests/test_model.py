@@ -72,6 +72,8 @@ def test_checkpoint_files(checkpoint):
         "config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
         "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
     } <= names  # fmt: skip
+    mode = lambda name: (checkpoint / name).stat().st_mode & 0o777  # noqa: E731
+    assert mode("model.safetensors") == mode("config.json")  # readable by whoever reads the config
     config = json.loads((checkpoint / "config.json").read_text())
     assert config["model_type"] == "qwen3" and config["vocab_size"] == 151936
     assert config["rope_theta"] == 1e6 and config["tie_word_embeddings"] is True

@@ -132,6 +132,7 @@ def test_save_writes_a_loadable_checkpoint(model_dir, tmp_path):
     trainer.apply(2)
     out = trainer.save(tmp_path / "v5")
     assert (out / "model.safetensors").exists() and (out / "config.json").exists()
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == (out / "config.json").stat().st_mode & 0o777
     loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32)
     for (n, p), (m, q) in zip(trainer.model.state_dict().items(), loaded.state_dict().items()):
         assert n == m and torch.equal(p, q)
