@@ -23,7 +23,7 @@ async def test_builder_dead_letters_garbage_and_keeps_running(nats_server, run_i
                                      group_size=1, step_groups=1)
         await bus.publish(schemas.ExecutionScored(event_id=ids.scored(run_id, "e0", 0), info=info,
                                                   outcome="reward", reward=1.0))
-        sealed, dead = [], []
+        sealed = []
         stop_replay = asyncio.Event()
 
         async def on_sealed(event):

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 from safetensors.numpy import load_file
 
 import schemas

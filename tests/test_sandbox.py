@@ -188,7 +188,6 @@ def test_unreachable_ancestor(tmp_path):
 
 def test_private_tmp_is_writable_by_the_unprivileged_uid(tmp_path):
     """Harnesses (Claude Code) write to /tmp; the sandbox's private /tmp must allow it."""
-    import shutil
     import subprocess
 
     from gyre.sandbox import SandboxConfig, base_env, confine, own_tree, resolve_mode
