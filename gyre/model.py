@@ -134,10 +134,16 @@ def write_tokenizer(out_dir: str | Path) -> None:
 def weights_readable_as_config(out: Path) -> None:
     """Give `out`'s *.safetensors the mode of its config.json. save_pretrained writes the
     weights through a temporary file (mode 0600) and config.json with open() (the umask's
-    mode): an engine or trainer of another user that reads the one could not read the other."""
+    mode): an engine or trainer of another user that reads the one could not read the other.
+    Links and files this user may not change are left as they are (a warning)."""
     mode = (out / "config.json").stat().st_mode & 0o777
     for path in out.glob("*.safetensors"):
-        path.chmod(mode)
+        if path.is_symlink():
+            continue
+        try:
+            path.chmod(mode)
+        except PermissionError as exc:
+            log.warning("model.weights.mode_unchanged", path=str(path), error=str(exc))
 
 
 def init_model(out_dir: str | Path, spec: ModelSpec = ModelSpec()) -> Path:

@@ -37,7 +37,7 @@ Contract:
   (auxiliary calls: counted, answered and published, never recorded).
 - A branch or fresh request's first turn (the system prompt and tool definitions, up to
   and including the first `<|im_end|>`) is encoded once per store: the latest
-  `FIRST_TURNS` distinct ones are kept with their ids. Branches (a compaction, the main
+  `FIRST_TURNS` distinct ones used are kept with their ids. Branches (a compaction, the main
   line after it, a second sub-agent of a kind) and count_tokens calls resend them, and
   Claude Code's are ~17k tokens, 4 ms of encoding on the event loop on the 2-core CI
   machine. They name the execution's working directory, so stores do not share them.
@@ -494,7 +494,7 @@ class CallStore:
         self.incremental = render is None and uses_gyre_template(tokenizer) and split
         self._splitting = _splitting_tokens(tokenizer)
         # First turns are split off only where encoding splits at <|im_end|> wherever it is written.
-        self._first_turns: dict[str, np.ndarray] | None = {} if split and IM_END_TEXT in self._splitting else None
+        self._first_turns: dict[str, np.ndarray] | None = {} if split and _im_end_stands_alone(tokenizer) else None
         if render is None:
             from gyre.chat import render as chat_render
 
@@ -538,11 +538,12 @@ class CallStore:
         if end < len(IM_END_TEXT):
             return self.encode(text)
         head = text[:end]
-        ids = kept.get(head)
+        ids = kept.pop(head, None)
         if ids is None:
             if len(kept) >= FIRST_TURNS:
-                del kept[next(iter(kept))]  # the oldest
-            ids = kept[head] = self.encode(head)
+                del kept[next(iter(kept))]  # the least recently used
+            ids = self.encode(head)
+        kept[head] = ids  # the newest
         return np.concatenate((ids, self.encode(text[end:])))
 
     def _prompt(self, c: CallRecord, suffix: list[int]) -> np.ndarray:
@@ -836,6 +837,17 @@ def _opening_pattern(tokens: tuple[str, ...]) -> re.Pattern | None:
     if any(a != b and b.startswith(a) for a in tokens for b in tokens):
         return None
     return re.compile("|".join(map(re.escape, tokens)))
+
+
+def _im_end_stands_alone(tokenizer: Any) -> bool:
+    """True when every written `<|im_end|>` encodes as that token: it splits as written
+    (`_splitting_tokens`) and no other added token can match over it (added tokens match
+    leftmost, then longest): none holds it, and none ends with a proper prefix of it."""
+    if IM_END_TEXT not in _splitting_tokens(tokenizer):
+        return False
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    heads = tuple(IM_END_TEXT[:k] for k in range(1, len(IM_END_TEXT)))
+    return not any(t != IM_END_TEXT and (IM_END_TEXT in t or t.endswith(heads)) for t in map(str, decoder.values()))
 
 
 def _special_tokens_split(tokenizer: Any) -> bool:

@@ -67,13 +67,17 @@ def read_nats_info(run_dir: Path) -> dict:
 
 
 def process_identity(pid: int | None = None) -> dict:
-    """Where a process can be found again: {"pid", "host", "pid_ns", "started"}; "pid_ns"
-    and "started" (clock ticks after boot, /proc/PID/stat field 22) only where /proc has
-    them. `gyre run` writes its own into nats.json; `run_owner_alive` reads it back."""
+    """Where a process (default: this one) can be found again: {"pid", "host", "pid_ns",
+    "started"}; "pid_ns" and "started" (clock ticks after boot, /proc/PID/stat field 22)
+    only where /proc shows them. `gyre run` writes its own into nats.json;
+    `run_owner_alive` reads it back."""
     pid = pid or os.getpid()
     out: dict = {"pid": pid, "host": socket.gethostname()}
     try:
-        out["pid_ns"] = os.readlink("/proc/self/ns/pid")
+        out["pid_ns"] = os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        pass
+    try:
         out["started"] = _proc_stat(pid)[1]
     except (OSError, IndexError, ValueError):
         pass
@@ -95,18 +99,16 @@ def run_owner_alive(info: dict) -> bool:
         return True
     if "host" in info and info["host"] != socket.gethostname():
         return True
-    here = process_identity()
-    if "pid_ns" in info and info["pid_ns"] != here.get("pid_ns"):
+    if "pid_ns" in info and info["pid_ns"] != process_identity().get("pid_ns"):
         return True
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        state, started = _proc_stat(pid)
+    except (ProcessLookupError, FileNotFoundError):  # gone, also between the two looks
         return False
     except PermissionError:
         return True
-    try:
-        state, started = _proc_stat(pid)
-    except (OSError, IndexError, ValueError):
+    except (OSError, IndexError, ValueError):  # no /proc: the pid alone
         return True
     if state in ("Z", "X"):  # exited, not yet reaped
         return False

@@ -211,14 +211,27 @@ class Supervisor:
             return ""
 
 
+def _install_interrupt(interrupted: asyncio.Event, signals: list[int]) -> None:
+    """SIGINT/SIGTERM: append the signal, set `interrupted`. A later one only says that the
+    daemons are being stopped: exiting then would leave them and the NATS server behind
+    (the stop is bounded: `Supervisor.stop`)."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        signals.append(signum)
+        if interrupted.is_set():
+            print("gyre: stopping the daemons (each has 30 s before it is killed)", file=sys.stderr)
+        interrupted.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+
 async def _follow(bus: Bus, progress: Progress, sup: Supervisor, timeout_s: float,
-                  signals: list[int]) -> str:
-    """Follow the run until done, a daemon dies, a signal (appended to `signals`) or the
-    timeout; returns the outcome."""
+                  interrupted: asyncio.Event) -> str:
+    """Follow the run until done, a daemon dies, `interrupted` or the timeout; returns the
+    outcome."""
     stop = asyncio.Event()
-    interrupted = asyncio.Event()
-    from handlers.daemon import install_signals
-    install_signals(interrupted, signals)
     names = ["execution.started", "execution.finished", "execution.scored", "call.completed",
              "step.sealed", "step.completed", "cell.switched"]
     follower = asyncio.create_task(bus.replay(names, progress.on_event, stop=stop))
@@ -256,6 +269,8 @@ async def _follow(bus: Bus, progress: Progress, sup: Supervisor, timeout_s: floa
 
 
 async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float) -> int:
+    interrupted, signals = asyncio.Event(), []
+    _install_interrupt(interrupted, signals)  # before anything that must be stopped exists
     (run_dir / "config.json").write_bytes(orjson.dumps(recipe.to_dict(), option=orjson.OPT_INDENT_2))
     key_secret = secrets.token_hex(32)
     _write_private(run_dir / "key_secret", key_secret.encode())
@@ -267,14 +282,19 @@ async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float) -> int
         server = NatsServer.start(run_dir / "nats")
         url, token = server.url, server.token
     try:
-        return await _run_with_server(recipe, run, run_dir, timeout_s, url, token, key_secret)
+        outcome = await _run_with_server(recipe, run, run_dir, timeout_s, url, token, key_secret, interrupted)
     finally:
         if server is not None:
             server.stop()
+    if outcome == "interrupted":  # the shell's convention: 130 after Ctrl-C, 143 after SIGTERM
+        return 128 + (signals[0] if signals else signal.SIGINT)
+    return 0 if outcome == "done" else 1
 
 
 async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: float, url: str,
-                           token: str | None, key_secret: str) -> int:
+                           token: str | None, key_secret: str, interrupted: asyncio.Event) -> str:
+    """Start the daemons, follow the run, stop them, write and print the summary; returns
+    the outcome (`done`, `interrupted`, `timeout`, `daemon_failed`)."""
     from handlers.daemon import process_identity
 
     info = {"run": run, "url": url, **process_identity()}
@@ -305,29 +325,37 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
                PYTHONUNBUFFERED="1")
     if token:
         env["GYRE_NATS_TOKEN"] = token
-    bus = await Bus.connect(url, token=token, run=run, name="gyre-run")
     sup = Supervisor(run_dir, env)
     progress = Progress(recipe, run_dir / "metrics.jsonl")
-    signals: list[int] = []
+    bus: Bus | None = None
+    outcome = "interrupted"
     try:
-        await bus.ensure_streams()
-        for name in DAEMONS:
-            sup.start(name, f"handlers.{name}")
-        for i in range(recipe.cells.count):
-            sup.start(f"cell{i}", "handlers.cell", "--cell", f"cell{i}")
-        sup.start("scheduler", "handlers.scheduler")
-        outcome = await _follow(bus, progress, sup, timeout_s, signals)
+        if not interrupted.is_set():
+            bus = await Bus.connect(url, token=token, run=run, name="gyre-run", stop=interrupted)
+            await bus.ensure_streams()
+        if not interrupted.is_set():
+            for name in DAEMONS:
+                sup.start(name, f"handlers.{name}")
+            for i in range(recipe.cells.count):
+                sup.start(f"cell{i}", "handlers.cell", "--cell", f"cell{i}")
+            sup.start("scheduler", "handlers.scheduler")
+            outcome = await _follow(bus, progress, sup, timeout_s, interrupted)
+        else:
+            print("\ngyre: interrupted before the daemons started", file=sys.stderr)
+    except ConnectError as exc:
+        if not exc.stopped:
+            raise
+        print("\ngyre: interrupted before the bus connected", file=sys.stderr)
     finally:
         sup.stop()
-        await bus.close()
+        if bus is not None:
+            await bus.close()
     summary = progress.summary(run, time.monotonic() - t0)
     summary["outcome"] = outcome
     (run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     _print_summary(summary)
     print(f"gyre: summary written to {run_dir / 'summary.json'}")
-    if outcome == "interrupted":  # the shell's convention: 130 after Ctrl-C, 143 after SIGTERM
-        return 128 + (signals[0] if signals else signal.SIGINT)
-    return 0 if outcome == "done" else 1
+    return outcome
 
 
 def main(argv: list[str] | None = None) -> int:

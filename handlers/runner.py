@@ -224,6 +224,8 @@ class Runner:
             try:
                 return str(orjson.loads(path.read_bytes())["url"])
             except (OSError, ValueError, KeyError):
+                if self.stop is not None and self.stop.is_set():  # the proxy has gone first
+                    raise Retry(1.0, "runner stopping") from None
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{path} did not appear within {self.cfg.proxy_wait_s}s: is the proxy up?")
                 await asyncio.sleep(0.2)

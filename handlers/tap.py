@@ -56,19 +56,19 @@ def _short(v) -> str:
     return str(v)
 
 
-def _locate(args) -> tuple[str, str | None, str | None, int | None]:
-    """(url, token, run, pid of the `gyre run` owning the server or None) of the run to tap."""
+def _locate(args) -> tuple[str, str | None, str | None, dict | None]:
+    """(url, token, run, the owning `gyre run`'s identity from nats.json or None) of the run to tap."""
     if args.run_dir or not os.environ.get("GYRE_NATS_URL"):
         run_dir = Path(args.run_dir) if args.run_dir else runs_root() / "latest"
         info = read_nats_info(run_dir)
         if not run_owner_alive(info):
             raise RuntimeError(ended_run_message(run_dir.resolve(), info))
-        return info["url"], info.get("token"), None if args.all_runs else (args.run or info["run"]), info.get("pid")
+        return info["url"], info.get("token"), None if args.all_runs else (args.run or info["run"]), info
     return (os.environ["GYRE_NATS_URL"], os.environ.get("GYRE_NATS_TOKEN"),
             None if args.all_runs else args.run, None)
 
 
-async def _tap(url: str, token: str | None, run: str | None, pattern: str, width: int, pid: int | None) -> None:
+async def _tap(url: str, token: str | None, run: str | None, pattern: str, width: int, owner: dict | None) -> None:
     stop = asyncio.Event()
     install_signals(stop)
     run_part = run if run else "*"
@@ -83,7 +83,7 @@ async def _tap(url: str, token: str | None, run: str | None, pattern: str, width
     try:
         await bus.tap(subject, show)
         while not stop.is_set():
-            if not run_owner_alive({"pid": pid}):
+            if owner is not None and not run_owner_alive(owner):
                 print("gyre tap: the run has ended", file=sys.stderr, flush=True)
                 break
             try:
@@ -107,12 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     from handlers.daemon import configure_logging
     configure_logging("tap", level=logging.ERROR)  # its own lines say what matters; not the bus's retries
     try:
-        url, token, run, pid = _locate(a)
+        url, token, run, owner = _locate(a)
     except Exception as exc:  # noqa: BLE001 - tell the user, exit 2
         print(f"gyre tap: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_tap(url, token, run, a.pattern, a.width, pid))
+        asyncio.run(_tap(url, token, run, a.pattern, a.width, owner))
     except ConnectError as exc:
         if exc.stopped:  # Ctrl-C while connecting
             return 0

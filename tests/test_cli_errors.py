@@ -26,27 +26,35 @@ def test_run_rejects_bad_input_before_starting(tmp_path, args, needle):
     assert not (tmp_path / "escape").exists() and not (tmp_path / "runs").exists()
 
 
-def test_run_stopped_by_sigterm_exits_143_with_its_summary(tmp_path):
-    """SIGTERM stops the daemons and exits 128 + 15 (the shell's convention; Ctrl-C: 130),
-    with the summary printed and written, its outcome `interrupted`."""
+@pytest.mark.parametrize("when", ["started", "following"])
+def test_run_stopped_by_sigterm_exits_143_with_its_summary(tmp_path, when):
+    """SIGTERM stops the daemons and the NATS server and exits 128 + 15 (the shell's
+    convention; Ctrl-C: 130), with the summary printed and written, its outcome
+    `interrupted`: while the model is made (`started`: its first line) or once the run
+    follows its events (the first progress line)."""
     import json
     import signal
-    import time
+    import threading
 
     env = dict(os.environ, GYRE_RUNS_DIR=str(tmp_path / "runs"), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "handlers.cli", "run", "toy", "--run-id", "term"], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watchdog = threading.Timer(180, proc.kill)  # a hang fails the test instead of stalling the suite
+    watchdog.start()
     try:
-        deadline = time.monotonic() + 120
-        for line in proc.stdout:  # the first progress line: the run follows its events
-            if line.startswith("[") or time.monotonic() > deadline:
+        wanted = "gyre: run term" if when == "started" else "["
+        for line in proc.stdout:
+            if line.startswith(wanted):
                 break
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=120)
     finally:
+        watchdog.cancel()
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 143, out
     assert "outcome interrupted" in out, out
     summary = json.loads((tmp_path / "runs" / "term" / "summary.json").read_text())
     assert summary["outcome"] == "interrupted"
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes of the run left behind: {left}"

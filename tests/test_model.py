@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -17,7 +18,11 @@ IDS = torch.tensor([[qtok.IM_START, 872, 198, 9707, 1879, qtok.IM_END, 198, qtok
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return init_model(tmp_path_factory.mktemp("model"))
+    old = os.umask(0o022)  # the usual umask, under which the weights' 0600 stands out
+    try:
+        return init_model(tmp_path_factory.mktemp("model"))
+    finally:
+        os.umask(old)
 
 
 def test_default_spec_parameter_count_is_hand_worked():

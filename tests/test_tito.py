@@ -424,7 +424,7 @@ def test_incremental_store_matches_the_full_render_store(tok, session):
 
 def test_a_store_encodes_each_first_turn_once(tok, monkeypatch):
     """Branches and auxiliary calls resending a system prompt and tools take the first
-    turn's ids from the store (FIRST_TURNS distinct ones, oldest dropped), and every prompt
+    turn's ids from the store (FIRST_TURNS distinct ones, least recently used dropped), and every prompt
     equals the plain encoding, also where the texts either side of the first <|im_end|>
     would merge if encoded together ("é" + a combining accent)."""
     from gyre.tito import FIRST_TURNS
@@ -458,20 +458,38 @@ def test_a_store_encodes_each_first_turn_once(tok, monkeypatch):
     store.fresh([system, {"role": "user", "content": "again"}], TOOLS)
     store.fresh(others[-1], TOOLS)
     assert encoded.count(head) == 2 and encoded.count(head_of(others[-1])[1]) == 1
+    # The least recently used goes first: the system turn, the oldest kept after FIRST_TURNS - 1
+    # new ones, then used, stays when one more comes (first in, first out would drop it).
+    new = [[{"role": "system", "content": f"new agent {k}"}, {"role": "user", "content": "go"}]
+           for k in range(FIRST_TURNS)]
+    store.fresh([system, {"role": "user", "content": "newest"}], TOOLS)
+    for conversation in new[:-1]:
+        store.fresh(conversation, TOOLS)
+    store.fresh([system, {"role": "user", "content": "used"}], TOOLS)
+    store.fresh(new[-1], TOOLS)
+    store.fresh([system, {"role": "user", "content": "still kept"}], TOOLS)
+    assert encoded.count(head) == 2
 
 
 def test_first_turns_are_not_split_off_where_encoding_does_not_split_at_im_end(tok):
-    """A tokenizer whose <|im_end|> is `normalized` or `single_word` does not split at every
-    written <|im_end|>: the store encodes such prompts whole."""
+    """A tokenizer whose <|im_end|> is `normalized` or `single_word`, or with another added
+    token matching over it, does not split at every written <|im_end|>: the store encodes
+    such prompts whole."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    conversation = [{"role": "system", "content": "Reply, then write <|im_end|>\u0338 or <|im_end|>x."},
-                    {"role": "user", "content": "fix the bug"}]
-    for flag in ("normalized", "single_word"):
+    systems = {"normalized": "Reply, then write <|im_end|>\u0338 at the end.",
+               "single_word": "Reply, then write <|im_end|>x at the end.",
+               "<|im_end|>\n": "Reply.",  # the template's own <|im_end|>\n matches it
+               "x<|im": "Reply, then write x<|im_end|> at the end."}
+    for flag, system in systems.items():
+        conversation = [{"role": "system", "content": system}, {"role": "user", "content": "fix the bug"}]
         doc = json.loads(tok.backend_tokenizer.to_str())
+        if flag.startswith("x") or flag.startswith("<"):  # another added token matching over it
+            doc["added_tokens"].append({**next(t for t in doc["added_tokens"] if t["content"] == "<|im_end|>"),
+                                        "id": 151_900 + len(flag), "content": flag})
         for t in doc["added_tokens"]:
-            if t["content"] == "<|im_end|>":
+            if t["content"] == "<|im_end|>" and not flag.startswith(("x", "<")):
                 t[flag] = True
         variant = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(doc)))
         variant.chat_template = tok.chat_template

@@ -130,7 +130,11 @@ def test_save_writes_a_loadable_checkpoint(model_dir, tmp_path):
     trainer = Trainer(model_dir, TrainerConfig(), policy_version=4)
     trainer.accumulate(on_policy(trainer, microstep()))
     trainer.apply(2)
-    out = trainer.save(tmp_path / "v5")
+    old = os.umask(0o022)  # the usual umask, under which the weights' 0600 stands out
+    try:
+        out = trainer.save(tmp_path / "v5")
+    finally:
+        os.umask(old)
     assert (out / "model.safetensors").exists() and (out / "config.json").exists()
     assert (out / "model.safetensors").stat().st_mode & 0o777 == (out / "config.json").stat().st_mode & 0o777
     loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32)
