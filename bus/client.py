@@ -250,9 +250,14 @@ class Bus:
     # ---- declarations -------------------------------------------------------------------
 
     async def ensure_streams(self) -> None:
-        """Create or update every stream and durable consumer in `subjects`, and the bucket."""
-        for spec in subjects.STREAMS:
-            await self._ensure_stream(spec)
+        """Create or update every stream and durable consumer in `subjects`, and the bucket.
+        Raises BusError when the server has no JetStream."""
+        try:
+            for spec in subjects.STREAMS:
+                await self._ensure_stream(spec)
+        except nats.js.errors.ServiceUnavailableError as exc:
+            raise BusError(f"the NATS server at {self.nc.connected_url.geturl() if self.nc.connected_url else '?'} "
+                           f"has no JetStream (start it with -js): {exc!r}") from exc
         for cspec in subjects.CONSUMERS:
             await self.ensure_consumer(cspec)
         await self._ensure_bucket()

@@ -103,12 +103,15 @@ def run_owner_alive(info: dict) -> bool:
         return True
     try:
         os.kill(pid, 0)
-        state, started = _proc_stat(pid)
-    except (ProcessLookupError, FileNotFoundError):  # gone, also between the two looks
+    except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    except (OSError, IndexError, ValueError):  # no /proc: the pid alone
+    try:
+        state, started = _proc_stat(pid)
+    except FileNotFoundError:  # gone since the kill, or no /proc here
+        return not Path("/proc/self").exists()
+    except (OSError, IndexError, ValueError):
         return True
     if state in ("Z", "X"):  # exited, not yet reaped
         return False

@@ -24,7 +24,7 @@ from pathlib import Path
 import orjson
 
 import schemas
-from bus import Bus, ConnectError
+from bus import Bus, BusError, ConnectError
 from bus.server import NatsServer
 from bus.subjects import check_run
 from gyre.config import Recipe, RecipeError, load_recipe
@@ -220,7 +220,7 @@ def _install_interrupt(interrupted: asyncio.Event, signals: list[int]) -> None:
     def on_signal(signum: int) -> None:
         signals.append(signum)
         if interrupted.is_set():
-            print("gyre: stopping the daemons (each has 30 s before it is killed)", file=sys.stderr)
+            print("gyre: already stopping; please wait (daemons are killed after 30 s)", file=sys.stderr)
         interrupted.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -390,9 +390,12 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging("run", file=log_file)
         try:
             return asyncio.run(_run(recipe, run, run_dir, a.timeout))
-        except ConnectError as exc:  # GYRE_NATS_URL unreachable: one line, not a traceback
+        except BusError as exc:  # GYRE_NATS_URL unreachable or without JetStream: one line
             print(f"gyre run: {exc}", file=sys.stderr)
             return 1
+        finally:  # the run is over: a late Ctrl-C must not interrupt the interpreter's exit
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

@@ -481,7 +481,7 @@ def test_first_turns_are_not_split_off_where_encoding_does_not_split_at_im_end(t
     systems = {"normalized": "Reply, then write <|im_end|>\u0338 at the end.",
                "single_word": "Reply, then write <|im_end|>x at the end.",
                "<|im_end|>\n": "Reply.",  # the template's own <|im_end|>\n matches it
-               "x<|im": "Reply, then write x<|im_end|> at the end."}
+               "x<|im": "Reply, then write x<|im_end|>\nat the end."}
     for flag, system in systems.items():
         conversation = [{"role": "system", "content": system}, {"role": "user", "content": "fix the bug"}]
         doc = json.loads(tok.backend_tokenizer.to_str())
