@@ -177,7 +177,11 @@ class Bus:
         async def reconnected() -> None:
             clog.info("bus.reconnected", server=str(nc.connected_url.netloc if nc.connected_url else ""))
 
+        errors: dict[str, None] = {}  # distinct errors in order, to say why a first connect timed out
+
         async def error(exc: Exception) -> None:
+            errors.pop(repr(exc), None)
+            errors[repr(exc)] = None
             clog.warning("bus.error", error=repr(exc))
 
         async def closed() -> None:
@@ -203,7 +207,8 @@ class Bus:
             await _close_quietly(nc)
             if stop is not None and stop.is_set():  # failed and stopped in the same loop pass
                 raise ConnectError(f"stopped before connecting to {url}", stopped=True) from exc
-            raise ConnectError(f"could not connect to {url} within {config.connect_timeout_s}s: {exc!r}") from exc
+            why = f"; errors seen: {', '.join(list(errors)[-3:])}" if errors else ""
+            raise ConnectError(f"could not connect to {url} within {config.connect_timeout_s}s: {exc!r}{why}") from exc
         except BaseException:  # stopped, or the caller cancelled: no connect goes on behind it
             # The clean-up runs to its end even through further cancellations (an unclosed
             # client would keep its socket and tasks); one that came meanwhile is raised after.

@@ -494,3 +494,12 @@ def test_event_timestamps_keep_their_format():
     from schemas.base import utc_now
 
     assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", utc_now()) for _ in range(200))
+
+
+async def test_a_first_connect_that_times_out_says_what_went_wrong(nats_server):
+    """A wrong token is not just a timeout: the errors seen while trying are in the message."""
+    from bus import BusConfig, ConnectError
+
+    with pytest.raises(ConnectError, match="Authorization Violation"):
+        await Bus.connect(nats_server.url, token="not-the-token", run="r", name="t",
+                          config=BusConfig(connect_timeout_s=3.0))
