@@ -119,8 +119,9 @@ def run_owner_alive(info: dict) -> bool:
 
 
 def ended_run_message(run_dir: Path, info: dict) -> str:
-    return (f"run {info['run']} has ended (its `gyre run` process {info.get('pid')} is gone); "
-            f"its summary is in {run_dir / 'summary.json'}")
+    summary = run_dir / "summary.json"
+    where = f"its summary is in {summary}" if summary.exists() else f"it wrote no summary; see {run_dir / 'logs'}"
+    return f"run {info['run']} has ended (its `gyre run` process {info.get('pid')} is gone); {where}"
 
 
 def context_from_args(args: argparse.Namespace) -> RunContext:

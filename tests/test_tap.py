@@ -70,6 +70,7 @@ def test_tap_refuses_an_ended_run_at_once(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     run_dir = _run_dir(tmp_path, "ended", "nats://127.0.0.1:1", None, gone.pid)
+    (run_dir / "summary.json").write_text("{}")
     proc = subprocess.run([sys.executable, "-m", "handlers.cli", "tap", "--run-dir", str(run_dir)],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
