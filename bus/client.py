@@ -196,17 +196,18 @@ class Bus:
             drain_timeout=config.drain_timeout_s,
         )
         connecting = asyncio.ensure_future(asyncio.wait_for(nc.connect(**options), config.connect_timeout_s))
+        stopped = lambda: ConnectError(f"stopped before connecting to {url}", stopped=True)  # noqa: E731
         stopping = asyncio.ensure_future(stop.wait()) if stop is not None else None
         try:
             if stopping is not None:
                 await asyncio.wait((connecting, stopping), return_when=asyncio.FIRST_COMPLETED)
                 if not connecting.done():
-                    raise ConnectError(f"stopped before connecting to {url}", stopped=True)
+                    raise stopped()
             await connecting
         except (asyncio.TimeoutError, nats.errors.Error, OSError) as exc:
             await _close_quietly(nc)
             if stop is not None and stop.is_set():  # failed and stopped in the same loop pass
-                raise ConnectError(f"stopped before connecting to {url}", stopped=True) from exc
+                raise stopped() from exc
             why = f"; errors seen: {', '.join(list(errors)[-3:])}" if errors else ""
             raise ConnectError(f"could not connect to {url} within {config.connect_timeout_s}s: {exc!r}{why}") from exc
         except BaseException:  # stopped, or the caller cancelled: no connect goes on behind it

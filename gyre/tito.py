@@ -494,7 +494,7 @@ class CallStore:
         self.incremental = render is None and uses_gyre_template(tokenizer) and split
         self._splitting = _splitting_tokens(tokenizer)
         # First turns are split off only where encoding splits at <|im_end|> wherever it is written.
-        self._first_turns: dict[str, np.ndarray] | None = {} if split and _im_end_stands_alone(tokenizer) else None
+        self._first_turns: dict[str, np.ndarray] | None = {} if split and _im_end_stands_alone(tokenizer, self._splitting) else None
         if render is None:
             from gyre.chat import render as chat_render
 
@@ -839,11 +839,12 @@ def _opening_pattern(tokens: tuple[str, ...]) -> re.Pattern | None:
     return re.compile("|".join(map(re.escape, tokens)))
 
 
-def _im_end_stands_alone(tokenizer: Any) -> bool:
+def _im_end_stands_alone(tokenizer: Any, splitting: tuple[str, ...]) -> bool:
     """True when every written `<|im_end|>` encodes as that token: it splits as written
-    (`_splitting_tokens`) and no other added token can match over it (added tokens match
-    leftmost, then longest): none holds it, and none ends with a proper prefix of it."""
-    if IM_END_TEXT not in _splitting_tokens(tokenizer):
+    (it is in `splitting`, the tokenizer's `_splitting_tokens`) and no other added token can
+    match over it (added tokens match leftmost, then longest): none holds it, and none ends
+    with a proper prefix of it."""
+    if IM_END_TEXT not in splitting:
         return False
     decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
     heads = tuple(IM_END_TEXT[:k] for k in range(1, len(IM_END_TEXT)))

@@ -73,15 +73,21 @@ def process_identity(pid: int | None = None) -> dict:
     `run_owner_alive` reads it back."""
     pid = pid or os.getpid()
     out: dict = {"pid": pid, "host": socket.gethostname()}
-    try:
-        out["pid_ns"] = os.readlink(f"/proc/{pid}/ns/pid")
-    except OSError:
-        pass
+    if (ns := _pid_ns(pid)) is not None:
+        out["pid_ns"] = ns
     try:
         out["started"] = _proc_stat(pid)[1]
     except (OSError, IndexError, ValueError):
         pass
     return out
+
+
+def _pid_ns(pid: int | str) -> str | None:
+    """The pid namespace of a process ("pid:[4026531836]"), None where /proc does not show it."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
 
 
 def _proc_stat(pid: int) -> tuple[str, int]:
@@ -99,7 +105,7 @@ def run_owner_alive(info: dict) -> bool:
         return True
     if "host" in info and info["host"] != socket.gethostname():
         return True
-    if "pid_ns" in info and info["pid_ns"] != process_identity().get("pid_ns"):
+    if "pid_ns" in info and info["pid_ns"] != _pid_ns("self"):
         return True
     try:
         os.kill(pid, 0)
@@ -212,9 +218,8 @@ def run_async(main: Awaitable[object]) -> object:
     return asyncio.run(main)
 
 
-def install_signals(stop: asyncio.Event, received: list[int] | None = None) -> None:
-    """SIGTERM/SIGINT set `stop` (and are appended to `received`); a second signal exits
-    at once with 128 + its number."""
+def install_signals(stop: asyncio.Event) -> None:
+    """SIGTERM/SIGINT set `stop`; a second signal exits at once with 128 + its number."""
     loop = asyncio.get_running_loop()
 
     def _on_signal(signum: int) -> None:
@@ -222,8 +227,6 @@ def install_signals(stop: asyncio.Event, received: list[int] | None = None) -> N
             log.warning("daemon.signal.forced", signal=signum)
             os._exit(128 + signum)
         log.info("daemon.signal", signal=signum)
-        if received is not None:
-            received.append(signum)
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
