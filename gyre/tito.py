@@ -29,7 +29,10 @@ Contract:
      template that drops earlier thinking) the whole request is rendered and encoded, and
      the recorded call sharing the longest common token prefix with it becomes the parent
      (prefix_len = that length; parent None and 0 when nothing is shared). Never raises
-     for a mismatch.
+     for a mismatch. `match` = `attach` (the extension, or a `Pending` branch) then
+     `complete`; a caller on an event loop can run `prompt_of(pending)` — the rendering and
+     encoding, which read no store state calls change — in a worker thread between the two
+     (the proxy does for `Pending.heavy` requests: a 600k-token branch is ≈ 0.3 s of work).
   Messages are normalised and hashed incrementally: a request is compared (as parsed
   JSON, in C) with the few latest requests of the execution, and only the messages after
   the common part are normalised and hashed again.
@@ -111,6 +114,12 @@ completion int32 arrays, so extending one costs one copy in C, not a walk over t
 chain. Arrays, not lists of
 Python ints: a list of 10^4 ints is a container the cyclic GC walks item by item on
 every collection while it lives (`gyre bench proxy` measured 15-80 ms pauses)."""
+
+HEAVY_CHARS = 100_000
+"""A request that extends no recorded call and whose messages hold more characters than
+this (≈ 25k tokens, ≈ 6 ms of tiktoken on the 2-core CI machine; a 600k-token conversation,
+2.6 MB of text, takes 25–40 ms to render and ≈ 300 ms to encode) is marked `Pending.heavy`: the proxy
+renders and encodes it in a worker thread (`CallStore.prompt_of`), off the event loop."""
 
 Renderer = Callable[..., str]
 
@@ -381,6 +390,36 @@ class Match:
         return self.prompt_ids[self.prefix_len:]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pending:
+    """A request that extends no recorded call (`CallStore.attach`): its whole prompt is to
+    be rendered and encoded (`CallStore.prompt_of`, safe in a worker thread), then attached
+    (`CallStore.complete`).
+
+    messages / tools: normalised, as Match. digest: as Match.digest (b"" when fresh).
+    fresh: attach to nothing (auxiliary calls; `CallStore.fresh`). heavy: its messages hold
+    more than `HEAVY_CHARS` characters of text (content, reasoning, tool-call arguments).
+    """
+
+    messages: tuple[dict, ...]
+    tools: tuple[dict, ...]
+    digest: bytes
+    fresh: bool
+    heavy: bool
+
+
+def _text_chars(messages: Iterable[dict]) -> int:
+    """Characters in normalised messages' text: content, reasoning and tool-call arguments
+    (non-text content parts are not counted). An estimate of the rendering's length."""
+    n = 0
+    for m in messages:
+        content = m["content"]
+        n += (len(content) if isinstance(content, str) else 0) + len(m.get("reasoning_content", ""))
+        for tc in m.get("tool_calls", ()):
+            n += len(tc["function"]["arguments"])
+    return n
+
+
 # --------------------------------------------------------------------------- drift
 
 
@@ -515,7 +554,9 @@ class CallStore:
         split = getattr(tokenizer, "split_special_tokens", False)  # the backend would parse them
         # tiktoken on gyre's Qwen3 vocabulary; else the fast tokenizer's own encoder (same ids,
         # less overhead than __call__); else None.
-        self._fast_encode = fast_encoder(tokenizer) or (
+        fast = fast_encoder(tokenizer)
+        self._fast_array = fast.array if fast is not None else None
+        self._fast_encode = fast or (
             (lambda text: backend.encode(text, add_special_tokens=False).ids) if backend is not None and not split
             else None)
 
@@ -527,7 +568,11 @@ class CallStore:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def encode(self, text: str) -> np.ndarray:
-        """(N,) int32 ids of `text`, no special tokens added (special-token text is parsed)."""
+        """(N,) int32 ids of `text`, no special tokens added (special-token text is parsed).
+        Thread-safe; may be read-only. With gyre's tokenizer tiktoken encodes with the GIL
+        released (`gyre.tokenizer.FastEncoder.array`)."""
+        if self._fast_array is not None:
+            return self._fast_array(text)
         return np.asarray(self.encode_list(text), dtype=np.int32)
 
     def encode_prompt(self, text: str) -> np.ndarray:
@@ -604,9 +649,26 @@ class CallStore:
 
     # -- matching
     def match(self, messages: Sequence[dict], tools: Any = None) -> Match:
-        """Attach a request to the recorded calls (module docstring). Raises ValueError
-        on malformed messages or tools, and whatever `render` raises on a request the
-        template cannot render."""
+        """Attach a request to the recorded calls (module docstring): `attach`, then
+        `complete` on the event loop's thread. Raises ValueError on malformed messages or
+        tools, and whatever `render` raises on a request the template cannot render."""
+        found = self.attach(messages, tools)
+        return found if isinstance(found, Match) else self.complete(found)
+
+    def fresh(self, messages: Sequence[dict], tools: Any = None) -> Match:
+        """A request rendered and encoded on its own, attached to nothing (parent None):
+        for auxiliary calls (token counting, titles) that must not shape the trajectory
+        tree. Raises like `match`."""
+        return self.complete(self.attach(messages, tools, fresh=True))
+
+    def attach(self, messages: Sequence[dict], tools: Any = None, *, fresh: bool = False) -> Match | Pending:
+        """The extension `match` finds, or a `Pending` request to be rendered and encoded
+        whole (a branch, or any request when `fresh`). Raises ValueError on malformed
+        messages or tools, and whatever `render` raises while extending."""
+        if fresh:
+            msgs = self.normalise(messages)
+            return Pending(messages=tuple(msgs), tools=tuple(normalise_tools(tools)), digest=b"", fresh=True,
+                           heavy=_text_chars(msgs) > HEAVY_CHARS)
         msgs, tools_n, digests = self._normalised(messages, tools)
         for k in range(len(msgs), 0, -1):
             c = self._by_conv.get(digests[k])
@@ -617,16 +679,42 @@ class CallStore:
             if found is not None:
                 return found
             break  # the longest message-level match is not a token-level extension
-        return self._branch(msgs, tools_n, digests[-1])
+        return Pending(messages=tuple(msgs), tools=tools_n, digest=digests[-1], fresh=False,
+                       heavy=_text_chars(msgs) > HEAVY_CHARS)
 
-    def fresh(self, messages: Sequence[dict], tools: Any = None) -> Match:
-        """A request rendered and encoded on its own, attached to nothing (parent None):
-        for auxiliary calls (token counting, titles) that must not shape the trajectory
-        tree. Raises like `match`."""
-        msgs = self.normalise(messages)
-        tools_n = tuple(normalise_tools(tools))
-        return Match(parent=None, prefix_len=0, prompt_ids=self.encode_prompt(self._render(msgs, tools_n, True)),
-                     extended=False, drift=0, messages=tuple(msgs), tools=tools_n, digest=b"")
+    def prompt_of(self, pending: Pending) -> np.ndarray:
+        """(P,) int32: `pending`'s prompt rendered and encoded whole. Reads nothing of the
+        store that calls change (the first-turn cache is not used), so it may run in a worker
+        thread while the event loop uses the store. Raises whatever `render` raises."""
+        return self.encode(self._render(pending.messages, pending.tools, True))
+
+    def complete(self, pending: Pending, prompt_ids: np.ndarray | None = None) -> Match:
+        """`pending` attached: a fresh root, or a branch whose parent is the recorded call
+        sharing the longest token prefix with it (module docstring). prompt_ids: from
+        `prompt_of(pending)`; None = encode here, the first turn from the store's cache.
+        Raises whatever `render` raises."""
+        if prompt_ids is None:
+            prompt_ids = self.encode_prompt(self._render(pending.messages, pending.tools, True))
+        msgs, tools = pending.messages, pending.tools
+        if pending.fresh:
+            return Match(parent=None, prefix_len=0, prompt_ids=prompt_ids, extended=False, drift=0,
+                         messages=msgs, tools=tools, digest=b"")
+        best: CallRecord | None = None
+        best_len = 0
+        for rec in self.calls:
+            if rec.call in self._extended:
+                continue  # a child that extends it shares at least as long a prefix
+            n = _lcp(rec.segments(), prompt_ids)
+            if n > best_len or (n == best_len and best is not None and n > 0 and rec.seq > best.seq):
+                best, best_len = rec, n
+        # Attach at the call that first held the shared ids.
+        while best is not None and best.parent is not None and best_len <= best.prefix_len:
+            best = best.parent
+        if best_len == 0:
+            best = None
+        query, shown = conversation_facts(msgs) if self.incremental else (False, False)
+        return Match(parent=best, prefix_len=best_len, prompt_ids=prompt_ids, extended=False, drift=0,
+                     messages=msgs, tools=tools, digest=pending.digest, query=query, shown=shown)
 
     def _extend(self, c: CallRecord, rest: list[dict], tools: tuple[dict, ...], digest: bytes) -> Match | None:
         """Extension with both conversations rendered in full (any template)."""
@@ -736,25 +824,6 @@ class CallStore:
         sampled = np.zeros(len(match.prompt_ids), bool)
         sampled[: match.prefix_len] = match.parent.sampled_mask(match.prefix_len)
         return count_drift(match.prompt_ids, sampled, self.encode(self._render(match.messages, match.tools, True)))
-
-    def _branch(self, msgs: list[dict], tools: tuple[dict, ...], digest: bytes) -> Match:
-        prompt = self.encode_prompt(self._render(msgs, tools, True))
-        best: CallRecord | None = None
-        best_len = 0
-        for rec in self.calls:
-            if rec.call in self._extended:
-                continue  # a child that extends it shares at least as long a prefix
-            n = _lcp(rec.segments(), prompt)
-            if n > best_len or (n == best_len and best is not None and n > 0 and rec.seq > best.seq):
-                best, best_len = rec, n
-        # Attach at the call that first held the shared ids.
-        while best is not None and best.parent is not None and best_len <= best.prefix_len:
-            best = best.parent
-        if best_len == 0:
-            best = None
-        query, shown = conversation_facts(msgs) if self.incremental else (False, False)
-        return Match(parent=best, prefix_len=best_len, prompt_ids=prompt, extended=False, drift=0,
-                     messages=tuple(msgs), tools=tools, digest=digest, query=query, shown=shown)
 
     # -- recording
     def record(self, match: Match, *, call: str, seq: int, answer: dict,

@@ -27,8 +27,12 @@ import hashlib
 import json
 import os
 import tempfile
+import unicodedata
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import structlog
 
 log = structlog.get_logger(__name__)
@@ -336,9 +340,31 @@ def _is_utf8(text: str) -> bool:
 _FAST: dict[int, tuple[object, object]] = {}  # id(backend) → (backend, encode or None)
 
 
-def fast_encoder(tokenizer):
-    """A faster `encode(text) -> list[int]` giving the same ids as `tokenizer` (no special
-    tokens added, added-token text parsed anywhere), or None when `tokenizer` is not gyre's
+class FastEncoder:
+    """`encoder(text) -> list[int]` and `encoder.array(text) -> (N,) int32 ndarray` (read-only),
+    the ids `tokenizer` gives (`fast_encoder`). tiktoken releases the GIL while it encodes,
+    and `array` builds no Python list (≈ 25 ms with the GIL held for 600k ids), so a long
+    text can be encoded in a worker thread while the event loop runs. Thread-safe."""
+
+    __slots__ = ("_enc", "_specials", "_slow")
+
+    def __init__(self, enc: Any, slow: Callable[..., Any]):
+        self._enc, self._specials, self._slow = enc, enc.special_tokens_set, slow
+
+    def __call__(self, text: str) -> list[int]:
+        if not unicodedata.is_normalized("NFC", text) or not _is_utf8(text):
+            return self._slow(text, add_special_tokens=False).ids
+        return self._enc.encode(text, allowed_special=self._specials)
+
+    def array(self, text: str) -> np.ndarray:
+        if not unicodedata.is_normalized("NFC", text) or not _is_utf8(text):
+            return np.asarray(self._slow(text, add_special_tokens=False).ids, dtype=np.int32)
+        return self._enc.encode_to_numpy(text, allowed_special=self._specials).view(np.int32)
+
+
+def fast_encoder(tokenizer) -> FastEncoder | None:
+    """A faster encoder giving the same ids as `tokenizer` (no special tokens added,
+    added-token text parsed anywhere; `FastEncoder`), or None when `tokenizer` is not gyre's
     Qwen3 tokenizer (its backend's pipeline differs — `_pipeline_digest` — or it splits
     special tokens), e.g. a checkpoint's own tokenizer of another vocabulary.
 
@@ -356,21 +382,10 @@ def fast_encoder(tokenizer):
     hit = _FAST.get(id(backend))
     if hit is not None and hit[0] is backend:
         return hit[1]
-    encode = None
-    if _pipeline_digest(backend.to_str()) == _reference_digest():
-        import unicodedata
-
-        enc = _tiktoken_encoding()
-        specials = enc.special_tokens_set
-        slow = backend.encode
-
-        def encode(text: str) -> list[int]:
-            if not unicodedata.is_normalized("NFC", text) or not _is_utf8(text):
-                return slow(text, add_special_tokens=False).ids
-            return enc.encode(text, allowed_special=specials)
-
-    _FAST[id(backend)] = (backend, encode)
-    return encode
+    encoder = FastEncoder(_tiktoken_encoding(), backend.encode) \
+        if _pipeline_digest(backend.to_str()) == _reference_digest() else None
+    _FAST[id(backend)] = (backend, encoder)
+    return encoder
 
 
 def fast_decoder(tokenizer):

@@ -46,7 +46,8 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   with its answer or after min(`STREAM_OPEN_S` (0.25 s), keepalive_s), whichever comes
   first: an answer ready by then goes out in one write, and a failure by then is an HTTP
   error.
-- Per call: `gyre.tito.CallStore.match` (prompt ids reused or a branch), `/generate` with
+- Per call: `gyre.tito.CallStore.match` (prompt ids reused or a branch; a heavy branch, a
+  long conversation to render and encode whole, in a worker thread), `/generate` with
   `gyre_execution` set and a fresh rid, decode (special tokens kept) and
   `gyre.chat.parse_completion`, answer in the API's shape, then record: the store learns
   the call only after its answer was delivered; `call.completed` (id
@@ -478,12 +479,16 @@ def authenticate(state: ProxyState, request: web.Request) -> str:
     return execution
 
 
-def _match(store: CallStore, req: ModelRequest, auxiliary: bool, execution: str) -> Match:
-    """TITO attachment of a request (a fresh root for auxiliary calls). Raises ApiError(400)."""
+async def _match(store: CallStore, req: ModelRequest, auxiliary: bool, execution: str) -> Match:
+    """TITO attachment of a request (a fresh root for auxiliary calls). A heavy one that
+    extends no call (`gyre.tito.Pending.heavy`: a long conversation to render and encode
+    whole, ≈ 0.3 s for 600k tokens) is rendered and encoded in a worker thread, so the event
+    loop goes on serving other calls. Raises ApiError(400)."""
     try:
-        if auxiliary:
-            return store.fresh(req.messages, req.tools)
-        return store.match(req.messages, req.tools)
+        found = store.attach(req.messages, req.tools, fresh=auxiliary)
+        if isinstance(found, Match):
+            return found
+        return store.complete(found, await asyncio.to_thread(store.prompt_of, found) if found.heavy else None)
     except ValueError as exc:
         raise ApiError(400, f"cannot render the conversation: {exc}", param="messages") from None
     except Exception as exc:  # noqa: BLE001 - e.g. a template error on odd input: the request's fault
@@ -536,7 +541,7 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
     auxiliary = roles.role == "auxiliary"
     store = ex.store
     try:
-        match = _match(store, req, auxiliary, execution)
+        match = await _match(store, req, auxiliary, execution)
     except ApiError as err:
         return error_response(api, err)
     seq = ex.next_seq
@@ -646,7 +651,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     try:
         execution, ex, req = await _parsed(request, state, _parse_count_tokens)
         roles = state.classify(ex, request.headers, req, "count_tokens")
-        match = _match(ex.store, req, True, execution)
+        match = await _match(ex.store, req, True, execution)
     except ApiError as err:
         return error_response(MESSAGES, err)
     seq = ex.next_seq

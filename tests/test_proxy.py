@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import aiohttp
 import anthropic
@@ -11,9 +12,12 @@ import openai
 import orjson
 import pytest
 
+import gyre.tito
 import schemas
 from bus import Bus, BusConfig
+from gyre.chat import render
 from gyre.harness import execution_key
+from gyre.tito import CallStore
 from gyre.tokenizer import IM_END, build_tokenizer
 from handlers.engine_client import make_session
 from handlers.proxy import Config, ProxyState, run, start
@@ -511,3 +515,44 @@ async def test_a_call_answered_after_its_execution_finished_leaves_no_prompt_jso
     await inflight
     ex = stack.state.executions["exl"]
     assert ex.store is None and ex.wire == {}
+
+
+async def test_a_heavy_branch_is_rendered_and_encoded_off_the_event_loop(stack, tok, monkeypatch):
+    """A request that extends no call and holds more than `HEAVY_CHARS` characters (a long
+    conversation re-sent with an earlier message changed) is rendered and encoded in a worker
+    thread: another execution's call is answered while that runs, and the branch's prompt,
+    parent and prefix are what the loop would have computed."""
+    monkeypatch.setattr(gyre.tito, "HEAVY_CHARS", 2_000)
+    engine = await stack.engine(["first", "other", "branch"])
+    await stack.proxy(engine=engine)
+    client = stack.client("exh")
+    long_task = {"role": "user", "content": "Read this log:\n" + "line of output\n" * 200}
+    r0 = await client.chat.completions.create(model="m", messages=[SYSTEM, long_task])
+    edited = [SYSTEM, {"role": "user", "content": long_task["content"] + "and say what failed."}]
+
+    loop_thread, entered, other_answered = threading.get_ident(), asyncio.Event(), threading.Event()
+    calls = []
+    real = CallStore.prompt_of
+    loop = asyncio.get_running_loop()
+
+    def prompt_of(self, pending):
+        calls.append((threading.get_ident(), pending.heavy))
+        loop.call_soon_threadsafe(entered.set)
+        other_answered.wait(10)  # on the loop's thread this would hold the other call back
+        return real(self, pending)
+
+    monkeypatch.setattr(CallStore, "prompt_of", prompt_of)
+    branch = asyncio.create_task(client.chat.completions.create(model="m", messages=edited))
+    await asyncio.wait_for(entered.wait(), 10)
+    other = await asyncio.wait_for(stack.client("exo").chat.completions.create(model="m", messages=[SYSTEM, TASK]), 5)
+    other_answered.set()
+    r1 = await branch
+    assert r0.choices[0].message.content == "first" and other.choices[0].message.content == "other"
+    assert r1.choices[0].message.content == "branch"
+    assert len(calls) == 1 and calls[0][0] != loop_thread and calls[0][1] is True  # "exo"'s call is light
+
+    e0, e1 = [e for e in await stack.calls(3) if e.execution == "exh"]
+    expected = encode(tok, render(tok, edited, None, True))
+    assert engine.requests[-1]["input_ids"] == expected
+    lcp = next(i for i, (a, b) in enumerate(zip(expected, full(e0))) if a != b)
+    assert (e1.parent_call, e1.prefix_len, list(e1.tokens.prompt_ids)) == ("exh:0", lcp, expected[lcp:])

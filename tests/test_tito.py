@@ -8,7 +8,17 @@ import numpy as np
 import pytest
 
 from gyre.chat import parse_completion, render
-from gyre.tito import CallStore, count_drift, equal_prefix_len, message_key, normalise, normalise_message
+from gyre.tito import (
+    HEAVY_CHARS,
+    CallStore,
+    Match,
+    Pending,
+    count_drift,
+    equal_prefix_len,
+    message_key,
+    normalise,
+    normalise_message,
+)
 from gyre.tokenizer import IM_END, build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a command",
@@ -154,6 +164,43 @@ def test_branch_at_longest_common_token_prefix(tok):
     m5 = store.match([{"role": "user", "content": "unrelated"}], None)
     assert m5.parent is c1 and m5.prefix_len == 1
     assert CallStore(tok).match(turn1, TOOLS).parent is None
+
+
+def test_attach_defers_a_branch_whose_prompt_can_be_made_off_the_store(tok):
+    """`attach` returns an extension's Match at once and a branch or fresh request as
+    Pending; `prompt_of` (what the proxy runs in a worker thread) plus `complete` give what
+    `match` / `fresh` give; `heavy` counts content, reasoning and tool-call arguments."""
+    store = CallStore(tok)
+    turn1 = [SYSTEM, TASK]
+    _, c1, answer1 = serve(store, tok, turn1, TOOLS, CALL_TEXT, "e:0", 0)
+    tc_id = answer1["tool_calls"][0]["id"]
+    turn2 = [*turn1, answer1, {"role": "tool", "tool_call_id": tc_id, "content": "a.txt"}]
+    assert isinstance(store.attach(turn2, TOOLS), Match)
+    serve(store, tok, turn2, TOOLS, "done", "e:1", 1)
+    edited = [SYSTEM, {"role": "user", "content": "List the files, then stop."}]
+    pending = store.attach(edited, TOOLS)
+    assert isinstance(pending, Pending) and not pending.fresh and not pending.heavy and pending.digest
+    ids = store.prompt_of(pending)
+    assert ids.tolist() == encode(tok, render(tok, edited, TOOLS, True))
+    got, want = store.complete(pending, ids), store.match(edited, TOOLS)
+    assert (got.parent, got.prefix_len, got.digest, got.messages, got.extended) == \
+        (want.parent, want.prefix_len, want.digest, want.messages, False)
+    assert got.prompt_ids.tolist() == want.prompt_ids.tolist() and got.parent is c1
+    aux = store.attach(turn2, TOOLS, fresh=True)
+    assert isinstance(aux, Pending) and aux.fresh and aux.digest == b""
+    root = store.complete(aux, store.prompt_of(aux))
+    assert root.parent is None and root.prefix_len == 0
+    assert root.prompt_ids.tolist() == store.fresh(turn2, TOOLS).prompt_ids.tolist()
+    # Heavy: more than HEAVY_CHARS characters of text, wherever in the messages they are.
+    at_limit = [{"role": "user", "content": "x" * HEAVY_CHARS}]
+    assert not store.attach(at_limit, fresh=True).heavy
+    assert store.attach([{"role": "user", "content": "x" * (HEAVY_CHARS + 1)}], fresh=True).heavy
+    split = [{"role": "user", "content": "x" * (HEAVY_CHARS // 2)},
+             {"role": "assistant", "content": "", "reasoning_content": "y" * (HEAVY_CHARS // 4),
+              "tool_calls": [{"id": "t", "type": "function",
+                              "function": {"name": "bash", "arguments": "z" * (HEAVY_CHARS // 4 + 1)}}]},
+             {"role": "tool", "tool_call_id": "t", "content": ""}]
+    assert store.attach(split).heavy
 
 
 def test_dropped_thinking_opens_a_branch(tok):

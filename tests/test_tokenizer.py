@@ -7,6 +7,7 @@ import random
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -118,7 +119,10 @@ def test_fast_encoder_equals_the_hf_pipeline(parts):
     tok = qtok.build_tokenizer()
     encode = qtok.fast_encoder(tok)
     text = "".join(parts)
-    assert encode(text) == tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    expected = tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    assert encode(text) == expected
+    array = encode.array(text)
+    assert array.dtype == np.int32 and array.tolist() == expected
 
 
 def test_fast_encoder_only_for_gyre_pipeline(tmp_path):
@@ -167,7 +171,8 @@ def test_fast_encoder_leaves_non_nfc_text_to_the_hf_pipeline(text):
     """NFC of the whole text would fuse a marker's '>' with a combining mark, and Python's
     Unicode tables differ from the tokenizer's: such text takes the HF encoder."""
     tok = qtok.build_tokenizer()
-    assert qtok.fast_encoder(tok)(text) == tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    expected = tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    assert qtok.fast_encoder(tok)(text) == expected and qtok.fast_encoder(tok).array(text).tolist() == expected
 
 
 def test_conversion_is_reproducible_and_cached(tmp_path, monkeypatch):
