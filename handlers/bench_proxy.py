@@ -18,7 +18,9 @@ histories are in their steady state from the first measured call; a variant's la
 continue the executions where the previous run left them (no second warm-up).
 Variants: `chat` / `chat_stream` (OpenAI Chat Completions) and `messages` /
 `messages_stream` (Anthropic Messages; skipped with a reason while the proxy has no
-`/v1/messages`).
+`/v1/messages`) by default; `responses` (OpenAI Responses as Codex CLI sends it:
+`instructions`, input items with `function_call` / `function_call_output`, always
+streamed) when named in `--variants` (not a BENCHMARKS.md key).
 
 Per variant:
 - latency: `executions` (256) simulated executions each send a call, wait for the whole
@@ -71,6 +73,7 @@ import argparse
 import asyncio
 import dataclasses
 import importlib.metadata
+import json
 import os
 import platform
 import random
@@ -96,6 +99,8 @@ COMPLETION_TOKENS = 20
 TOOL_RESULT_TOKENS = 200
 SYSTEM_TOKENS = 1000
 VARIANTS = ("chat", "chat_stream", "messages", "messages_stream")
+EXTRA_VARIANTS = ("responses",)
+"""Run only when named (`--variants`): not among BENCHMARKS.md's keys."""
 SECRET = b"gyre-bench-proxy-secret-0123456789"
 MODEL = "gyre"
 BASH_DESCRIPTION = "Run a bash command in the workspace and return its output."
@@ -122,9 +127,9 @@ class BenchConfig:
             raise ValueError("executions, concurrency and reps must be >= 1")
         if self.duration_s <= 0 or self.think_s <= 0:
             raise ValueError("duration_s and think_s must be > 0")
-        unknown = set(self.variants) - set(VARIANTS)
+        unknown = set(self.variants) - set(VARIANTS) - set(EXTRA_VARIANTS)
         if unknown:
-            raise ValueError(f"unknown variants {sorted(unknown)}; known: {VARIANTS}")
+            raise ValueError(f"unknown variants {sorted(unknown)}; known: {VARIANTS + EXTRA_VARIANTS}")
 
 
 # --------------------------------------------------------------------------- workload (pure)
@@ -148,6 +153,13 @@ class Workload:
     completion_ids: tuple[int, ...]
     completion_text: str
     command: str
+
+    @property
+    def arguments(self) -> str:
+        """The tool call's arguments as the proxy emits them (`gyre.chat.parse_completion` of
+        the completion): what a harness echoes back, so the direct path's prompts are the ids
+        the proxy sends the engine."""
+        return json.dumps({"command": self.command})
 
     @classmethod
     def build(cls, tok: Any, seed: int = 0) -> "Workload":
@@ -184,6 +196,11 @@ def anthropic_tools() -> list[dict]:
     return [{"name": "bash", "description": BASH_DESCRIPTION, "input_schema": BASH_SCHEMA}]
 
 
+def responses_tools() -> list[dict]:
+    return [{"type": "function", "name": "bash", "description": BASH_DESCRIPTION, "strict": False,
+             "parameters": BASH_SCHEMA}]
+
+
 def direct_prompts(tok: Any, w: Workload) -> list[list[int]]:
     """Prompt ids of call k (k = 0..49) of an execution: the pre-tokenised equivalent of
     the k-th request (gyre.chat.render of the same history)."""
@@ -197,7 +214,7 @@ def direct_prompts(tok: Any, w: Workload) -> list[list[int]]:
         cid = f"call_{k}"
         messages.append({"role": "assistant", "content": None, "tool_calls": [
             {"id": cid, "type": "function", "function": {"name": "bash",
-                                                         "arguments": orjson.dumps({"command": w.command}).decode()}}]})
+                                                         "arguments": w.arguments}}]})
         messages.append({"role": "tool", "tool_call_id": cid, "content": w.results[k]})
     return out
 
@@ -213,13 +230,15 @@ class Conversation:
 
     def __init__(self, variant: str, w: Workload, execution: str):
         self.variant = variant
-        self.api = "messages" if variant.startswith("messages") else "chat"
-        self.stream = variant.endswith("_stream")
+        self.api = "messages" if variant.startswith("messages") else "responses" if variant == "responses" else "chat"
+        self.stream = variant.endswith("_stream") or self.api == "responses"  # Codex always streams
         self.w = w
         self.execution = execution
         self.calls = 0
         if self.api == "chat":
             self.messages: list[dict] = [{"role": "system", "content": w.system}, {"role": "user", "content": w.task}]
+        elif self.api == "responses":  # input items; the system prompt goes in `instructions`
+            self.messages = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": w.task}]}]
         else:
             self.messages = [{"role": "user", "content": w.task}]
 
@@ -230,8 +249,12 @@ class Conversation:
             result = self.w.results[k]
             if self.api == "chat":
                 self.messages.append({"role": "assistant", "content": None, "tool_calls": [
-                    {"id": cid, "type": "function", "function": {"name": "bash", "arguments": orjson.dumps(args).decode()}}]})
+                    {"id": cid, "type": "function", "function": {"name": "bash", "arguments": self.w.arguments}}]})
                 self.messages.append({"role": "tool", "tool_call_id": cid, "content": result})
+            elif self.api == "responses":
+                self.messages.append({"type": "function_call", "name": "bash", "arguments": self.w.arguments,
+                                      "call_id": cid})
+                self.messages.append({"type": "function_call_output", "call_id": cid, "output": result})
             else:
                 self.messages.append({"role": "assistant", "content": [
                     {"type": "tool_use", "id": cid, "name": "bash", "input": args}]})
@@ -245,6 +268,10 @@ class Conversation:
             if self.stream:
                 body["stream"] = True
                 body["stream_options"] = {"include_usage": True}
+        elif self.api == "responses":
+            body = {"model": MODEL, "instructions": self.w.system, "input": self.messages, "tools": responses_tools(),
+                    "tool_choice": "auto", "parallel_tool_calls": False, "store": False, "stream": True,
+                    "include": [], "prompt_cache_key": self.execution}
         else:
             body = {"model": MODEL, "max_tokens": 1024, "system": self.w.system, "messages": self.messages,
                     "tools": anthropic_tools()}
@@ -266,6 +293,19 @@ class Conversation:
                     self.messages.append({"role": "tool", "tool_call_id": tc["id"], "content": result})
             else:
                 self.messages.append({"role": "user", "content": result})
+        elif self.api == "responses":
+            items = _responses_stream_items(raw)
+            calls = [i for i in items if i.get("type") == "function_call"]
+            for item in items:  # echoed back as Codex does: messages and calls, reasoning dropped
+                if item.get("type") == "message":
+                    self.messages.append({"type": "message", "role": "assistant", "content": item["content"]})
+                elif item.get("type") == "function_call":
+                    self.messages.append({k: item[k] for k in ("type", "name", "arguments", "call_id")})
+            for item in calls:
+                self.messages.append({"type": "function_call_output", "call_id": item["call_id"], "output": result})
+            if not calls:
+                self.messages.append({"type": "message", "role": "user",
+                                      "content": [{"type": "input_text", "text": result}]})
         else:
             blocks = _messages_stream_blocks(raw) if self.stream else orjson.loads(raw)["content"]
             self.messages.append({"role": "assistant", "content": blocks})
@@ -307,6 +347,16 @@ def _chat_stream_message(raw: bytes) -> dict:
     if calls:
         msg["tool_calls"] = [calls[i] for i in sorted(calls)]
     return msg
+
+
+def _responses_stream_items(raw: bytes) -> list[dict]:
+    """The output items of a Responses stream (`response.output_item.done`), in order. A
+    stream that ends otherwise than with `response.completed` raises ValueError."""
+    events = _sse_data(raw)
+    if not events or events[-1].get("type") != "response.completed":
+        raise ValueError(f"a Responses stream ended with {events[-1].get('type') if events else 'nothing'}")
+    done = [e for e in events if e.get("type") == "response.output_item.done"]
+    return [e["item"] for e in sorted(done, key=lambda e: e["output_index"])]
 
 
 def _messages_stream_blocks(raw: bytes) -> list[dict]:
@@ -491,7 +541,7 @@ class Load:
         from gyre.harness import execution_key
 
         key = execution_key(SECRET, conv.execution)
-        if conv.api == "chat":
+        if conv.api in ("chat", "responses"):
             return {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
         return {"x-api-key": key, "anthropic-version": "2023-06-01", "Content-Type": "application/json"}
 
@@ -515,12 +565,19 @@ class Load:
         return raw, dt
 
     async def proxy_call(self, conv: Conversation, stats: RunStats | None) -> None:
-        path = "/v1/chat/completions" if conv.api == "chat" else "/v1/messages"
+        path = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}.get(conv.api, "/v1/messages")
         raw, dt = await self._post(self.proxy_url + path, conv.body(), self._headers(conv), stats)
         self.answered += 1
+        try:
+            conv.answer(raw)
+        except ValueError as exc:  # a 200 the harness cannot use (a Responses stream that failed)
+            if stats is not None:
+                stats.errors += 1
+                if len(stats.error_samples) < 3:
+                    stats.error_samples.append(f"200 {exc}: {raw[-300:]!r}")
+            raise _CallFailed(200) from None
         if stats is not None:
             stats.latencies.append(dt)
-        conv.answer(raw)
 
     async def direct_call(self, k: int, stats: RunStats | None, url: str) -> None:
         raw, dt = await self._post(url + "/generate", self.direct_bodies[k], {"Content-Type": "application/json"},
@@ -940,7 +997,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration-s", type=float, default=None)
     p.add_argument("--executions", type=int, default=None)
     p.add_argument("--concurrency", type=int, default=None)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, of {', '.join(VARIANTS + EXTRA_VARIANTS)} (default: {', '.join(VARIANTS)})")
     p.add_argument("--no-drift-check", action="store_true",
                    help="run the proxy with check_drift=False (diagnosis; not the benchmark's setting)")
     p.add_argument("--profile", default="", help="run the proxy under cProfile, stats to this path")
@@ -952,7 +1010,7 @@ def main(argv: list[str] | None = None) -> int:
              if getattr(a, name) is not None}
     variants = tuple(dict.fromkeys(v.strip() for v in a.variants.split(",") if v.strip()))
     if not variants:
-        p.error(f"--variants names none of {', '.join(VARIANTS)}")
+        p.error(f"--variants names none of {', '.join(VARIANTS + EXTRA_VARIANTS)}")
     profile = os.path.abspath(a.profile) if a.profile else ""
     if profile and not Path(profile).parent.is_dir():
         p.error(f"--profile: no directory {Path(profile).parent}")

@@ -14,11 +14,13 @@ from handlers import bench_proxy
 
 def test_bench_proxy_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    assert bench_proxy.main(["--smoke", "--json", str(out), "--workdir", str(tmp_path / "work")]) == 0
+    variants = bench_proxy.VARIANTS + bench_proxy.EXTRA_VARIANTS
+    assert bench_proxy.main(["--smoke", "--json", str(out), "--workdir", str(tmp_path / "work"),
+                             "--variants", ",".join(variants)]) == 0
     result = json.loads(out.read_text())
     assert result["machine"]["cpus"] >= 1
     assert result["config"]["completion_tokens"] == bench_proxy.COMPLETION_TOKENS
-    for variant in bench_proxy.VARIANTS:
+    for variant in variants:
         figures = result[variant]
         if figures.get("skipped"):
             continue
@@ -30,7 +32,7 @@ def test_bench_proxy_smoke(tmp_path):
         assert figures["added_latency_ms_p50"] == rep["added_latency_ms"]["p50"]
         if os.path.exists("/proc/self/stat"):  # the proxy's CPU per answered call (a few ticks in a smoke run)
             assert figures["proxy_cpu_ms_per_call"] >= 0 and figures["proxy_cpu_ms_per_call_saturated"] > 0
-    assert not result["chat"].get("skipped")
+    assert not result["chat"].get("skipped") and not result["responses"].get("skipped")
     floor = result["floor"]  # the bare pass-through against the engine, same load
     (rep,) = floor["reps"]
     assert rep["latency_calls"] > 0 and rep["direct_calls"] > 0
@@ -54,6 +56,41 @@ def test_variant_figures_are_medians_over_repetitions():
     assert out["proxy_cpu_ms_per_call_saturated"] == 1.6 and out["proxy_cpu_ms_per_call_saturated_max"] == 1.7
     none = bench_proxy._variant_figures([rep(4.0, 30.0, 500.0)])
     assert none["proxy_cpu_ms_per_call"] is None and none["proxy_cpu_ms_per_call_saturated"] is None
+
+
+@pytest.mark.parametrize("variant", bench_proxy.VARIANTS + bench_proxy.EXTRA_VARIANTS)
+def test_every_variant_sends_the_prompt_of_the_direct_path(variant):
+    """Call k of a simulated execution, parsed as the proxy parses its API and rendered,
+    is the pre-tokenised prompt the direct path sends for k: the two paths carry the same
+    tokens. Its answer (the proxy's own frames for the engine's completion) is read back
+    into the history the next call extends."""
+    from gyre.chat import parse_completion, render
+    from gyre.tokenizer import build_tokenizer
+    from handlers.proxy import CHAT, MESSAGES, RESPONSES
+    from handlers.proxy_anthropic import parse_messages_request
+    from handlers.proxy_api import Answer, StreamStart
+    from handlers.proxy_openai import parse_chat_request, parse_responses_request
+    from schemas.call import SamplingParams
+
+    tok = build_tokenizer()
+    w = bench_proxy.Workload.build(tok)
+    prompts = bench_proxy.direct_prompts(tok, w)
+    conv = bench_proxy.Conversation(variant, w, "e")
+    parse = {"chat": parse_chat_request, "messages": parse_messages_request, "responses": parse_responses_request}
+    api = {"chat": CHAT, "messages": MESSAGES, "responses": RESPONSES}[conv.api]
+    conv.fast_forward(3)
+    for k in (3, 4, 5):
+        req = parse[conv.api](json.loads(conv.body()), SamplingParams())
+        assert tok(render(tok, req.messages, req.tools, True), add_special_tokens=False)["input_ids"] == prompts[k]
+        parsed = parse_completion(w.completion_text, id_prefix=api.tool_id_prefix(f"r:e:{k}"))
+        start = StreamStart(rid=api.new_id(), created=0, model="gyre", prompt_tokens=len(prompts[k]))
+        answer = Answer(content=parsed.content, reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
+                        finish="stop", prompt_tokens=len(prompts[k]), completion_tokens=len(w.completion_ids),
+                        rid=start.rid, created=0)
+        frames = api.render(answer, req)
+        raw = b"".join(api.preamble(start, req) + frames) if req.stream else json.dumps(frames).encode()
+        conv.answer(raw)
+    assert conv.calls == 6
 
 
 @pytest.mark.parametrize("args, says", [
