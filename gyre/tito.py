@@ -32,7 +32,7 @@ Contract:
      for a mismatch. `match` = `attach` (the extension, or a `Pending` branch) then
      `complete`; a caller on an event loop can run `prompt_of(pending)` — the rendering and
      encoding, which read no store state calls change — in a worker thread between the two
-     (the proxy does for `Pending.heavy` requests: a 600k-token branch is ≈ 0.3 s of work).
+     (the proxy does for `Pending.heavy` requests: a 600k-token branch is ≈ 0.2 s of work).
   Messages are normalised and hashed incrementally: a request is compared (as parsed
   JSON, in C) with the few latest requests of the execution, and only the messages after
   the common part are normalised and hashed again.
@@ -94,9 +94,8 @@ import numpy as np
 import orjson
 
 from gyre.chat import is_query, render_appended, render_assistant_turn, shows_reasoning, uses_gyre_template
-from gyre.tokenizer import IM_END, fast_encoder
+from gyre.tokenizer import IM_END, IM_END_TEXT, fast_encoder
 
-IM_END_TEXT = "<|im_end|>"
 TURN_HEADER = "\n<|im_start|>assistant\n"
 """What an assistant turn opens with in gyre's template, after the previous `<|im_end|>`."""
 
@@ -116,10 +115,11 @@ Python ints: a list of 10^4 ints is a container the cyclic GC walks item by item
 every collection while it lives (`gyre bench proxy` measured 15-80 ms pauses)."""
 
 HEAVY_CHARS = 100_000
-"""A request that extends no recorded call and whose messages hold more characters than
-this (≈ 25k tokens, ≈ 6 ms of tiktoken on the 2-core CI machine; a 600k-token conversation,
-2.6 MB of text, takes 25–40 ms to render and ≈ 300 ms to encode) is marked `Pending.heavy`: the proxy
-renders and encodes it in a worker thread (`CallStore.prompt_of`), off the event loop."""
+"""A request that extends no recorded call and whose messages and tools hold more
+characters than this (≈ 25k tokens, ≈ 6 ms of tiktoken on the 2-core CI machine; a
+600k-token conversation, 2.6 MB of text, takes 25–40 ms to render and 130–300 ms to encode)
+is marked `Pending.heavy`: the proxy renders and encodes it in a worker thread
+(`CallStore.prompt_of`), off the event loop."""
 
 Renderer = Callable[..., str]
 
@@ -397,8 +397,9 @@ class Pending:
     (`CallStore.complete`).
 
     messages / tools: normalised, as Match. digest: as Match.digest (b"" when fresh).
-    fresh: attach to nothing (auxiliary calls; `CallStore.fresh`). heavy: its messages hold
-    more than `HEAVY_CHARS` characters of text (content, reasoning, tool-call arguments).
+    fresh: attach to nothing (auxiliary calls; `CallStore.fresh`). heavy: its messages and
+    tools hold more than `HEAVY_CHARS` characters (content, reasoning, tool-call arguments,
+    the tools' JSON).
     """
 
     messages: tuple[dict, ...]
@@ -408,10 +409,11 @@ class Pending:
     heavy: bool
 
 
-def _text_chars(messages: Iterable[dict]) -> int:
-    """Characters in normalised messages' text: content, reasoning and tool-call arguments
-    (non-text content parts are not counted). An estimate of the rendering's length."""
-    n = 0
+def _text_chars(messages: Iterable[dict], tools: Sequence[dict]) -> int:
+    """Characters in normalised messages' text (content, reasoning and tool-call arguments;
+    non-text content parts are not counted) and in the tools' JSON. An estimate of the
+    rendering's length."""
+    n = len(orjson.dumps(list(tools))) if tools else 0
     for m in messages:
         content = m["content"]
         n += (len(content) if isinstance(content, str) else 0) + len(m.get("reasoning_content", ""))
@@ -667,8 +669,9 @@ class CallStore:
         messages or tools, and whatever `render` raises while extending."""
         if fresh:
             msgs = self.normalise(messages)
-            return Pending(messages=tuple(msgs), tools=tuple(normalise_tools(tools)), digest=b"", fresh=True,
-                           heavy=_text_chars(msgs) > HEAVY_CHARS)
+            tools_n = tuple(normalise_tools(tools))
+            return Pending(messages=tuple(msgs), tools=tools_n, digest=b"", fresh=True,
+                           heavy=_text_chars(msgs, tools_n) > HEAVY_CHARS)
         msgs, tools_n, digests = self._normalised(messages, tools)
         for k in range(len(msgs), 0, -1):
             c = self._by_conv.get(digests[k])
@@ -680,7 +683,7 @@ class CallStore:
                 return found
             break  # the longest message-level match is not a token-level extension
         return Pending(messages=tuple(msgs), tools=tools_n, digest=digests[-1], fresh=False,
-                       heavy=_text_chars(msgs) > HEAVY_CHARS)
+                       heavy=_text_chars(msgs, tools_n) > HEAVY_CHARS)
 
     def prompt_of(self, pending: Pending) -> np.ndarray:
         """(P,) int32: `pending`'s prompt rendered and encoded whole. Reads nothing of the

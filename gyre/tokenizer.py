@@ -28,7 +28,6 @@ import json
 import os
 import tempfile
 import unicodedata
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ log = structlog.get_logger(__name__)
 ENDOFTEXT = 151643
 IM_START = 151644
 IM_END = 151645
+IM_END_TEXT = "<|im_end|>"
 TOOL_CALL = 151657
 TOOL_CALL_END = 151658
 TOOL_RESPONSE = 151665
@@ -341,25 +341,50 @@ _FAST: dict[int, tuple[object, object]] = {}  # id(backend) → (backend, encode
 
 
 class FastEncoder:
-    """`encoder(text) -> list[int]` and `encoder.array(text) -> (N,) int32 ndarray` (read-only),
-    the ids `tokenizer` gives (`fast_encoder`). tiktoken releases the GIL while it encodes,
-    and `array` builds no Python list (≈ 25 ms with the GIL held for 600k ids), so a long
-    text can be encoded in a worker thread while the event loop runs. Thread-safe."""
+    """`encoder(text) -> list[int]` and `encoder.array(text) -> (N,) int32 ndarray` (may be
+    read-only): the ids `tokenizer` gives (`fast_encoder`). Thread-safe.
 
-    __slots__ = ("_enc", "_specials", "_slow")
+    Text that is all NFC and valid UTF-8 is one tiktoken call. Other text is split after
+    each `<|im_end|>` — the HF pipeline matches added tokens before it normalises, so the
+    pieces' ids concatenate to the whole's — and only the pieces that are not go to the HF
+    encoder (`encode_batch`, which releases the GIL; `encode` does not). tiktoken releases
+    the GIL while it encodes and `array` builds no Python list (≈ 25 ms with the GIL held
+    for 600k ids), so a long text is encoded in a worker thread while the event loop runs.
+    """
 
-    def __init__(self, enc: Any, slow: Callable[..., Any]):
-        self._enc, self._specials, self._slow = enc, enc.special_tokens_set, slow
+    __slots__ = ("_enc", "_specials", "_backend")
+
+    def __init__(self, enc: Any, backend: Any):
+        self._enc, self._specials, self._backend = enc, enc.special_tokens_set, backend
 
     def __call__(self, text: str) -> list[int]:
-        if not unicodedata.is_normalized("NFC", text) or not _is_utf8(text):
-            return self._slow(text, add_special_tokens=False).ids
-        return self._enc.encode(text, allowed_special=self._specials)
+        if unicodedata.is_normalized("NFC", text) and _is_utf8(text):
+            return self._enc.encode(text, allowed_special=self._specials)
+        return self._mixed(text).tolist()
 
     def array(self, text: str) -> np.ndarray:
-        if not unicodedata.is_normalized("NFC", text) or not _is_utf8(text):
-            return np.asarray(self._slow(text, add_special_tokens=False).ids, dtype=np.int32)
-        return self._enc.encode_to_numpy(text, allowed_special=self._specials).view(np.int32)
+        if unicodedata.is_normalized("NFC", text) and _is_utf8(text):
+            return self._enc.encode_to_numpy(text, allowed_special=self._specials).view(np.int32)
+        return self._mixed(text)
+
+    def _mixed(self, text: str) -> np.ndarray:
+        pieces = text.split(IM_END_TEXT)
+        chunks = [p + IM_END_TEXT for p in pieces[:-1]]
+        if pieces[-1]:
+            chunks.append(pieces[-1])
+        out: list[np.ndarray | None] = []
+        slow: list[int] = []
+        for chunk in chunks:
+            if unicodedata.is_normalized("NFC", chunk) and _is_utf8(chunk):
+                out.append(self._enc.encode_to_numpy(chunk, allowed_special=self._specials).view(np.int32))
+            else:
+                slow.append(len(out))
+                out.append(None)
+        if slow:
+            done = self._backend.encode_batch([chunks[i] for i in slow], add_special_tokens=False)
+            for i, encoding in zip(slow, done):
+                out[i] = np.asarray(encoding.ids, dtype=np.int32)
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int32)
 
 
 def fast_encoder(tokenizer) -> FastEncoder | None:
@@ -382,7 +407,7 @@ def fast_encoder(tokenizer) -> FastEncoder | None:
     hit = _FAST.get(id(backend))
     if hit is not None and hit[0] is backend:
         return hit[1]
-    encoder = FastEncoder(_tiktoken_encoding(), backend.encode) \
+    encoder = FastEncoder(_tiktoken_encoding(), backend) \
         if _pipeline_digest(backend.to_str()) == _reference_digest() else None
     _FAST[id(backend)] = (backend, encoder)
     return encoder

@@ -4,31 +4,34 @@ Builds one execution's call store of N calls (a ~8k-token system prompt, +1 tool
 ~2k-token tool result per call: N=300 gives ~600k tokens), then attaches a branch of it (the
 task message edited, so no call extends it) twice each way: `CallStore.match` on the loop
 (how the proxy did it before 3913311) and the proxy's `_match` (a heavy branch is rendered and
-encoded in a worker thread). A task ticking every 1 ms measures the loop's lag meanwhile.
+encoded in the proxy's branch thread). A task ticking every 1 ms measures the loop's lag meanwhile.
 
-    .venv/bin/python ops/branch_loop_lag.py [N]
+    .venv/bin/python ops/branch_loop_lag.py [N [omega]]      (from the repository root)
 """
 import asyncio
+import concurrent.futures
 import random
 import sys
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 
-from gyre.tito import CallStore
-from gyre.tokenizer import build_tokenizer
-from handlers.proxy import _match
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's gyre, not an installed one
+from gyre.tito import CallStore  # noqa: E402
+from gyre.tokenizer import build_tokenizer  # noqa: E402
+from handlers.proxy import _match  # noqa: E402
 
 WORDS = ["def", "return", "self", "import", "numpy", "value", "the", "file", "error", "test", "x", "=", "(", ")",
          ":", "\n", "    "]
 
 
-def conversation(store: CallStore, calls: int, rng: random.Random) -> list[dict]:
+def conversation(store: CallStore, calls: int, rng: random.Random, system_tail: str = "") -> list[dict]:
     def blob(n: int) -> str:
         return " ".join(rng.choice(WORDS) for _ in range(n))
 
-    msgs = [{"role": "system", "content": blob(8000)}, {"role": "user", "content": "task " + blob(200)}]
+    msgs = [{"role": "system", "content": blob(8000) + system_tail}, {"role": "user", "content": "task " + blob(200)}]
     for i in range(calls):
         match = store.match(msgs)
         answer = {"role": "assistant", "content": "", "tool_calls": [
@@ -62,20 +65,24 @@ async def lag_during(label: str, work) -> object:
     return match
 
 
-async def main(calls: int) -> None:
+async def main(calls: int, system_tail: str) -> None:
     store = CallStore(build_tokenizer())
-    msgs = conversation(store, calls, random.Random(0))
+    msgs = conversation(store, calls, random.Random(0), system_tail)
     branch = [msgs[0], {"role": "user", "content": "an edited task"}, *msgs[2:]]
     request = types.SimpleNamespace(messages=branch, tools=None)
+    thread = concurrent.futures.ThreadPoolExecutor(1)  # as ProxyState.branch_thread()
 
     async def inline():
         return store.match(branch)
 
     for _ in range(2):
         a = await lag_during("on the loop (CallStore.match)  ", inline)
-        b = await lag_during("proxy (_match, worker thread)  ", lambda: _match(store, request, False, "e"))
+        b = await lag_during("proxy (_match, worker thread)  ", lambda: _match(store, request, False, "e", thread))
         assert np.array_equal(a.prompt_ids, b.prompt_ids) and a.prefix_len == b.prefix_len
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]) if len(sys.argv) > 1 else 300))
+    # `omega`: the system prompt ends with an ohm sign (U+2126, not NFC): one piece of the
+    # text goes to the HF encoder (gyre.tokenizer.FastEncoder)
+    asyncio.run(main(int(sys.argv[1]) if len(sys.argv) > 1 else 300,
+                     "\nR1 = 10 \u2126" if sys.argv[2:] == ["omega"] else ""))

@@ -556,3 +556,26 @@ async def test_a_heavy_branch_is_rendered_and_encoded_off_the_event_loop(stack, 
     assert engine.requests[-1]["input_ids"] == expected
     lcp = next(i for i, (a, b) in enumerate(zip(expected, full(e0))) if a != b)
     assert (e1.parent_call, e1.prefix_len, list(e1.tokens.prompt_ids)) == ("exh:0", lcp, expected[lcp:])
+    # count_tokens of a heavy request (an auxiliary call, a fresh root) takes the same thread.
+    counted = await stack.anthropic("exh").messages.count_tokens(model="m", messages=[long_task])
+    assert counted.input_tokens == len(encode(tok, render(tok, [long_task], None, True)))
+    assert len(calls) == 2 and calls[1][0] == calls[0][0] and calls[1][1] is True
+
+
+async def test_max_calls_holds_for_calls_waiting_on_the_branch_thread(stack, monkeypatch):
+    """A call counts against `max_calls` from its admission, not after its prompt is made:
+    two concurrent heavy first calls of an execution allowed one call get one answer and
+    one 400. A heavy request the template cannot render is a 400 that uses no call."""
+    monkeypatch.setattr(gyre.tito, "HEAVY_CHARS", 50)
+    engine = await stack.engine(["ok"])
+    await stack.proxy(engine=engine, max_calls=1)
+    client = stack.client("exm")
+    # A heavy request the template cannot render fails in the thread: a 400, no call used.
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.chat.completions.create(model="m", messages=[SYSTEM, {"role": "function", "content": "x" * 200}])
+    assert bad.value.body["param"] == "messages" and stack.state.executions["exm"].model_calls == 0
+    asks = [client.chat.completions.create(model="m", messages=[SYSTEM, {"role": "user", "content": "x" * 200}])
+            for _ in range(2)]
+    results = await asyncio.gather(*asks, return_exceptions=True)
+    assert sorted(type(r).__name__ for r in results) == ["BadRequestError", "ChatCompletion"]
+    assert len(engine.requests) == 1 and stack.state.executions["exm"].model_calls == 1

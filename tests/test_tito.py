@@ -201,6 +201,32 @@ def test_attach_defers_a_branch_whose_prompt_can_be_made_off_the_store(tok):
                               "function": {"name": "bash", "arguments": "z" * (HEAVY_CHARS // 4 + 1)}}]},
              {"role": "tool", "tool_call_id": "t", "content": ""}]
     assert store.attach(split).heavy
+    long_tool = [{"type": "function", "function": {"name": "bash", "description": "d" * HEAVY_CHARS}}]
+    assert store.attach([{"role": "user", "content": "hi"}], long_tool, fresh=True).heavy
+    assert store.attach([{"role": "user", "content": "hi"}], long_tool).heavy
+
+
+def test_prompt_of_reads_no_state_and_calls_recorded_before_complete_count(tok):
+    """What the proxy does around its worker thread: `prompt_of` leaves the store as it
+    was (the first-turn cache included), and calls recorded between `attach` and
+    `complete` are candidates for the branch's parent like any other."""
+    store = CallStore(tok)
+    turn1 = [SYSTEM, TASK]
+    serve(store, tok, turn1, TOOLS, "first", "e:0", 0)
+    edited = [SYSTEM, {"role": "user", "content": "List the files, then stop. Be brief."}]
+    pending = store.attach(edited, TOOLS)
+    kept = dict(store._first_turns)
+    ids = store.prompt_of(pending)
+    no_tools = store.attach(edited)  # a first turn the store has not seen
+    assert store.prompt_of(no_tools).tolist() == encode(tok, render(tok, edited, None, True))
+    assert store._first_turns == kept and len(kept) == 1 and len(store.calls) == 1
+    # Meanwhile a call that shares more of the branch's prompt is served and recorded.
+    closer = [SYSTEM, {"role": "user", "content": "List the files, then stop."}]
+    _, c1, _ = serve(store, tok, closer, TOOLS, "second", "e:1", 1)
+    m = store.complete(pending, ids)
+    assert m.parent is c1 and m.prefix_len > 0 and m.prompt_ids[:m.prefix_len].tolist() == \
+        c1.full_ids()[:m.prefix_len].tolist()
+    assert m.prefix_len == store.match(edited, TOOLS).prefix_len
 
 
 def test_dropped_thinking_opens_a_branch(tok):

@@ -125,6 +125,29 @@ def test_fast_encoder_equals_the_hf_pipeline(parts):
     assert array.dtype == np.int32 and array.tolist() == expected
 
 
+def test_fast_encoder_sends_only_the_pieces_that_are_not_nfc_to_the_hf_encoder():
+    """A long conversation with one non-NFC character (an ohm sign) in one message: the ids
+    are the HF pipeline's, and only that message's piece (split after `<|im_end|>`) is
+    encoded by HF, in one `encode_batch` (which releases the GIL)."""
+    tok = qtok.build_tokenizer()
+    backend = tok.backend_tokenizer
+    sent = []
+
+    class Spy:
+        def encode_batch(self, texts, add_special_tokens):
+            sent.append(list(texts))
+            return backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+
+    turns = [f"<|im_start|>user\nline {i} of the log: ok<|im_end|>\n" for i in range(50)]
+    turns[17] = "<|im_start|>user\nR1 = 10 \u2126, caf\u00e9<|im_end|>\n"
+    text = "".join(turns) + "<|im_start|>assistant\n"
+    encoder = qtok.FastEncoder(qtok._tiktoken_encoding(), Spy())
+    expected = backend.encode(text, add_special_tokens=False).ids
+    assert encoder.array(text).tolist() == expected and encoder(text) == expected
+    assert sent == [["\n" + turns[17].removesuffix("\n")]] * 2
+    assert encoder.array("").tolist() == [] and encoder("\u2126") == backend.encode("\u2126").ids
+
+
 def test_fast_encoder_only_for_gyre_pipeline(tmp_path):
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
