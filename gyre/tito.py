@@ -30,7 +30,7 @@ Contract:
      the recorded call sharing the longest common token prefix with it becomes the parent
      (prefix_len = that length; parent None and 0 when nothing is shared). Never raises
      for a mismatch. `match` = `attach` (the extension, or a `Pending` branch) then
-     `complete`; a caller on an event loop can run `prompt_of(pending)` — the rendering and
+     `complete`; a caller on an event loop can run `prepare(pending)` — the rendering and
      encoding, which read no store state calls change — in a worker thread between the two
      (the proxy does for `Pending.heavy` requests: a 600k-token branch is ≈ 0.2 s of work).
   Messages are normalised and hashed incrementally: a request is compared (as parsed
@@ -119,9 +119,10 @@ HEAVY_CHARS = 100_000
 characters than this (≈ 25k tokens, ≈ 6 ms of tiktoken on the 2-core CI machine; a
 600k-token conversation, 2.6 MB of text, takes 25–40 ms to render and 130–300 ms to encode)
 is marked `Pending.heavy`: the proxy renders and encodes it in a worker thread
-(`CallStore.prompt_of`), off the event loop."""
+(`CallStore.prepare`), off the event loop."""
 
 Renderer = Callable[..., str]
+_IM_END_IDS = np.array([IM_END], np.int32)
 
 
 # --------------------------------------------------------------------------- normalisation
@@ -392,14 +393,16 @@ class Match:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Pending:
-    """A request that extends no recorded call (`CallStore.attach`): its whole prompt is to
-    be rendered and encoded (`CallStore.prompt_of`, safe in a worker thread), then attached
-    (`CallStore.complete`).
+    """A request whose prompt needs whole conversations rendered (`CallStore.attach`): a
+    branch or fresh request, or, with a template other than gyre's, a request that may
+    extend `extends`. `CallStore.prepare` renders and encodes it (safe in a worker thread),
+    `CallStore.complete` attaches it.
 
     messages / tools: normalised, as Match. digest: as Match.digest (b"" when fresh).
     fresh: attach to nothing (auxiliary calls; `CallStore.fresh`). heavy: its messages and
     tools hold more than `HEAVY_CHARS` characters (content, reasoning, tool-call arguments,
-    the tools' JSON).
+    the tools' JSON). extends: the recorded call whose conversation + answer are the
+    request's first messages (None for a branch); rest: the messages after them.
     """
 
     messages: tuple[dict, ...]
@@ -407,6 +410,20 @@ class Pending:
     digest: bytes
     fresh: bool
     heavy: bool
+    extends: CallRecord | None = None
+    rest: tuple[dict, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Prepared:
+    """What `CallStore.prepare` made of a `Pending` request (int32 arrays, may be read-only):
+    `prompt_ids` (P,), the whole prompt of a branch or fresh request; or, for an extension,
+    `suffix_ids` (S,), the ids after `extends`' conversation, and `reference_ids` (R,), the
+    whole request encoded afresh (drift; None when drift is not counted)."""
+
+    prompt_ids: np.ndarray | None = None
+    suffix_ids: np.ndarray | None = None
+    reference_ids: np.ndarray | None = None
 
 
 def _text_chars(messages: Iterable[dict], tools: Sequence[dict]) -> int:
@@ -593,12 +610,14 @@ class CallStore:
         kept[head] = ids  # the newest
         return np.concatenate((ids, self.encode(text[end:])))
 
-    def _prompt(self, c: CallRecord, suffix: list[int]) -> np.ndarray:
+    def _prompt(self, c: CallRecord, suffix: Sequence[int] | np.ndarray) -> np.ndarray:
         """The prompt extending c: c's full ids (+ <|im_end|> unless c stopped) + suffix.
         c's cached prompt and completion (`TIP_CACHE`) are used when present (c leaves the
         cache: its extension holds the newest), so no walk over the call chain runs."""
         parts = list(self._tips.pop(c.call, None) or (c.full_ids(),))
-        parts.append(np.asarray(suffix if c.stopped else [IM_END, *suffix], np.int32))
+        if not c.stopped:
+            parts.append(_IM_END_IDS)
+        parts.append(np.asarray(suffix, np.int32))
         return np.concatenate(parts)
 
     def _render(self, messages: Sequence[dict], tools: Sequence[dict], gen: bool) -> str:
@@ -664,41 +683,76 @@ class CallStore:
         return self.complete(self.attach(messages, tools, fresh=True))
 
     def attach(self, messages: Sequence[dict], tools: Any = None, *, fresh: bool = False) -> Match | Pending:
-        """The extension `match` finds, or a `Pending` request to be rendered and encoded
-        whole (a branch, or any request when `fresh`). Raises ValueError on malformed
-        messages or tools, and whatever `render` raises while extending."""
+        """The extension `match` finds with gyre's template (only new messages rendered), or
+        a `Pending` request whose prompt needs whole conversations rendered: a branch, any
+        request when `fresh`, and with another template every request that may extend a call.
+        Raises ValueError on malformed messages or tools, and whatever `render` raises while
+        extending."""
         if fresh:
             msgs = self.normalise(messages)
             tools_n = tuple(normalise_tools(tools))
             return Pending(messages=tuple(msgs), tools=tools_n, digest=b"", fresh=True,
                            heavy=_text_chars(msgs, tools_n) > HEAVY_CHARS)
         msgs, tools_n, digests = self._normalised(messages, tools)
+        extends: CallRecord | None = None
+        k = 0
         for k in range(len(msgs), 0, -1):
             c = self._by_conv.get(digests[k])
             if c is None:
                 continue
-            extend = self._extend_appended if self.incremental else self._extend
-            found = extend(c, msgs[k:], tools_n, digests[-1])
+            if not self.incremental:
+                extends = c  # decided once both conversations are rendered (`prepare`)
+                break
+            found = self._extend_appended(c, msgs[k:], tools_n, digests[-1])
             if found is not None:
                 return found
             break  # the longest message-level match is not a token-level extension
         return Pending(messages=tuple(msgs), tools=tools_n, digest=digests[-1], fresh=False,
-                       heavy=_text_chars(msgs, tools_n) > HEAVY_CHARS)
+                       heavy=_text_chars(msgs, tools_n) > HEAVY_CHARS, extends=extends,
+                       rest=tuple(msgs[k:]) if extends is not None else ())
 
-    def prompt_of(self, pending: Pending) -> np.ndarray:
-        """(P,) int32: `pending`'s prompt rendered and encoded whole. Reads nothing of the
-        store that calls change (the first-turn cache is not used), so it may run in a worker
-        thread while the event loop uses the store. Raises whatever `render` raises."""
-        return self.encode(self._render(pending.messages, pending.tools, True))
+    def prepare(self, pending: Pending) -> Prepared:
+        """Render and encode `pending`. An extension candidate (`pending.extends`, another
+        template than gyre's) renders the call's conversation (its recorded messages and
+        answer) with and without `pending.rest`: when the shorter, cut after its last
+        `<|im_end|>`, is a string prefix of the longer, the rest is encoded (`suffix_ids`; and
+        the whole request when drift is counted), else the request is a branch (`prompt_ids`,
+        the request's own messages rendered). Reads nothing of the
+        store that calls change (the first-turn cache is not used), so it may run in a
+        worker thread while the event loop uses the store. Raises whatever `render` raises."""
+        return self._prepare(pending, self.encode)
 
-    def complete(self, pending: Pending, prompt_ids: np.ndarray | None = None) -> Match:
-        """`pending` attached: a fresh root, or a branch whose parent is the recorded call
-        sharing the longest token prefix with it (module docstring). prompt_ids: from
-        `prompt_of(pending)`; None = encode here, the first turn from the store's cache.
-        Raises whatever `render` raises."""
-        if prompt_ids is None:
-            prompt_ids = self.encode_prompt(self._render(pending.messages, pending.tools, True))
+    def _prepare(self, pending: Pending, encode_prompt: Callable[[str], np.ndarray]) -> Prepared:
+        c = pending.extends
+        if c is not None:  # c's recorded messages, which may show what the request's omit (reasoning)
+            conv = (*c.messages, c.answer)
+            text = self._render((*conv, *pending.rest), pending.tools, True)
+            prev = self._render(conv, pending.tools, False)
+            cut = prev.rfind(IM_END_TEXT)
+            if cut >= 0 and text.startswith(prev[: cut + len(IM_END_TEXT)]):
+                return Prepared(suffix_ids=self.encode(text[cut + len(IM_END_TEXT):]),
+                                reference_ids=self.encode(text) if self.check_drift else None)
+        return Prepared(prompt_ids=encode_prompt(self._render(pending.messages, pending.tools, True)))
+
+    def complete(self, pending: Pending, prepared: Prepared | None = None) -> Match:
+        """`pending` attached: an extension of `pending.extends` (module docstring), a fresh
+        root, or a branch whose parent is the recorded call sharing the longest token prefix
+        with it. prepared: from `prepare(pending)`; None = made here, a branch's first turn
+        from the store's cache. Raises whatever `render` raises."""
+        if prepared is None:
+            prepared = self._prepare(pending, self.encode_prompt)
         msgs, tools = pending.messages, pending.tools
+        c = pending.extends
+        if prepared.suffix_ids is not None and c is not None:
+            prompt = self._prompt(c, prepared.suffix_ids)
+            drift = 0
+            if prepared.reference_ids is not None:
+                sampled = np.zeros(len(prompt), bool)
+                sampled[: c.full_len] = c.sampled_mask(c.full_len)
+                drift = count_drift(prompt, sampled, prepared.reference_ids)
+            return Match(parent=c, prefix_len=c.full_len, prompt_ids=prompt, extended=True, drift=drift,
+                         messages=(*c.messages, c.answer, *pending.rest), tools=tools, digest=pending.digest)
+        prompt_ids = prepared.prompt_ids
         if pending.fresh:
             return Match(parent=None, prefix_len=0, prompt_ids=prompt_ids, extended=False, drift=0,
                          messages=msgs, tools=tools, digest=b"")
@@ -718,26 +772,6 @@ class CallStore:
         query, shown = conversation_facts(msgs) if self.incremental else (False, False)
         return Match(parent=best, prefix_len=best_len, prompt_ids=prompt_ids, extended=False, drift=0,
                      messages=msgs, tools=tools, digest=pending.digest, query=query, shown=shown)
-
-    def _extend(self, c: CallRecord, rest: list[dict], tools: tuple[dict, ...], digest: bytes) -> Match | None:
-        """Extension with both conversations rendered in full (any template)."""
-        conv = (*c.messages, c.answer)
-        text = self._render((*conv, *rest), tools, True)
-        prev = self._render(conv, tools, False)
-        cut = prev.rfind(IM_END_TEXT)
-        if cut < 0:
-            return None
-        prev = prev[: cut + len(IM_END_TEXT)]
-        if not text.startswith(prev):
-            return None
-        prompt = self._prompt(c, self.encode_list(text[len(prev):]))
-        drift = 0
-        if self.check_drift:
-            sampled = np.zeros(len(prompt), bool)
-            sampled[: c.full_len] = c.sampled_mask(c.full_len)
-            drift = count_drift(prompt, sampled, self.encode(text))
-        return Match(parent=c, prefix_len=c.full_len, prompt_ids=prompt, extended=True, drift=drift,
-                     messages=(*conv, *rest), tools=tools, digest=digest)
 
     def _extend_appended(self, c: CallRecord, rest: list[dict], tools: tuple[dict, ...],
                          digest: bytes) -> Match | None:

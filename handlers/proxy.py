@@ -91,7 +91,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 import structlog
 from aiohttp import web
@@ -99,7 +98,7 @@ from aiohttp import web
 from gyre.chat import parse_completion
 from gyre.harness import verify_key as harness_verify_key
 from gyre.roles import PROFILES, CallFacts, Classification, classify, profile_for_harness
-from gyre.tito import CallStore, Match, Pending
+from gyre.tito import CallStore, Match, Pending, Prepared
 from gyre.tokenizer import fast_decoder, fast_encoder
 from handlers.engine_client import ids_json, make_session
 from handlers.proxy_anthropic import MessagesApi, parse_messages_request
@@ -492,7 +491,7 @@ def authenticate(state: ProxyState, request: web.Request) -> str:
 
 def _render_error(exc: Exception, execution: str) -> ApiError:
     """The 400 for a request the template cannot render (`CallStore.attach` / `complete` /
-    `prompt_of` raised)."""
+    `prepare` raised)."""
     if isinstance(exc, ValueError):
         return ApiError(400, f"cannot render the conversation: {exc}", param="messages")
     # e.g. a template error on odd input: the request's fault
@@ -500,11 +499,11 @@ def _render_error(exc: Exception, execution: str) -> ApiError:
     return ApiError(400, f"cannot render the conversation: {exc!r}", param="messages")
 
 
-def _prompt_or_error(store: CallStore, pending: Pending) -> np.ndarray | Exception:
-    """`store.prompt_of(pending)`, or what it raised (not MemoryError): run in the branch
+def _prepared_or_error(store: CallStore, pending: Pending) -> Prepared | Exception:
+    """`store.prepare(pending)`, or what it raised (not MemoryError): run in the branch
     thread, so that only the request's own errors become a 400."""
     try:
-        return store.prompt_of(pending)
+        return store.prepare(pending)
     except MemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - handed to _render_error on the loop
@@ -513,11 +512,12 @@ def _prompt_or_error(store: CallStore, pending: Pending) -> np.ndarray | Excepti
 
 async def _match(store: CallStore, req: ModelRequest, auxiliary: bool, execution: str,
                  thread: concurrent.futures.Executor) -> Match:
-    """TITO attachment of a request (a fresh root for auxiliary calls). A heavy one that
-    extends no call (`gyre.tito.Pending.heavy`: a long conversation to render and encode
-    whole, ≈ 0.2 s for 600k tokens) is rendered and encoded in `thread` (the proxy's
-    `ProxyState.branch_thread()`), so the event loop goes on serving other calls. Raises
-    ApiError(400) for a request the template cannot render."""
+    """TITO attachment of a request (a fresh root for auxiliary calls). A heavy one whose
+    prompt needs whole conversations rendered (`gyre.tito.Pending.heavy`: a branch of a long
+    conversation, ≈ 0.2 s for 600k tokens; with a template other than gyre's, any long
+    request) is rendered and encoded in `thread` (the proxy's `ProxyState.branch_thread()`),
+    so the event loop goes on serving other calls. Raises ApiError(400) for a request the
+    template cannot render."""
     try:
         found = store.attach(req.messages, req.tools, fresh=auxiliary)
     except MemoryError:
@@ -526,13 +526,13 @@ async def _match(store: CallStore, req: ModelRequest, auxiliary: bool, execution
         raise _render_error(exc, execution) from None
     if isinstance(found, Match):
         return found
-    ids = None
+    prepared = None
     if found.heavy:
-        ids = await asyncio.get_running_loop().run_in_executor(thread, _prompt_or_error, store, found)
+        prepared = await asyncio.get_running_loop().run_in_executor(thread, _prepared_or_error, store, found)
     try:
-        if isinstance(ids, Exception):
-            raise ids
-        return store.complete(found, ids)
+        if isinstance(prepared, Exception):
+            raise prepared
+        return store.complete(found, prepared)
     except MemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - _render_error

@@ -1,15 +1,24 @@
-"""How long a long branch holds the proxy's event loop (handlers.proxy._match, gyre.tito).
+"""How long a request whose prompt needs whole conversations rendered holds the proxy's
+event loop (handlers.proxy._match, gyre.tito).
 
 Builds one execution's call store of N calls (a ~8k-token system prompt, +1 tool call and a
-~2k-token tool result per call: N=300 gives ~600k tokens), then attaches a branch of it (the
-task message edited, so no call extends it) twice each way: `CallStore.match` on the loop
-(how the proxy did it before 3913311) and the proxy's `_match` (a heavy branch is rendered and
-encoded in the proxy's branch thread). A task ticking every 1 ms measures the loop's lag meanwhile.
+~2k-token tool result per call: N=300 gives ~600k tokens), then attaches a request to it
+twice each way: `CallStore.match` on the loop (how the proxy did it before 3913311) and the
+proxy's `_match` (a heavy request is rendered and encoded in the proxy's branch thread). A
+task ticking every 1 ms measures the loop's lag meanwhile. The request is a branch (the task
+message edited, so no call extends it); with `--other-template` the tokenizer carries a
+template other than gyre's (gyre's text plus a comment: the same rendering), which renders
+every extension whole, and the request is an extension (one more user message).
+`--omega` ends the system prompt with an ohm sign (U+2126, not NFC), a text piece that goes
+to the HF encoder (gyre.tokenizer.FastEncoder).
 
-    .venv/bin/python ops/branch_loop_lag.py [N [omega]]      (from the repository root)
+    .venv/bin/python ops/branch_loop_lag.py [--calls N] [--omega] [--other-template]
+    (from the repository root)
 """
+import argparse
 import asyncio
 import concurrent.futures
+import copy
 import random
 import sys
 import time
@@ -60,29 +69,41 @@ async def lag_during(label: str, work) -> object:
     done.set()
     await tick
     ms = np.asarray(lags) * 1e3
-    print(f"{label}: {len(match.prompt_ids):,} ids in {wall * 1e3:.0f} ms; loop lag max {ms.max():.1f} ms, "
-          f"p99 {np.percentile(ms, 99):.1f} ms")
+    print(f"{label}: {'extension' if match.extended else 'branch'} of {len(match.prompt_ids):,} ids in "
+          f"{wall * 1e3:.0f} ms; loop lag max {ms.max():.1f} ms, p99 {np.percentile(ms, 99):.1f} ms")
     return match
 
 
-async def main(calls: int, system_tail: str) -> None:
-    store = CallStore(build_tokenizer())
-    msgs = conversation(store, calls, random.Random(0), system_tail)
-    branch = [msgs[0], {"role": "user", "content": "an edited task"}, *msgs[2:]]
-    request = types.SimpleNamespace(messages=branch, tools=None)
+async def main(a: argparse.Namespace) -> None:
+    tok = build_tokenizer()
+    if a.other_template:
+        tok = copy.copy(tok)
+        tok.chat_template += "{#- another template #}"
+    msgs = conversation(CallStore(tok), 0, random.Random(0))  # warm the caches
     thread = concurrent.futures.ThreadPoolExecutor(1)  # as ProxyState.branch_thread()
-
-    async def inline():
-        return store.match(branch)
-
     for _ in range(2):
-        a = await lag_during("on the loop (CallStore.match)  ", inline)
-        b = await lag_during("proxy (_match, worker thread)  ", lambda: _match(store, request, False, "e", thread))
-        assert np.array_equal(a.prompt_ids, b.prompt_ids) and a.prefix_len == b.prefix_len
+        stores = []
+        for _ in range(2):  # one store per way: an extension consumes its parent's cached ids
+            store = CallStore(tok)
+            msgs = conversation(store, a.calls, random.Random(0), "\nR1 = 10 \u2126" if a.omega else "")
+            stores.append(store)
+        if a.other_template:
+            request = [*msgs, {"role": "user", "content": "go on"}]
+        else:
+            request = [msgs[0], {"role": "user", "content": "an edited task"}, *msgs[2:]]
+
+        async def inline():
+            return stores[0].match(request)
+
+        ns = types.SimpleNamespace(messages=request, tools=None)
+        x = await lag_during("on the loop (CallStore.match)", inline)
+        y = await lag_during("proxy (_match, branch thread)", lambda: _match(stores[1], ns, False, "e", thread))
+        assert np.array_equal(x.prompt_ids, y.prompt_ids) and x.prefix_len == y.prefix_len
 
 
 if __name__ == "__main__":
-    # `omega`: the system prompt ends with an ohm sign (U+2126, not NFC): one piece of the
-    # text goes to the HF encoder (gyre.tokenizer.FastEncoder)
-    asyncio.run(main(int(sys.argv[1]) if len(sys.argv) > 1 else 300,
-                     "\nR1 = 10 \u2126" if sys.argv[2:] == ["omega"] else ""))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--omega", action="store_true")
+    p.add_argument("--other-template", action="store_true")
+    asyncio.run(main(p.parse_args()))

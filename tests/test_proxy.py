@@ -532,16 +532,16 @@ async def test_a_heavy_branch_is_rendered_and_encoded_off_the_event_loop(stack, 
 
     loop_thread, entered, other_answered = threading.get_ident(), asyncio.Event(), threading.Event()
     calls = []
-    real = CallStore.prompt_of
+    real = CallStore.prepare
     loop = asyncio.get_running_loop()
 
-    def prompt_of(self, pending):
+    def prepare(self, pending):
         calls.append((threading.get_ident(), pending.heavy))
         loop.call_soon_threadsafe(entered.set)
         other_answered.wait(10)  # on the loop's thread this would hold the other call back
         return real(self, pending)
 
-    monkeypatch.setattr(CallStore, "prompt_of", prompt_of)
+    monkeypatch.setattr(CallStore, "prepare", prepare)
     branch = asyncio.create_task(client.chat.completions.create(model="m", messages=edited))
     await asyncio.wait_for(entered.wait(), 10)
     other = await asyncio.wait_for(stack.client("exo").chat.completions.create(model="m", messages=[SYSTEM, TASK]), 5)
@@ -560,6 +560,39 @@ async def test_a_heavy_branch_is_rendered_and_encoded_off_the_event_loop(stack, 
     counted = await stack.anthropic("exh").messages.count_tokens(model="m", messages=[long_task])
     assert counted.input_tokens == len(encode(tok, render(tok, [long_task], None, True)))
     assert len(calls) == 2 and calls[1][0] == calls[0][0] and calls[1][1] is True
+
+
+async def test_with_another_template_a_long_extension_is_made_off_the_event_loop(stack, tok, monkeypatch):
+    """With a checkpoint's own template (not gyre's), an extension renders both
+    conversations whole: a heavy one is prepared in the branch thread, and it still
+    extends its parent verbatim with drift 0."""
+    import copy
+
+    monkeypatch.setattr(gyre.tito, "HEAVY_CHARS", 2_000)
+    other = copy.copy(tok)
+    other.chat_template = tok.chat_template + "{#- a checkpoint's own copy #}"
+    stack.tok = other
+    engine = await stack.engine(["first", "second"])
+    await stack.proxy(engine=engine)
+    assert not stack.state.execution("ext").store.incremental
+    threads = []
+    real = CallStore.prepare
+
+    def prepare(self, pending):
+        threads.append((threading.get_ident(), pending.extends is not None))
+        return real(self, pending)
+
+    monkeypatch.setattr(CallStore, "prepare", prepare)
+    client = stack.client("ext")
+    msgs = [SYSTEM, {"role": "user", "content": "Read this log:\n" + "line of output\n" * 200}]
+    r0 = await client.chat.completions.create(model="m", messages=msgs)
+    msgs += [{"role": "assistant", "content": r0.choices[0].message.content}, {"role": "user", "content": "go on"}]
+    await client.chat.completions.create(model="m", messages=msgs)
+    e0, e1 = await stack.calls(2)
+    assert [t != threading.get_ident() for t, _ in threads] == [True, True] and [x for _, x in threads] == [False, True]
+    assert (e1.parent_call, e1.prefix_len, e1.drift) == ("ext:0", len(full(e0)), 0)
+    assert engine.requests[1]["input_ids"] == full(e0) + list(e1.tokens.prompt_ids)
+    assert engine.requests[1]["input_ids"] == encode(tok, render(tok, msgs, None, True))
 
 
 async def test_max_calls_holds_for_calls_waiting_on_the_branch_thread(stack, monkeypatch):

@@ -168,7 +168,7 @@ def test_branch_at_longest_common_token_prefix(tok):
 
 def test_attach_defers_a_branch_whose_prompt_can_be_made_off_the_store(tok):
     """`attach` returns an extension's Match at once and a branch or fresh request as
-    Pending; `prompt_of` (what the proxy runs in a worker thread) plus `complete` give what
+    Pending; `prepare` (what the proxy runs in a worker thread) plus `complete` give what
     `match` / `fresh` give; `heavy` counts content, reasoning and tool-call arguments."""
     store = CallStore(tok)
     turn1 = [SYSTEM, TASK]
@@ -180,15 +180,15 @@ def test_attach_defers_a_branch_whose_prompt_can_be_made_off_the_store(tok):
     edited = [SYSTEM, {"role": "user", "content": "List the files, then stop."}]
     pending = store.attach(edited, TOOLS)
     assert isinstance(pending, Pending) and not pending.fresh and not pending.heavy and pending.digest
-    ids = store.prompt_of(pending)
-    assert ids.tolist() == encode(tok, render(tok, edited, TOOLS, True))
-    got, want = store.complete(pending, ids), store.match(edited, TOOLS)
+    prepared = store.prepare(pending)
+    assert prepared.prompt_ids.tolist() == encode(tok, render(tok, edited, TOOLS, True))
+    got, want = store.complete(pending, prepared), store.match(edited, TOOLS)
     assert (got.parent, got.prefix_len, got.digest, got.messages, got.extended) == \
         (want.parent, want.prefix_len, want.digest, want.messages, False)
     assert got.prompt_ids.tolist() == want.prompt_ids.tolist() and got.parent is c1
     aux = store.attach(turn2, TOOLS, fresh=True)
     assert isinstance(aux, Pending) and aux.fresh and aux.digest == b""
-    root = store.complete(aux, store.prompt_of(aux))
+    root = store.complete(aux, store.prepare(aux))
     assert root.parent is None and root.prefix_len == 0
     assert root.prompt_ids.tolist() == store.fresh(turn2, TOOLS).prompt_ids.tolist()
     # Heavy: more than HEAVY_CHARS characters of text, wherever in the messages they are.
@@ -206,8 +206,39 @@ def test_attach_defers_a_branch_whose_prompt_can_be_made_off_the_store(tok):
     assert store.attach([{"role": "user", "content": "hi"}], long_tool).heavy
 
 
-def test_prompt_of_reads_no_state_and_calls_recorded_before_complete_count(tok):
-    """What the proxy does around its worker thread: `prompt_of` leaves the store as it
+def test_with_another_template_an_extension_is_pending_and_prepared_off_the_store(tok):
+    """With a template other than gyre's, an extension needs both conversations rendered
+    whole: `attach` returns it as Pending (extends = the call), `prepare` gives the suffix
+    and the reference for drift, `complete` the Match `match` gives; a request whose
+    rendering is not an extension of the call's becomes a branch from the same rendering."""
+    store, twin = CallStore(tok, render=render), CallStore(tok, render=render)
+    turn1 = [SYSTEM, TASK]
+    _, c1, answer1 = serve(store, tok, turn1, TOOLS, CALL_TEXT, "e:0", 0)
+    serve(twin, tok, turn1, TOOLS, CALL_TEXT, "e:0", 0)
+    tc_id = answer1["tool_calls"][0]["id"]
+    turn2 = [*turn1, answer1, {"role": "tool", "tool_call_id": tc_id, "content": "a.txt"}]
+    pending = store.attach(turn2, TOOLS)
+    assert isinstance(pending, Pending) and pending.extends is c1 and len(pending.rest) == 1
+    prepared = store.prepare(pending)
+    assert prepared.prompt_ids is None and prepared.reference_ids.tolist() == encode(tok, render(tok, turn2, TOOLS, True))
+    got, want = store.complete(pending, prepared), twin.match(turn2, TOOLS)
+    assert got.extended and got.parent is c1 and got.prefix_len == c1.full_len and got.drift == want.drift == 0
+    assert got.prompt_ids.tolist() == want.prompt_ids.tolist() and got.messages == want.messages
+    # The answer's thinking dropped by a later query: not a string prefix, so a branch.
+    think = "<think>\nI should list files.\n</think>\n\nSure."
+    _, c2, answer2 = serve(store, tok, [SYSTEM, {"role": "user", "content": "hi"}], TOOLS, think, "e:1", 1)
+    later = [SYSTEM, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure."},
+             {"role": "user", "content": "thanks"}]
+    pending = store.attach(later, TOOLS)
+    assert pending.extends is c2
+    prepared = store.prepare(pending)
+    assert prepared.suffix_ids is None and prepared.prompt_ids.tolist() == encode(tok, render(tok, later, TOOLS, True))
+    m = store.complete(pending, prepared)
+    assert not m.extended and m.parent is c2 and m.prefix_len == c2.prompt_len
+
+
+def test_prepare_reads_no_state_and_calls_recorded_before_complete_count(tok):
+    """What the proxy does around its worker thread: `prepare` leaves the store as it
     was (the first-turn cache included), and calls recorded between `attach` and
     `complete` are candidates for the branch's parent like any other."""
     store = CallStore(tok)
@@ -216,14 +247,14 @@ def test_prompt_of_reads_no_state_and_calls_recorded_before_complete_count(tok):
     edited = [SYSTEM, {"role": "user", "content": "List the files, then stop. Be brief."}]
     pending = store.attach(edited, TOOLS)
     kept = dict(store._first_turns)
-    ids = store.prompt_of(pending)
+    prepared = store.prepare(pending)
     no_tools = store.attach(edited)  # a first turn the store has not seen
-    assert store.prompt_of(no_tools).tolist() == encode(tok, render(tok, edited, None, True))
+    assert store.prepare(no_tools).prompt_ids.tolist() == encode(tok, render(tok, edited, None, True))
     assert store._first_turns == kept and len(kept) == 1 and len(store.calls) == 1
     # Meanwhile a call that shares more of the branch's prompt is served and recorded.
     closer = [SYSTEM, {"role": "user", "content": "List the files, then stop."}]
     _, c1, _ = serve(store, tok, closer, TOOLS, "second", "e:1", 1)
-    m = store.complete(pending, ids)
+    m = store.complete(pending, prepared)
     assert m.parent is c1 and m.prefix_len > 0 and m.prompt_ids[:m.prefix_len].tolist() == \
         c1.full_ids()[:m.prefix_len].tolist()
     assert m.prefix_len == store.match(edited, TOOLS).prefix_len
