@@ -29,10 +29,13 @@ Contract:
      template that drops earlier thinking) the whole request is rendered and encoded, and
      the recorded call sharing the longest common token prefix with it becomes the parent
      (prefix_len = that length; parent None and 0 when nothing is shared). Never raises
-     for a mismatch. `match` = `attach` (the extension, or a `Pending` branch) then
-     `complete`; a caller on an event loop can run `prepare(pending)` — the rendering and
-     encoding, which read no store state calls change — in a worker thread between the two
-     (the proxy does for `Pending.heavy` requests: a 600k-token branch is ≈ 0.2 s of work).
+     for a mismatch.
+  `match` = `attach` then `complete`. `attach` returns a gyre-template extension as its
+  Match, and any request whose prompt needs whole conversations rendered as a `Pending`: a
+  branch, a fresh request, and with another template an extension candidate (`extends`).
+  A caller on an event loop can run `prepare(pending)` — the rendering and encoding, which
+  read no store state calls change — in a worker thread between the two (the proxy does for
+  `Pending.heavy` requests: a 600k-token branch is ≈ 0.2–0.3 s of work).
   Messages are normalised and hashed incrementally: a request is compared (as parsed
   JSON, in C) with the few latest requests of the execution, and only the messages after
   the common part are normalised and hashed again.
@@ -115,11 +118,13 @@ Python ints: a list of 10^4 ints is a container the cyclic GC walks item by item
 every collection while it lives (`gyre bench proxy` measured 15-80 ms pauses)."""
 
 HEAVY_CHARS = 100_000
-"""A request that extends no recorded call and whose messages and tools hold more
-characters than this (≈ 25k tokens, ≈ 6 ms of tiktoken on the 2-core CI machine; a
-600k-token conversation, 2.6 MB of text, takes 25–40 ms to render and 130–300 ms to encode)
-is marked `Pending.heavy`: the proxy renders and encodes it in a worker thread
-(`CallStore.prepare`), off the event loop."""
+"""Characters (≈ 25k tokens, ≈ 6 ms of tiktoken on the 2-core CI machine) above which a
+`Pending` request is `heavy` and the proxy renders and encodes it in a worker thread
+(`CallStore.prepare`), off the event loop: a request whose prompt needs whole
+conversations rendered (a branch, a fresh request, and every extension when the store is
+not incremental) counting its messages and tools, or an incremental extension counting its
+new messages (a huge tool output). A 600k-token conversation, 2.6 MB of text, takes 25–40
+ms to render and 130–300 ms to encode."""
 
 Renderer = Callable[..., str]
 _IM_END_IDS = np.array([IM_END], np.int32)
@@ -393,16 +398,18 @@ class Match:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Pending:
-    """A request whose prompt needs whole conversations rendered (`CallStore.attach`): a
-    branch or fresh request, or, with a template other than gyre's, a request that may
-    extend `extends`. `CallStore.prepare` renders and encodes it (safe in a worker thread),
-    `CallStore.complete` attaches it.
+    """A request whose prompt `CallStore.attach` leaves to `CallStore.prepare` (rendering
+    and encoding, safe in a worker thread) and `CallStore.complete` (attaching): a branch
+    or fresh request; in a store that is not incremental (another template than gyre's, or
+    a `render` given) any request that may extend the call `extends`; in an incremental
+    store an extension of `extends` by heavy new messages.
 
     messages / tools: normalised, as Match. digest: as Match.digest (b"" when fresh).
-    fresh: attach to nothing (auxiliary calls; `CallStore.fresh`). heavy: its messages and
-    tools hold more than `HEAVY_CHARS` characters (content, reasoning, tool-call arguments,
-    the tools' JSON). extends: the recorded call whose conversation + answer are the
-    request's first messages (None for a branch); rest: the messages after them.
+    fresh: attach to nothing (auxiliary calls; `CallStore.fresh`). heavy: more than
+    `HEAVY_CHARS` characters of text (content and its text parts, reasoning, tool-call
+    arguments; and the tools' JSON unless it extends an incremental store's call, where
+    only the new messages count). extends: the recorded call whose conversation + answer
+    are the request's first messages (None for a branch); rest: the messages after them.
     """
 
     messages: tuple[dict, ...]
@@ -433,7 +440,15 @@ def _text_chars(messages: Iterable[dict], tools: Sequence[dict]) -> int:
     n = len(orjson.dumps(list(tools))) if tools else 0
     for m in messages:
         content = m["content"]
-        n += (len(content) if isinstance(content, str) else 0) + len(m.get("reasoning_content", ""))
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):  # parts, not all typed text (`_content`): their text counts
+            for part in content:
+                if isinstance(part, str):
+                    n += len(part)
+                elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                    n += len(part["text"])
+        n += len(m.get("reasoning_content", ""))
         for tc in m.get("tool_calls", ()):
             n += len(tc["function"]["arguments"])
     return n
@@ -544,7 +559,8 @@ class CallStore:
     check_drift: count drift on extensions (module docstring; O(one turn) on gyre's
       template, O(prompt) re-tokenisation otherwise); False reports drift 0.
     Attributes: `incremental` (only new messages are rendered; module docstring).
-    Not thread-safe; one event loop owns it.
+    Not thread-safe; one event loop owns it. Only `prepare` and `encode` may run in another
+    thread meanwhile (they read no state the others change).
     """
 
     def __init__(self, tokenizer: Any, *, render: Renderer | None = None, check_drift: bool = True):
@@ -703,7 +719,12 @@ class CallStore:
             if not self.incremental:
                 extends = c  # decided once both conversations are rendered (`prepare`)
                 break
-            found = self._extend_appended(c, msgs[k:], tools_n, digests[-1])
+            rest = msgs[k:]
+            if _text_chars(rest, ()) > HEAVY_CHARS and not (c.conv_shown and any(is_query(m) for m in rest)):
+                # an extension by long messages (a huge tool output): only they are rendered, in `prepare`
+                return Pending(messages=tuple(msgs), tools=tools_n, digest=digests[-1], fresh=False, heavy=True,
+                               extends=c, rest=tuple(rest))
+            found = self._extend_appended(c, rest, tools_n, digests[-1])
             if found is not None:
                 return found
             break  # the longest message-level match is not a token-level extension
@@ -724,6 +745,9 @@ class CallStore:
 
     def _prepare(self, pending: Pending, encode_prompt: Callable[[str], np.ndarray]) -> Prepared:
         c = pending.extends
+        if c is not None and self.incremental:  # attach decided it extends c: the new messages only
+            return Prepared(suffix_ids=self.encode(render_appended(self.tokenizer, list(pending.rest),
+                                                                   after_query=c.conv_query)))
         if c is not None:  # c's recorded messages, which may show what the request's omit (reasoning)
             conv = (*c.messages, c.answer)
             text = self._render((*conv, *pending.rest), pending.tools, True)
@@ -743,6 +767,8 @@ class CallStore:
             prepared = self._prepare(pending, self.encode_prompt)
         msgs, tools = pending.messages, pending.tools
         c = pending.extends
+        if prepared.suffix_ids is not None and c is not None and self.incremental:
+            return self._extend_appended(c, list(pending.rest), tools, pending.digest, prepared.suffix_ids)
         if prepared.suffix_ids is not None and c is not None:
             prompt = self._prompt(c, prepared.suffix_ids)
             drift = 0
@@ -773,13 +799,16 @@ class CallStore:
         return Match(parent=best, prefix_len=best_len, prompt_ids=prompt_ids, extended=False, drift=0,
                      messages=msgs, tools=tools, digest=pending.digest, query=query, shown=shown)
 
-    def _extend_appended(self, c: CallRecord, rest: list[dict], tools: tuple[dict, ...],
-                         digest: bytes) -> Match | None:
-        """Extension rendering only `rest` (gyre's template; module docstring)."""
+    def _extend_appended(self, c: CallRecord, rest: list[dict], tools: tuple[dict, ...], digest: bytes,
+                         suffix: np.ndarray | None = None) -> Match | None:
+        """Extension rendering only `rest` (gyre's template; module docstring). suffix: its
+        ids when `prepare` made them (`attach` has then checked that it extends c)."""
         query, shown = conversation_facts(rest, (c.conv_query, c.conv_shown))
-        if c.conv_shown and any(is_query(m) for m in rest):
-            return None  # the new query hides reasoning c's conversation shows: not a prefix
-        prompt = self._prompt(c, self.encode_list(render_appended(self.tokenizer, rest, after_query=c.conv_query)))
+        if suffix is None:
+            if c.conv_shown and any(is_query(m) for m in rest):
+                return None  # the new query hides reasoning c's conversation shows: not a prefix
+            suffix = self.encode_list(render_appended(self.tokenizer, rest, after_query=c.conv_query))
+        prompt = self._prompt(c, suffix)
         drift = c.drift + c.turn_drift if self.check_drift else 0
         return Match(parent=c, prefix_len=c.full_len, prompt_ids=prompt, extended=True, drift=drift,
                      messages=(*c.messages, c.answer, *rest), tools=tools, digest=digest, query=query, shown=shown)

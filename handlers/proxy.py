@@ -46,8 +46,10 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   with its answer or after min(`STREAM_OPEN_S` (0.25 s), keepalive_s), whichever comes
   first: an answer ready by then goes out in one write, and a failure by then is an HTTP
   error.
-- Per call: `gyre.tito.CallStore.match` (prompt ids reused or a branch; a heavy branch, a
-  long conversation to render and encode whole, in a worker thread), `/generate` with
+- Per call: `gyre.tito.CallStore.match` (prompt ids reused or a branch; rendering and
+  encoding of more than `gyre.tito.HEAVY_CHARS` characters — a branch or count_tokens of a
+  long conversation, an extension by a huge message, with another template than gyre's
+  any long extension — in the one branch thread, off the event loop), `/generate` with
   `gyre_execution` set and a fresh rid, decode (special tokens kept) and
   `gyre.chat.parse_completion`, answer in the API's shape, then record: the store learns
   the call only after its answer was delivered; `call.completed` (id
@@ -338,6 +340,11 @@ class ProxyState:
             self._branch_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gyre-branch")
         return self._branch_thread
 
+    def close(self) -> None:
+        """Stop the branch thread (work it has not started is dropped); after `drain`."""
+        if self._branch_thread is not None:
+            self._branch_thread.shutdown(wait=False, cancel_futures=True)
+
     def execution_of(self, key: str) -> str | None:
         """The execution `key` was issued for, or None for a forged or malformed key."""
         try:
@@ -499,6 +506,12 @@ def _render_error(exc: Exception, execution: str) -> ApiError:
     return ApiError(400, f"cannot render the conversation: {exc!r}", param="messages")
 
 
+def _internal_error(exc: Exception, execution: str, api: str) -> ApiError:
+    """The 500 for a call that failed in the proxy before it reached an engine (logged)."""
+    log.error("proxy.call.internal_error", execution=execution, api=api, error=repr(exc), exc_info=exc)
+    return ApiError(500, f"internal error in the proxy: {type(exc).__name__}", "server_error", code="internal_error")
+
+
 def _prepared_or_error(store: CallStore, pending: Pending) -> Prepared | Exception:
     """`store.prepare(pending)`, or what it raised (not MemoryError): run in the branch
     thread, so that only the request's own errors become a 400."""
@@ -589,6 +602,9 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
     except ApiError as err:
         ex.model_calls -= 1
         return error_response(api, err)
+    except Exception as exc:  # noqa: BLE001 - ours or the machine's (MemoryError): a 500 in the API's shape
+        ex.model_calls -= 1
+        return error_response(api, _internal_error(exc, execution, api.name))
     except BaseException:
         ex.model_calls -= 1
         raise
@@ -701,6 +717,8 @@ async def count_tokens(request: web.Request) -> web.Response:
         match = await _match(ex.store, req, True, execution, state.branch_thread())
     except ApiError as err:
         return error_response(MESSAGES, err)
+    except Exception as exc:  # noqa: BLE001 - ours or the machine's (MemoryError): a 500 in the API's shape
+        return error_response(MESSAGES, _internal_error(exc, execution, "count_tokens"))
     seq = ex.next_seq
     ex.next_seq += 1
     state.spawn(state.publish(state.call_event(
@@ -827,6 +845,7 @@ async def run(cfg: Config, stop: asyncio.Event,
         await runner.shutdown()
         await runner.cleanup()
         await state.drain(cfg.shutdown_grace_s)
+        state.close()
         if replay is not None:
             try:
                 await asyncio.wait_for(replay, cfg.shutdown_grace_s)

@@ -115,6 +115,7 @@ class Stack:
             await c.close()
         if self.state is not None:
             await self.state.drain(5)
+            self.state.close()
         if self.runner is not None:
             await self.runner.cleanup()
         if self.session is not None:
@@ -523,14 +524,28 @@ async def test_a_heavy_branch_is_rendered_and_encoded_off_the_event_loop(stack, 
     thread: another execution's call is answered while that runs, and the branch's prompt,
     parent and prefix are what the loop would have computed."""
     monkeypatch.setattr(gyre.tito, "HEAVY_CHARS", 2_000)
-    engine = await stack.engine(["first", "other", "branch"])
+    engine = await stack.engine(["first", "other", "branch", "extended"])
     await stack.proxy(engine=engine)
     client = stack.client("exh")
+    loop_thread, work = threading.get_ident(), []  # (thread, characters) of every render and encode
+    real_render, real_encode = CallStore._render, CallStore.encode
+
+    def spy_render(self, *args):
+        text = real_render(self, *args)
+        work.append((threading.get_ident(), len(text)))
+        return text
+
+    def spy_encode(self, text):
+        work.append((threading.get_ident(), len(text)))
+        return real_encode(self, text)
+
+    monkeypatch.setattr(CallStore, "_render", spy_render)
+    monkeypatch.setattr(CallStore, "encode", spy_encode)
     long_task = {"role": "user", "content": "Read this log:\n" + "line of output\n" * 200}
     r0 = await client.chat.completions.create(model="m", messages=[SYSTEM, long_task])
     edited = [SYSTEM, {"role": "user", "content": long_task["content"] + "and say what failed."}]
 
-    loop_thread, entered, other_answered = threading.get_ident(), asyncio.Event(), threading.Event()
+    entered, other_answered = asyncio.Event(), threading.Event()
     calls = []
     real = CallStore.prepare
     loop = asyncio.get_running_loop()
@@ -560,6 +575,15 @@ async def test_a_heavy_branch_is_rendered_and_encoded_off_the_event_loop(stack, 
     counted = await stack.anthropic("exh").messages.count_tokens(model="m", messages=[long_task])
     assert counted.input_tokens == len(encode(tok, render(tok, [long_task], None, True)))
     assert len(calls) == 2 and calls[1][0] == calls[0][0] and calls[1][1] is True
+    # An extension by a long message (a huge tool output): only it is rendered, in the thread.
+    longer = [*edited, {"role": "assistant", "content": "branch"}, {"role": "user", "content": "x y " * 1_000}]
+    await client.chat.completions.create(model="m", messages=longer)
+    (e2,) = [e for e in await stack.calls(2) if e.call == "exh:3"]  # exh:2 is the count_tokens call
+    assert (e2.parent_call, e2.prefix_len, e2.drift) == ("exh:1", len(expected) + len(e1.tokens.completion_ids), 0)
+    assert engine.requests[-1]["input_ids"] == encode(tok, render(tok, longer, None, True))
+    assert len(calls) == 3 and calls[2][0] == calls[0][0]
+    # Nothing long was rendered or encoded on the event loop's thread, first call included.
+    assert [n for t, n in work if t == loop_thread and n > 2_000] == [] and len([n for _, n in work if n > 2_000]) >= 5
 
 
 async def test_with_another_template_a_long_extension_is_made_off_the_event_loop(stack, tok, monkeypatch):
@@ -593,6 +617,49 @@ async def test_with_another_template_a_long_extension_is_made_off_the_event_loop
     assert (e1.parent_call, e1.prefix_len, e1.drift) == ("ext:0", len(full(e0)), 0)
     assert engine.requests[1]["input_ids"] == full(e0) + list(e1.tokens.prompt_ids)
     assert engine.requests[1]["input_ids"] == encode(tok, render(tok, msgs, None, True))
+
+
+async def test_a_call_that_fails_or_is_left_while_its_prompt_is_made_uses_no_call(stack, monkeypatch):
+    """In the branch thread: a MemoryError is a 500 in the API's shape (chat and
+    count_tokens), a client that leaves meanwhile is let go; neither uses a call or leaves
+    one counted in flight."""
+    monkeypatch.setattr(gyre.tito, "HEAVY_CHARS", 50)
+    engine = await stack.engine(["ok"])
+    await stack.proxy(engine=engine)
+    long_task = {"role": "user", "content": "x" * 200}
+    real = CallStore.prepare
+    release, entered = threading.Event(), threading.Event()
+
+    def failing(self, pending):
+        raise MemoryError()
+
+    monkeypatch.setattr(CallStore, "prepare", failing)
+    with pytest.raises(openai.InternalServerError) as err:
+        await stack.client("exf").chat.completions.create(model="m", messages=[SYSTEM, long_task])
+    assert err.value.body["code"] == "internal_error"
+    with pytest.raises(anthropic.InternalServerError) as aerr:
+        await stack.anthropic("exf").messages.count_tokens(model="m", messages=[long_task])
+    assert aerr.value.body["error"] == {"type": "api_error", "message": "internal error in the proxy: MemoryError"}
+    assert stack.state.executions["exf"].model_calls == 0
+
+    def blocking(self, pending):
+        entered.set()
+        release.wait(10)
+        return real(self, pending)
+
+    monkeypatch.setattr(CallStore, "prepare", blocking)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as http:
+        with pytest.raises(asyncio.TimeoutError):
+            await http.post(stack.url + "/v1/chat/completions", json={"messages": [SYSTEM, long_task]},
+                            headers={"x-api-key": execution_key(SECRET, "exf")})
+    assert entered.is_set()
+    release.set()
+    ex = stack.state.executions["exf"]
+    for _ in range(100):
+        if stack.state.active == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert (ex.model_calls, ex.active, stack.state.active, engine.requests) == (0, 0, 0, [])
 
 
 async def test_max_calls_holds_for_calls_waiting_on_the_branch_thread(stack, monkeypatch):

@@ -235,6 +235,38 @@ def test_with_another_template_an_extension_is_pending_and_prepared_off_the_stor
     assert prepared.suffix_ids is None and prepared.prompt_ids.tolist() == encode(tok, render(tok, later, TOOLS, True))
     m = store.complete(pending, prepared)
     assert not m.extended and m.parent is c2 and m.prefix_len == c2.prompt_len
+    # The harness drops the reasoning but no new query follows (a tool result): the call's
+    # recorded answer, which shows it, is what is rendered, so this extends c3.
+    ask = [SYSTEM, {"role": "user", "content": "run ls"}]
+    _, c3, answer3 = serve(store, tok, ask, TOOLS, "<think>\nls it\n</think>\n\n" + CALL_TEXT, "e:2", 2)
+    dropped = {k: v for k, v in answer3.items() if k != "reasoning_content"}
+    follow = [*ask, dropped, {"role": "tool", "tool_call_id": answer3["tool_calls"][0]["id"], "content": "a.txt"}]
+    pending = store.attach(follow, TOOLS)
+    m = store.complete(pending, store.prepare(pending))
+    assert m.extended and m.parent is c3 and m.drift == 0 and m.messages[2] == c3.answer
+
+
+def test_an_extension_by_long_messages_is_pending_with_gyres_template(tok, monkeypatch):
+    """With gyre's template an extension renders only its new messages; when they are long
+    (a huge tool output) `attach` returns it as Pending so that `prepare` can render and
+    encode them off the loop, and `complete` gives what `match` gives."""
+    import gyre.tito
+
+    store, twin = CallStore(tok), CallStore(tok)
+    turn1 = [SYSTEM, TASK]
+    _, c1, answer1 = serve(store, tok, turn1, TOOLS, CALL_TEXT, "e:0", 0)
+    serve(twin, tok, turn1, TOOLS, CALL_TEXT, "e:0", 0)
+    big = [*turn1, answer1, {"role": "tool", "tool_call_id": answer1["tool_calls"][0]["id"], "content": "ab " * 500}]
+    want = twin.match(big, TOOLS)
+    monkeypatch.setattr(gyre.tito, "HEAVY_CHARS", 1_000)
+    pending = store.attach(big, TOOLS)
+    assert isinstance(pending, Pending) and pending.heavy and pending.extends is c1 and pending.rest == (big[-1],)
+    assert isinstance(store.attach(turn1 + [answer1, {"role": "tool", "tool_call_id": "x", "content": "ok"}],
+                                   TOOLS), Match)  # short new messages: the Match at once
+    got = store.complete(pending, store.prepare(pending))
+    assert (got.extended, got.parent, got.prefix_len, got.drift, got.messages, got.query, got.shown) == \
+        (True, c1, want.prefix_len, want.drift, want.messages, want.query, want.shown)
+    assert got.prompt_ids.tolist() == want.prompt_ids.tolist() == encode(tok, render(tok, big, TOOLS, True))
 
 
 def test_prepare_reads_no_state_and_calls_recorded_before_complete_count(tok):
@@ -516,6 +548,7 @@ def test_incremental_store_matches_the_full_render_store(tok, session):
     for (mf, rf), (ms, rs) in zip(_play(fast, tok, session), _play(slow, tok, session)):
         assert (mf.extended, mf.prefix_len, rf.seq) == (ms.extended, ms.prefix_len, rs.seq)
         assert (mf.parent.call if mf.parent else None) == (ms.parent.call if ms.parent else None)
+        assert mf.messages == ms.messages and mf.digest == ms.digest
         assert mf.prompt_ids.tolist() == ms.prompt_ids.tolist()
         assert mf.drift == ms.drift == fast.full_drift(mf)
         event("extension" if mf.extended else "branch" if mf.parent else "root")
