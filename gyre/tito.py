@@ -499,20 +499,27 @@ def count_drift(recorded: np.ndarray, sampled: np.ndarray, rendered: np.ndarray)
     return drift
 
 
-def _lcp(a: Sequence[np.ndarray], b: np.ndarray) -> int:
-    """Length of the common prefix of concat(a) and b."""
-    pos = 0
-    for seg in a:
-        n = min(len(seg), len(b) - pos)
-        if n <= 0:
-            break
-        eq = seg[:n] == b[pos:pos + n]
-        if not eq.all():
-            return pos + int(np.argmin(eq))
-        pos += n
-        if n < len(seg):
-            break
-    return pos
+def _shared_len(rec: CallRecord, ids: np.ndarray, memo: dict[str, int]) -> int:
+    """Length of the common prefix of `rec.full_ids()` and `ids` (P,), from its ancestors':
+    rec's full ids are its parent's first `prefix_len` then `own_ids`, so only `own_ids` is
+    compared, and only when the parent's share covers the prefix. memo: call → that length
+    for the calls seen so far (filled here), so calls sharing ancestors compare them once:
+    O(records + shared ids) for all the leaves of a tree, not O(leaves × prompt)."""
+    chain: list[CallRecord] = []
+    r: CallRecord | None = rec
+    while r is not None and r.call not in memo:
+        chain.append(r)
+        r = r.parent
+    n = memo[r.call] if r is not None else 0
+    for c in reversed(chain):
+        if n >= c.prefix_len:
+            n = c.prefix_len
+            m = min(len(c.own_ids), len(ids) - n)
+            if m > 0:
+                eq = c.own_ids[:m] == ids[n:n + m]
+                n += m if eq.all() else int(np.argmin(eq))
+        memo[c.call] = n
+    return n
 
 
 # --------------------------------------------------------------------------- store
@@ -784,10 +791,11 @@ class CallStore:
                          messages=msgs, tools=tools, digest=b"")
         best: CallRecord | None = None
         best_len = 0
+        shared: dict[str, int] = {}
         for rec in self.calls:
             if rec.call in self._extended:
                 continue  # a child that extends it shares at least as long a prefix
-            n = _lcp(rec.segments(), prompt_ids)
+            n = _shared_len(rec, prompt_ids, shared)
             if n > best_len or (n == best_len and best is not None and n > 0 and rec.seq > best.seq):
                 best, best_len = rec, n
         # Attach at the call that first held the shared ids.

@@ -324,6 +324,32 @@ def test_three_turn_chain_segments_and_masks(tok):
         assert mask[r.prompt_len:r.full_len].all() and not mask[r.prompt_len - 1]
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_shared_len_over_a_tree_equals_the_plain_common_prefix(seed):
+    """`_shared_len` (a branch's parent choice, memoised over a tree's ancestors) equals
+    the common prefix of each call's full ids with the prompt, in any visiting order, on
+    random trees whose calls share long prefixes (ids from a 3-letter alphabet)."""
+    from gyre.tito import CallRecord, _shared_len
+
+    rng = random.Random(seed)
+    recs: list[CallRecord] = []
+    for i in range(40):
+        parent = rng.choice(recs) if recs and rng.random() < 0.9 else None
+        prefix = rng.randint(0, parent.full_len) if parent is not None else 0
+        own = np.asarray([rng.randrange(3) for _ in range(rng.randint(0, 12))], np.int32)
+        recs.append(CallRecord(call=f"e:{i}", seq=i, parent=parent, prefix_len=prefix, own_ids=own, completion_len=0,
+                               messages=(), tools=(), answer={}, conv_key=b""))
+    for _ in range(5):
+        base = rng.choice(recs).full_ids().tolist()
+        cut = rng.randint(0, len(base))
+        prompt = np.asarray(base[:cut] + [rng.randrange(3) for _ in range(rng.randint(0, 8))], np.int32)
+        memo: dict[str, int] = {}
+        for rec in rng.sample(recs, len(recs)):
+            full = rec.full_ids().tolist()
+            plain = next((i for i, (a, b) in enumerate(zip(full, prompt.tolist())) if a != b), min(len(full), len(prompt)))
+            assert _shared_len(rec, prompt, memo) == plain
+
+
 def test_count_drift_by_hand():
     E = IM_END
     rec = np.array([1, 2, E, 5, 6, 7, E, 8, 9, E])

@@ -1,0 +1,47 @@
+"""What choosing a branch's parent costs on the proxy's event loop (`CallStore.complete`).
+
+One execution of N calls (`ops/branch_loop_lag.py`'s conversation: N=300 is ~600k tokens),
+then 30 leaves: the last turn forked 30 times (retries, each an extension of the tip that
+nothing extends). A branch must compare its ids with every leaf. Timed twice: a branch
+diverging early (an edited task) and one diverging late (5 ids before the leaves' prompts
+end).
+
+    .venv/bin/python ops/branch_parent_cost.py [N]      (from the repository root)
+"""
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's gyre, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from branch_loop_lag import conversation  # noqa: E402
+
+from gyre.tito import CallStore, Prepared  # noqa: E402
+from gyre.tokenizer import build_tokenizer  # noqa: E402
+
+
+def main(calls: int) -> None:
+    store = CallStore(build_tokenizer())
+    msgs = conversation(store, calls, random.Random(0))
+    for k in range(30):
+        m = store.match([*msgs, {"role": "user", "content": f"variant {k}"}])
+        store.record(m, call=f"f:{k}", seq=calls + k, answer={"role": "assistant", "content": "ok"},
+                     completion_ids=[1, 2])
+    branch = [msgs[0], {"role": "user", "content": msgs[1]["content"] + " "}, *msgs[2:]]
+    pending = store.attach(branch)
+    early = store.prepare(pending).prompt_ids
+    tip = store.get("f:0")
+    late = np.concatenate([tip.full_ids()[: tip.prefix_len - 5], np.arange(50, dtype=np.int32)])
+    for name, ids in (("early", early), ("late", late)):
+        for _ in range(3):
+            t0 = time.perf_counter()
+            m = store.complete(pending, Prepared(prompt_ids=ids))
+            print(f"{name}-diverging branch, 30 leaves: complete {1e3 * (time.perf_counter() - t0):.1f} ms, "
+                  f"parent {m.parent.call}, prefix {m.prefix_len:,} of {len(ids):,}")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 300)
