@@ -433,12 +433,20 @@ class Prepared:
     reference_ids: np.ndarray | None = None
 
 
+MESSAGE_CHARS = 100
+"""What `_text_chars` counts for each message and tool call besides its text: the template's
+framing (`<|im_start|>role\n`, `<tool_call>` with the name, `<tool_response>`…), ≈ 60–90
+characters, and rendering's per-message cost (≈ 0.1 ms a message in Jinja here: 2,400
+short turns rendered in 0.35 s)."""
+
+
 def _text_chars(messages: Iterable[dict], tools: Sequence[dict]) -> int:
-    """Characters in normalised messages' text (content, reasoning and tool-call arguments;
-    non-text content parts are not counted) and in the tools' JSON. An estimate of the
-    rendering's length."""
+    """Characters in normalised messages' text (content and its text parts, reasoning,
+    tool-call arguments) and in the tools' JSON, plus `MESSAGE_CHARS` per message and tool
+    call. An estimate of the rendering's length."""
     n = len(orjson.dumps(list(tools))) if tools else 0
     for m in messages:
+        n += MESSAGE_CHARS
         content = m["content"]
         if isinstance(content, str):
             n += len(content)
@@ -450,7 +458,7 @@ def _text_chars(messages: Iterable[dict], tools: Sequence[dict]) -> int:
                     n += len(part["text"])
         n += len(m.get("reasoning_content", ""))
         for tc in m.get("tool_calls", ()):
-            n += len(tc["function"]["arguments"])
+            n += MESSAGE_CHARS + len(tc["function"]["arguments"])
     return n
 
 

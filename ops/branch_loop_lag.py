@@ -96,14 +96,17 @@ async def main(a: argparse.Namespace) -> None:
             return stores[0].match(request)
 
         ns = types.SimpleNamespace(messages=request, tools=None)
+        pending = stores[1].attach(request)
+        where = "branch thread" if getattr(pending, "heavy", False) else "on the loop: not heavy"
         x = await lag_during("on the loop (CallStore.match)", inline)
-        y = await lag_during("proxy (_match, branch thread)", lambda: _match(stores[1], ns, False, "e", thread))
+        y = await lag_during(f"proxy (_match, {where})", lambda: _match(stores[1], ns, False, "e", thread))
         assert np.array_equal(x.prompt_ids, y.prompt_ids) and x.prefix_len == y.prefix_len
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--calls", type=int, default=300)
-    p.add_argument("--omega", action="store_true")
-    p.add_argument("--other-template", action="store_true")
+    p.add_argument("--calls", type=int, default=300, help="calls in the execution (default 300: ~600k tokens)")
+    p.add_argument("--omega", action="store_true", help="end the system prompt with an ohm sign (not NFC)")
+    p.add_argument("--other-template", action="store_true",
+                   help="a template other than gyre's (the request is then an extension)")
     asyncio.run(main(p.parse_args()))

@@ -10,6 +10,7 @@ import pytest
 from gyre.chat import parse_completion, render
 from gyre.tito import (
     HEAVY_CHARS,
+    MESSAGE_CHARS,
     CallStore,
     Match,
     Pending,
@@ -191,16 +192,25 @@ def test_attach_defers_a_branch_whose_prompt_can_be_made_off_the_store(tok):
     root = store.complete(aux, store.prepare(aux))
     assert root.parent is None and root.prefix_len == 0
     assert root.prompt_ids.tolist() == store.fresh(turn2, TOOLS).prompt_ids.tolist()
-    # Heavy: more than HEAVY_CHARS characters of text, wherever in the messages they are.
-    at_limit = [{"role": "user", "content": "x" * HEAVY_CHARS}]
+    # Heavy: more than HEAVY_CHARS characters of text, wherever in the messages they are,
+    # with MESSAGE_CHARS for each message and tool call.
+    at_limit = [{"role": "user", "content": "x" * (HEAVY_CHARS - MESSAGE_CHARS)}]
     assert not store.attach(at_limit, fresh=True).heavy
-    assert store.attach([{"role": "user", "content": "x" * (HEAVY_CHARS + 1)}], fresh=True).heavy
-    split = [{"role": "user", "content": "x" * (HEAVY_CHARS // 2)},
+    assert store.attach([{"role": "user", "content": "x" * (HEAVY_CHARS - MESSAGE_CHARS + 1)}], fresh=True).heavy
+    framing = 4 * MESSAGE_CHARS  # 3 messages and a tool call
+    split = [{"role": "user", "content": "x" * (HEAVY_CHARS // 2 - framing)},
              {"role": "assistant", "content": "", "reasoning_content": "y" * (HEAVY_CHARS // 4),
               "tool_calls": [{"id": "t", "type": "function",
                               "function": {"name": "bash", "arguments": "z" * (HEAVY_CHARS // 4 + 1)}}]},
              {"role": "tool", "tool_call_id": "t", "content": ""}]
     assert store.attach(split).heavy
+    split[2]["content"] = [{"text": "w"}]  # shorter by one: at the limit, though in an untyped part
+    split[1]["tool_calls"][0]["function"]["arguments"] = "z" * (HEAVY_CHARS // 4 - 1)
+    assert not store.attach(split, fresh=True).heavy
+    split[2]["content"] = [{"text": "ww"}]
+    assert store.attach(split, fresh=True).heavy
+    short_turns = [{"role": "user", "content": "ls"}] * (HEAVY_CHARS // MESSAGE_CHARS + 1)
+    assert store.attach(short_turns, fresh=True).heavy  # many short turns: rendering is per message too
     long_tool = [{"type": "function", "function": {"name": "bash", "description": "d" * HEAVY_CHARS}}]
     assert store.attach([{"role": "user", "content": "hi"}], long_tool, fresh=True).heavy
     assert store.attach([{"role": "user", "content": "hi"}], long_tool).heavy
