@@ -26,6 +26,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import tempfile
 import unicodedata
 from pathlib import Path
@@ -344,12 +345,15 @@ class FastEncoder:
     """`encoder(text) -> list[int]` and `encoder.array(text) -> (N,) int32 ndarray` (may be
     read-only): the ids `tokenizer` gives (`fast_encoder`). Thread-safe.
 
-    Text that is all NFC and valid UTF-8 is one tiktoken call. Other text is split after
-    each `<|im_end|>` — the HF pipeline matches added tokens before it normalises, so the
-    pieces' ids concatenate to the whole's — and only the pieces that are not go to the HF
-    encoder (`encode_batch`, which releases the GIL; `encode` does not). tiktoken releases
-    the GIL while it encodes and `array` builds no Python list (≈ 25 ms with the GIL held
-    for 600k ids), so a long text is encoded in a worker thread while the event loop runs.
+    Text that is all NFC and valid UTF-8 is one tiktoken call. Other text is cut where
+    the ids of the parts concatenate to the whole's — after each `<|im_end|>` (the HF
+    pipeline matches added tokens before it normalises), and within a piece that is not
+    NFC after each newline followed by a printable ASCII character (`_LINE_CUT`: no added
+    token, NFC composition or pre-tokenizer match spans it) — and only the runs of lines
+    that are not NFC go to the HF encoder (`encode_batch`, which releases the GIL; `encode`
+    does not). tiktoken releases the GIL while it encodes and `array` builds no Python list
+    (≈ 25 ms with the GIL held for 600k ids), so a long text is encoded in a worker thread
+    while the event loop runs.
     """
 
     __slots__ = ("_enc", "_specials", "_backend")
@@ -358,12 +362,12 @@ class FastEncoder:
         self._enc, self._specials, self._backend = enc, enc.special_tokens_set, backend
 
     def __call__(self, text: str) -> list[int]:
-        if unicodedata.is_normalized("NFC", text) and _is_utf8(text):
+        if _plain(text):
             return self._enc.encode(text, allowed_special=self._specials)
         return self._mixed(text).tolist()
 
     def array(self, text: str) -> np.ndarray:
-        if unicodedata.is_normalized("NFC", text) and _is_utf8(text):
+        if _plain(text):
             return self._enc.encode_to_numpy(text, allowed_special=self._specials).view(np.int32)
         return self._mixed(text)
 
@@ -372,19 +376,43 @@ class FastEncoder:
         chunks = [p + IM_END_TEXT for p in pieces[:-1]]
         if pieces[-1]:
             chunks.append(pieces[-1])
-        out: list[np.ndarray | None] = []
-        slow: list[int] = []
+        runs: list[tuple[bool, list[str]]] = []  # (plain, texts): consecutive parts alike, joined
         for chunk in chunks:
-            if unicodedata.is_normalized("NFC", chunk) and _is_utf8(chunk):
-                out.append(self._enc.encode_to_numpy(chunk, allowed_special=self._specials).view(np.int32))
+            whole = _plain(chunk)
+            parts = [chunk] if whole else _LINE_CUT.split(chunk)
+            for part in parts:
+                plain = whole or _plain(part)
+                if runs and runs[-1][0] == plain:
+                    runs[-1][1].append(part)
+                else:
+                    runs.append((plain, [part]))
+        out: list[np.ndarray | None] = []
+        slow: list[tuple[int, str]] = []
+        for plain, parts in runs:
+            joined = "".join(parts)
+            if plain:
+                out.append(self._enc.encode_to_numpy(joined, allowed_special=self._specials).view(np.int32))
             else:
-                slow.append(len(out))
+                slow.append((len(out), joined))
                 out.append(None)
         if slow:
-            done = self._backend.encode_batch([chunks[i] for i in slow], add_special_tokens=False)
-            for i, encoding in zip(slow, done):
+            done = self._backend.encode_batch([t for _, t in slow], add_special_tokens=False)
+            for (i, _), encoding in zip(slow, done):
                 out[i] = np.asarray(encoding.ids, dtype=np.int32)
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int32)
+
+
+_LINE_CUT = re.compile(r"(?<=\n)(?=[!-~])")
+"""After a newline, before a printable ASCII character. Cutting text there keeps its ids:
+no Qwen3 added token holds a newline; NFC neither reorders nor composes across two
+starters of which the second is ASCII (never the second of a canonical pair); and no
+pre-tokenizer match holds a newline followed by a non-space character (each alternative
+of `PRETOKENIZE_REGEX` either excludes newlines, ends at them, or holds only whitespace)."""
+
+
+def _plain(text: str) -> bool:
+    """NFC and valid UTF-8: what tiktoken encodes as the HF pipeline does."""
+    return unicodedata.is_normalized("NFC", text) and _is_utf8(text)
 
 
 def fast_encoder(tokenizer) -> FastEncoder | None:

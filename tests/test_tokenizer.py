@@ -107,7 +107,8 @@ def test_encoding_equals_tiktoken_property(text):
 
 
 _MARKERS = [c for c, _ in qtok.ADDED_TOKENS] + ["<", "|>", "<|im_", "\u0301", "\u0338", "\ufb01", "e\u0301", "\r\n",
-                                               "  ", "\U00011935\U00011930"]
+                                               "  ", "\U00011935\U00011930", "\n", ".\n", " \n", "\nx", "\n\u0301",
+                                               "\n<", "\n'", "'s", "\u1100\u1161", "\n\u1161"]
 
 
 @settings(max_examples=300, deadline=None)
@@ -144,7 +145,14 @@ def test_fast_encoder_sends_only_the_pieces_that_are_not_nfc_to_the_hf_encoder()
     encoder = qtok.FastEncoder(qtok._tiktoken_encoding(), Spy())
     expected = backend.encode(text, add_special_tokens=False).ids
     assert encoder.array(text).tolist() == expected and encoder(text) == expected
-    assert sent == [["\n" + turns[17].removesuffix("\n")]] * 2
+    assert sent == [["R1 = 10 \u2126, caf\u00e9<|im_end|>"]] * 2  # cut after the newline before "R"
+    # One decomposed character in a long tool output: only its line goes to HF.
+    sent.clear()
+    output = "".join(f"-rw-r--r-- file_{i}.txt\n" for i in range(300)) + "cafe\u0301.txt\n" + "total 301\n"
+    text = f"<|im_start|>user\n<tool_response>\n{output}</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    expected = backend.encode(text, add_special_tokens=False).ids
+    assert encoder.array(text).tolist() == expected
+    assert sent == [["cafe\u0301.txt\n"]]
     assert encoder.array("").tolist() == [] and encoder("\u2126") == backend.encode("\u2126").ids
 
 

@@ -1,0 +1,28 @@
+"""Encoding a 3 MB tool output (40,000 `ls -l` lines) with gyre's encoder, all NFC and with one
+decomposed character (U+0301) on its last line (gyre.tokenizer.FastEncoder: only the run of
+lines that is not NFC goes to the HF encoder).
+
+    .venv/bin/python ops/nfd_encode_cost.py      (from the repository root)
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's gyre, not an installed one
+import random  # noqa: E402
+import time  # noqa: E402
+
+from gyre import tokenizer as q  # noqa: E402
+
+tok = q.build_tokenizer()
+enc = q.fast_encoder(tok)
+rng = random.Random(0)
+lines = [f"-rw-r--r-- 1 agent agent {rng.randint(100, 99999)} Nov {rng.randint(1, 30)} src/mod_{i}.py  # value error test"
+         for i in range(40000)]
+base = "<|im_start|>user\n<tool_response>\n" + "\n".join(lines) + "\n"
+for tail in ("cafe.txt\n", "cafe\u0301.txt\n"):
+    text = base + tail + "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    t = time.perf_counter()
+    ids = enc.array(text)
+    dt = time.perf_counter() - t
+    kind = 'NFD' if len(tail) > 9 else 'NFC'
+    print(f"{len(text)/1e6:.1f} MB, {kind} tail: {len(ids):,} ids in {dt*1e3:.0f} ms")
