@@ -31,8 +31,9 @@ Contract:
      (prefix_len = that length; parent None and 0 when nothing is shared). Never raises
      for a mismatch.
   `match` = `attach` then `complete`. `attach` returns a gyre-template extension as its
-  Match, and any request whose prompt needs whole conversations rendered as a `Pending`: a
-  branch, a fresh request, and with another template an extension candidate (`extends`).
+  Match, and as a `Pending` any request whose prompt needs whole conversations rendered (a
+  branch, a fresh request, with another template an extension candidate: `extends`) and a
+  gyre-template extension by more than `HEAVY_CHARS` of new messages.
   A caller on an event loop can run `prepare(pending)` — the rendering and encoding, which
   read no store state calls change — in a worker thread between the two (the proxy does for
   `Pending.heavy` requests: a 600k-token branch is ≈ 0.2–0.3 s of work).
@@ -715,9 +716,10 @@ class CallStore:
 
     def attach(self, messages: Sequence[dict], tools: Any = None, *, fresh: bool = False) -> Match | Pending:
         """The extension `match` finds with gyre's template (only new messages rendered), or
-        a `Pending` request whose prompt needs whole conversations rendered: a branch, any
-        request when `fresh`, and with another template every request that may extend a call.
-        Raises ValueError on malformed messages or tools, and whatever `render` raises while
+        a `Pending` request: one whose prompt needs whole conversations rendered (a branch,
+        any request when `fresh`, with another template every request that may extend a
+        call), or a gyre-template extension by heavy new messages (`Pending`). Raises
+        ValueError on malformed messages or tools, and whatever `render` raises while
         extending."""
         if fresh:
             msgs = self.normalise(messages)

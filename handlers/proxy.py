@@ -333,9 +333,9 @@ class ProxyState:
         self._branch_thread: concurrent.futures.ThreadPoolExecutor | None = None
 
     def branch_thread(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The one worker thread that renders and encodes heavy branches (`_match`), made on
-        first use. One: branches queue behind each other instead of contending for the GIL
-        with the event loop (six at once in the default pool lagged the loop up to 171 ms)."""
+        """The one worker thread that renders and encodes heavy requests (`_match`), made on
+        first use. One: they queue behind each other instead of contending for the GIL with
+        the event loop (six at once in the default pool lagged the loop up to 171 ms)."""
         if self._branch_thread is None:
             self._branch_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gyre-branch")
         return self._branch_thread
@@ -711,6 +711,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     the same renderer and tokenizer as a call; published as an `auxiliary` call."""
     state: ProxyState = request.app[STATE]
     t0 = time.monotonic()
+    execution = ""
     try:
         execution, ex, req = await _parsed(request, state, _parse_count_tokens)
         roles = state.classify(ex, request.headers, req, "count_tokens")
