@@ -737,7 +737,7 @@ class CallStore:
                 extends = c  # decided once both conversations are rendered (`prepare`)
                 break
             rest = msgs[k:]
-            if _text_chars(rest, ()) > HEAVY_CHARS and not (c.conv_shown and any(is_query(m) for m in rest)):
+            if _text_chars(rest, ()) > HEAVY_CHARS and not _drops_shown_reasoning(c, rest):
                 # an extension by long messages (a huge tool output): only they are rendered, in `prepare`
                 return Pending(messages=tuple(msgs), tools=tools_n, digest=digests[-1], fresh=False, heavy=True,
                                extends=c, rest=tuple(rest))
@@ -755,9 +755,10 @@ class CallStore:
         answer) with and without `pending.rest`: when the shorter, cut after its last
         `<|im_end|>`, is a string prefix of the longer, the rest is encoded (`suffix_ids`; and
         the whole request when drift is counted), else the request is a branch (`prompt_ids`,
-        the request's own messages rendered). Reads nothing of the
-        store that calls change (the first-turn cache is not used), so it may run in a
-        worker thread while the event loop uses the store. Raises whatever `render` raises."""
+        the request's own messages rendered). An incremental store's `extends` renders only
+        `pending.rest`. Reads nothing of the store that calls change (the first-turn cache is
+        not used), so it may run in a worker thread while the event loop uses the store.
+        Raises whatever `render` raises."""
         return self._prepare(pending, self.encode)
 
     def _prepare(self, pending: Pending, encode_prompt: Callable[[str], np.ndarray]) -> Prepared:
@@ -784,9 +785,9 @@ class CallStore:
             prepared = self._prepare(pending, self.encode_prompt)
         msgs, tools = pending.messages, pending.tools
         c = pending.extends
-        if prepared.suffix_ids is not None and c is not None and self.incremental:
-            return self._extend_appended(c, list(pending.rest), tools, pending.digest, prepared.suffix_ids)
-        if prepared.suffix_ids is not None and c is not None:
+        if prepared.suffix_ids is not None and c is not None:  # an extension of c
+            if self.incremental:
+                return self._extend_appended(c, list(pending.rest), tools, pending.digest, prepared.suffix_ids)
             prompt = self._prompt(c, prepared.suffix_ids)
             drift = 0
             if prepared.reference_ids is not None:
@@ -823,8 +824,8 @@ class CallStore:
         ids when `prepare` made them (`attach` has then checked that it extends c)."""
         query, shown = conversation_facts(rest, (c.conv_query, c.conv_shown))
         if suffix is None:
-            if c.conv_shown and any(is_query(m) for m in rest):
-                return None  # the new query hides reasoning c's conversation shows: not a prefix
+            if _drops_shown_reasoning(c, rest):
+                return None
             suffix = self.encode_list(render_appended(self.tokenizer, rest, after_query=c.conv_query))
         prompt = self._prompt(c, suffix)
         drift = c.drift + c.turn_drift if self.check_drift else 0
@@ -969,6 +970,13 @@ def _last_im_end_before(rec: CallRecord, limit: int) -> int:
             limit = r.prefix_len
         r = r.parent
     return -1
+
+
+def _drops_shown_reasoning(c: CallRecord, rest: Sequence[dict]) -> bool:
+    """With gyre's template: a real user query in `rest` after c's conversation showed
+    reasoning, which the template then drops, so c's rendering is no prefix of the
+    request's (a branch, not an extension)."""
+    return c.conv_shown and any(is_query(m) for m in rest)
 
 
 def _splitting_tokens(tokenizer: Any) -> tuple[str, ...]:
