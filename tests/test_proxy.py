@@ -352,6 +352,44 @@ async def test_large_call_tokens_go_to_the_object_store(stack, bus):
     assert stored["completion_ids"][-1] == IM_END and len(stored["logprobs"]) == len(stored["completion_ids"])
 
 
+async def test_an_event_too_large_only_with_its_other_fields_moves_its_tokens_at_publish(stack, bus):
+    """The tokens' JSON alone fits (about 250 bytes) but the whole event does not: moved
+    when publishing, from the inline arrays."""
+    engine = await stack.engine(["short"])
+    await stack.proxy(engine=engine, object_threshold_bytes=400)
+    await stack.client("ex8").chat.completions.create(model="m", messages=[TASK])
+    (e0,) = await stack.calls(1)
+    assert e0.tokens_ref == "calls/ex8/0" and e0.tokens.prompt_ids == ()
+    raw = await bus.get_object(e0.tokens_ref)
+    assert len(raw) < 400  # so call_event kept them inline
+    stored = orjson.loads(raw)
+    assert stored["prompt_ids"] == engine.requests[0]["input_ids"]
+    assert stored["completion_ids"][-1] == IM_END and len(stored["logprobs"]) == len(stored["completion_ids"])
+
+
+def test_a_large_call_event_writes_its_tokens_from_the_arrays(tok):
+    """Tokens whose JSON exceeds the threshold are written once, from the arrays, and the
+    event carries only the key (no tuples of Python ints are built)."""
+    from handlers.proxy_routing import EngineResult
+    from schemas.call import SamplingParams
+
+    state = ProxyState(Config(run="r", key_secret=SECRET, object_threshold_bytes=4000), tok, session=None)
+    match = CallStore(tok).match([{"role": "user", "content": "word " * 3000}])
+    result = EngineResult(output_ids=[9707, IM_END], logprobs=[-0.25, -1.5e-05], finish="stop",
+                          versions=((0, 2, 3),), cell="c", queue_s=0.0, engine_s=0.1)
+    common = dict(execution="ex", seq=4, match=match, sampling=SamplingParams(), status="ok", total_s=0.2, cell="c")
+    event, tokens_json = state.call_event(**common, result=result)
+    assert event.tokens_ref == "calls/ex/4" and event.tokens == schemas.CallTokens()
+    assert tokens_json == orjson.dumps({"prompt_ids": match.prompt_ids.tolist(), "completion_ids": [9707, IM_END],
+                                        "logprobs": [-0.25, -1.5e-05]})
+    assert schemas.decode_part(schemas.CallTokens, tokens_json).prompt_ids == tuple(match.prompt_ids.tolist())
+    assert len(schemas.encode(event)) < 4000
+    small = ProxyState(Config(run="r", key_secret=SECRET), tok, session=None)  # 256 KB: inline
+    event, tokens_json = small.call_event(**common, result=result)
+    assert tokens_json is None and event.tokens_ref is None
+    assert event.tokens.prompt_ids == tuple(match.prompt_ids.tolist()) and event.tokens.logprobs == (-0.25, -1.5e-05)
+
+
 async def test_run_serves_until_stopped(tmp_path, tok, nats_server, run_id, bus):
     engine = ScriptedEngine(tok, ["hi there"])
     await engine.start()
