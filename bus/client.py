@@ -510,6 +510,36 @@ class Bus:
         finally:
             stopped.cancel()
 
+    async def stored_ids(self, name: str, *, batch: int = 1024) -> list[str]:
+        """The event ids (`Nats-Msg-Id`) of the events of `name` stored when called, oldest
+        first. Read with a headers-only ephemeral consumer: payloads stay on the server (a
+        `call.completed` with inline tokens costs ~150 bytes here, not its ~10-250 KB).
+        Raises ValueError for a name on a work-queue stream, nats errors when the server
+        cannot be read (callers that must not go on without the ids let them propagate)."""
+        spec = subjects.stream_for(name)
+        if spec.work_queue:
+            raise ValueError(f"cannot list {name!r}: stream {spec.concern} is a work queue")
+        stream = spec.stream_name(self.run)
+        cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL,
+                                 filter_subject=subjects.subject(self.run, name), headers_only=True,
+                                 inactive_threshold=30.0, mem_storage=True)
+        info = await self.js.add_consumer(stream, cfg)
+        sub = await self.js.pull_subscribe_bind(consumer=info.name, stream=stream)
+        out: list[str] = []
+        try:
+            pending = info.num_pending
+            while pending > 0:
+                msgs = await sub.fetch(min(batch, pending), timeout=self.config.timeout_s)
+                out.extend(m.headers["Nats-Msg-Id"] for m in msgs if m.headers and "Nats-Msg-Id" in m.headers)
+                pending = msgs[-1].metadata.num_pending
+        finally:
+            await _unsubscribe(sub)
+            try:
+                await self.js.delete_consumer(stream, info.name)
+            except Exception:  # noqa: BLE001 - ephemeral: the server removes it anyway
+                pass
+        return out
+
     async def tap(self, pattern: str | None, callback: Callable[[str, bytes], Awaitable[Any]]) -> Tap:
         """Core-NATS subscription: `await callback(subject, data)` for every message on `pattern`.
 

@@ -76,8 +76,12 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   rendered and tokenised for the next call's drift after delivery.
   Publishes run in the background, at most `max_publishes_in_flight` awaiting a PubAck.
 
-Known limits: per-execution seq counters live in memory, so a restarted proxy starts
-again at 0 (its events would collide with earlier ids); Anthropic `thinking: disabled` does
+Restarts: before serving, the proxy reads the ids of the run's stored `call.completed`
+events (headers only) and continues each execution's seq after its highest, so event
+ids never repeat; a restarted proxy's call stores are empty, so each execution's next
+call is a new root (its full prompt in the event).
+
+Known limits: Anthropic `thinking: disabled` does
 not switch the template's thinking off; a stop string completed by the last token allowed
 is reported by SGLang as `length` (it checks the length first), so the answer then keeps it.
 """
@@ -89,7 +93,7 @@ import dataclasses
 import functools
 import gc
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -393,6 +397,23 @@ class ProxyState:
                 ex.store = ex.memo = None
                 ex.wire = {}
             self.router.sticky.pop(event.info.execution, None)
+
+    def resume_seqs(self, event_ids: Iterable[str]) -> int:
+        """Continue each execution's seq after the highest of its `call.completed` event ids
+        (`<run>:<execution>:call:<seq>`) stored by an earlier proxy of this run, so a
+        restarted proxy's events never reuse an id (JetStream would drop them as duplicates
+        within its window; after it, two calls would share a call id). Returns the number
+        of executions resumed. Ids of other runs or shapes are ignored."""
+        head = f"{self.cfg.run}:"
+        resumed = set()
+        for event_id in event_ids:
+            execution, sep, seq = event_id.removeprefix(head).rpartition(":call:")
+            if not event_id.startswith(head) or not sep or not seq.isdigit():
+                continue
+            ex = self.executions.setdefault(execution, _Execution(store=None))
+            ex.next_seq = max(ex.next_seq, int(seq) + 1)
+            resumed.add(execution)
+        return len(resumed)
 
     def execution(self, execution: str) -> _Execution:
         ex = self.executions.get(execution)
@@ -859,6 +880,11 @@ async def run(cfg: Config, stop: asyncio.Event,
         await bus.ensure_streams()
     session = make_session()
     state = ProxyState(cfg, tokenizer, session, bus)
+    if bus is not None:  # before serving: a restarted proxy goes on after its predecessor's seqs
+        t0 = time.monotonic()
+        stored = await bus.stored_ids("call.completed")
+        log.info("proxy.seqs.resumed", executions=state.resume_seqs(stored), calls=len(stored),
+                 seconds=round(time.monotonic() - t0, 3))
     runner, url = await start(state)
     thresholds = gc.get_threshold()
     if cfg.tune_gc:

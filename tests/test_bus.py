@@ -136,6 +136,21 @@ async def test_publish_dedups_by_event_id(bus, run_id):
     assert schemas.decode("cell.switch", msg.data) == ev
 
 
+async def test_stored_ids_lists_an_events_ids_in_order_with_headers_only(bus, run_id):
+    consumers = (await bus.js.stream_info(cells_stream(run_id))).state.consumer_count
+    events = [switch(run_id, k) for k in range(5)]
+    for ev in events:
+        await bus.publish(ev)
+    await bus.publish(schemas.CellSwitched(event_id=f"{run_id}:cell:c0:switched:0", cell="c0", seq=0,
+                                           from_role="idle", to_role="rollout", durations={}))
+    assert await bus.stored_ids("cell.switch", batch=2) == [ev.event_id for ev in events]
+    assert await bus.stored_ids("call.completed") == []
+    with pytest.raises(ValueError, match="work queue"):
+        await bus.stored_ids("execution.dispatched")
+    info = await bus.js.stream_info(cells_stream(run_id))
+    assert info.state.consumer_count == consumers  # its consumers are gone
+
+
 async def test_publish_refuses_oversized_event(bus, run_id):
     ev = schemas.CellSwitch(event_id="big", cell="c0", seq=0, from_role="idle", to_role="rollout",
                             reason="x" * (950 * 1024))

@@ -433,6 +433,43 @@ async def test_run_serves_until_stopped(tmp_path, tok, nats_server, run_id, bus)
     assert (e1.seq, e1.parent_call, e1.prefix_len) == (1, None, 0)
 
 
+async def test_a_restarted_proxy_goes_on_after_its_predecessors_seqs(tmp_path, tok, nats_server, run_id, bus):
+    """Event ids name one fact each: a proxy restarted in the same run must not publish
+    `<run>:<execution>:call:0` again (JetStream drops it as a duplicate: the call is lost)."""
+    engine = ScriptedEngine(tok, ["one", "two", "three", "four"])
+    await engine.start()
+    cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
+                 engine_url=engine.url, shutdown_grace_s=5.0)
+
+    async def serve(calls: list[tuple[str, list[dict]]]) -> None:
+        stop = asyncio.Event()
+        started = asyncio.Event()
+        urls = []
+        task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: (urls.append(url), started.set())))
+        try:
+            await asyncio.wait_for(started.wait(), 30)
+            for execution, messages in calls:
+                async with openai.AsyncOpenAI(base_url=urls[0] + "/v1", api_key=execution_key(SECRET, execution),
+                                              max_retries=0) as client:
+                    await client.chat.completions.create(model="m", messages=messages)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 20)
+
+    try:
+        await serve([("exA", [TASK]), ("exA", [TASK, {"role": "assistant", "content": "one"},
+                                                 {"role": "user", "content": "again"}]), ("exB", [TASK])])
+        await serve([("exA", [TASK]), ("exC", [TASK])])
+    finally:
+        await engine.stop()
+    events = await Stack(tok, bus, run_id).calls(5)
+    assert sorted((e.execution, e.seq) for e in events) == [("exA", 0), ("exA", 1), ("exA", 2), ("exB", 0),
+                                                           ("exC", 0)]
+    assert len({e.event_id for e in events}) == 5
+    late = next(e for e in events if (e.execution, e.seq) == ("exA", 2))
+    assert late.parent_call is None and late.call == "exA:2"
+
+
 def test_load_script(tmp_path):
     path = tmp_path / "script.jsonl"
     path.write_text('"plain"\n{"text": "<tool_call>\\n{}\\n</tool_call>"}\n\n')
