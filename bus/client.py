@@ -311,8 +311,10 @@ class Bus:
     # ---- publishing ---------------------------------------------------------------------
 
     async def publish(self, event: schemas.Event, data: bytes | None = None) -> bool:
-        """Publish `event`; True if stored, False if the server already had its event_id.
-        data: `schemas.encode(event)` when the caller already has it (encoded once).
+        """Publish `event`; True if stored, False if the server already had its event_id
+        before this call (a duplicate answering an internal retry counts as stored: the
+        attempt that timed out had landed). data: `schemas.encode(event)` when the caller
+        already has it (encoded once).
 
         Raises PayloadTooLarge (encoded > MAX_EVENT_BYTES), PublishError after
         config.publish_attempts transient failures, nats errors for anything else.
@@ -324,17 +326,21 @@ class Bus:
             raise PayloadTooLarge(
                 f"{name} {event.event_id}: encoded event is {len(data)} bytes, over {MAX_EVENT_BYTES}; "
                 "put large arrays in the object store (bus.put_object) and carry the key")
-        ack = await self.publish_raw(subjects.subject(self.run, name), data, {"Nats-Msg-Id": event.event_id})
+        ack, attempts = await self._publish(subjects.subject(self.run, name), data, {"Nats-Msg-Id": event.event_id})
         if ack.duplicate:
-            log.debug("bus.publish.duplicate", event_id=event.event_id, subject=name)
-        return not ack.duplicate
+            log.debug("bus.publish.duplicate", event_id=event.event_id, subject=name, attempts=attempts)
+        return not ack.duplicate or attempts > 1
 
     async def publish_raw(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> Any:
         """Publish bytes to a JetStream subject with bounded retries; returns the PubAck."""
+        return (await self._publish(subject, data, headers))[0]
+
+    async def _publish(self, subject: str, data: bytes, headers: dict[str, str] | None) -> tuple[Any, int]:
+        """(PubAck, attempts it took)."""
         delay = self.config.publish_backoff_s
         for attempt in range(1, self.config.publish_attempts + 1):
             try:
-                return await self.js.publish(subject, data, headers=dict(headers) if headers else None)
+                return await self.js.publish(subject, data, headers=dict(headers) if headers else None), attempt
             except _TRANSIENT as exc:
                 if attempt == self.config.publish_attempts:
                     raise PublishError(

@@ -79,7 +79,10 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
 Restarts: before serving, the proxy reads the ids of the run's stored `call.completed`
 events (headers only) and continues each execution's seq after its highest, so event
 ids never repeat; a restarted proxy's call stores are empty, so each execution's next
-call is a new root (its full prompt in the event).
+call is a new root (its full prompt in the event). One proxy serves a run: a replacement
+started before the old one exited can reuse an id the old one publishes late, and
+JetStream drops that call (logged as `proxy.call.duplicate_id`). `max_calls` counts
+from 0 again after a restart.
 
 Known limits: Anthropic `thinking: disabled` does
 not switch the template's thinking off; a stop string completed by the last token allowed
@@ -408,7 +411,7 @@ class ProxyState:
         resumed = set()
         for event_id in event_ids:
             execution, sep, seq = event_id.removeprefix(head).rpartition(":call:")
-            if not event_id.startswith(head) or not sep or not seq.isdigit():
+            if not event_id.startswith(head) or not sep or not (seq.isascii() and seq.isdigit()):
                 continue
             ex = self.executions.setdefault(execution, _Execution(store=None))
             ex.next_seq = max(ex.next_seq, int(seq) + 1)
@@ -513,6 +516,7 @@ class ProxyState:
         deadline = time.monotonic() + self.cfg.retry_timeout_s
         delay = self.cfg.retry_backoff_s
         event, tokens_json = out
+        first = True
         while True:
             try:
                 data = encode(event)
@@ -526,9 +530,14 @@ class ProxyState:
                 if tokens_json is not None:
                     await self.bus.put_object(event.tokens_ref, tokens_json)
                     log.debug("proxy.call.tokens_stored", event_id=event.event_id, tokens_ref=event.tokens_ref)
-                await self.bus.publish(event, data)
+                if not await self.bus.publish(event, data) and first:
+                    # Not our own earlier attempt landing: another proxy of this run used the id,
+                    # and JetStream dropped this call.
+                    log.error("proxy.call.duplicate_id", event_id=event.event_id, execution=event.execution,
+                              call=event.call, hint="one proxy per run: start a replacement after the old one exited")
                 return
             except Exception as exc:  # noqa: BLE001 - keep trying within the bound; never drop silently
+                first = False  # an attempt may have landed before failing
                 clog = log.bind(event_id=event.event_id, execution=event.execution, call=event.call)
                 if time.monotonic() + delay > deadline:
                     clog.error("proxy.call.publish_failed", error=repr(exc))
@@ -877,50 +886,74 @@ async def run(cfg: Config, stop: asyncio.Event,
     bus = None
     if cfg.nats_url:
         bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="proxy", stop=stop)
-        await bus.ensure_streams()
-    session = make_session()
-    state = ProxyState(cfg, tokenizer, session, bus)
-    if bus is not None:  # before serving: a restarted proxy goes on after its predecessor's seqs
-        t0 = time.monotonic()
-        stored = await bus.stored_ids("call.completed")
-        log.info("proxy.seqs.resumed", executions=state.resume_seqs(stored), calls=len(stored),
-                 seconds=round(time.monotonic() - t0, 3))
-    runner, url = await start(state)
+    session = runner = replay = state = None
     thresholds = gc.get_threshold()
-    if cfg.tune_gc:
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(*GC_THRESHOLDS)
-    if cfg.url_file:
-        path = Path(cfg.url_file)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(orjson.dumps({"url": url, "v1": url + "/v1"}))
-        tmp.replace(path)
-    log.info("proxy.started", url=url, engine_url=cfg.engine_url or None, bus=bool(bus))
-    if on_started is not None:
-        on_started(state, url)
-    replay = None
-    if bus is not None:
-        replay = asyncio.create_task(bus.replay(REPLAYED, state.handle_event, stop=stop))
     try:
+        if bus is not None:
+            await bus.ensure_streams()
+        session = make_session()
+        state = ProxyState(cfg, tokenizer, session, bus)
+        # Before serving: a restarted proxy goes on after its predecessor's seqs.
+        if bus is not None and not await _resumed(state, bus, stop):
+            return
+        runner, url = await start(state)
+        if cfg.tune_gc:
+            gc.collect()
+            gc.freeze()
+            gc.set_threshold(*GC_THRESHOLDS)
+        if cfg.url_file:
+            path = Path(cfg.url_file)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(orjson.dumps({"url": url, "v1": url + "/v1"}))
+            tmp.replace(path)
+        log.info("proxy.started", url=url, engine_url=cfg.engine_url or None, bus=bool(bus))
+        if on_started is not None:
+            on_started(state, url)
+        if bus is not None:
+            replay = asyncio.create_task(bus.replay(REPLAYED, state.handle_event, stop=stop))
         await stop.wait()
     finally:
-        await runner.shutdown()
-        await runner.cleanup()
-        await state.drain(cfg.shutdown_grace_s)
-        state.close()
+        if runner is not None:
+            await runner.shutdown()
+            await runner.cleanup()
+        if state is not None:
+            await state.drain(cfg.shutdown_grace_s)
+            state.close()
         if replay is not None:
             try:
                 await asyncio.wait_for(replay, cfg.shutdown_grace_s)
             except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - shutting down anyway
                 log.info("proxy.replay.stopped", error=repr(exc))
-        await session.close()
+        if session is not None:
+            await session.close()
         if bus is not None:
             await bus.close()
         if cfg.tune_gc:
             gc.set_threshold(*thresholds)
             gc.unfreeze()
         log.info("proxy.stopped")
+
+
+async def _resumed(state: ProxyState, bus: Any, stop: asyncio.Event) -> bool:
+    """Resume the executions' seqs from the run's stored `call.completed` ids
+    (`ProxyState.resume_seqs`); False when `stop` came first. Raises what
+    `Bus.stored_ids` raises: a proxy that cannot read them must not serve."""
+    t0 = time.monotonic()
+    reading = asyncio.ensure_future(bus.stored_ids("call.completed"))
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({reading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        if not reading.done():
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
+    if reading.cancelled():
+        return False
+    stored = reading.result()
+    log.info("proxy.seqs.resumed", executions=state.resume_seqs(stored), calls=len(stored),
+             seconds=round(time.monotonic() - t0, 3))
+    return True
 
 
 def config_from_context(ctx: Any, args: Any) -> Config:

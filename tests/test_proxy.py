@@ -11,6 +11,7 @@ import anthropic
 import openai
 import orjson
 import pytest
+import structlog.testing
 
 import gyre.tito
 import schemas
@@ -468,6 +469,68 @@ async def test_a_restarted_proxy_goes_on_after_its_predecessors_seqs(tmp_path, t
     assert len({e.event_id for e in events}) == 5
     late = next(e for e in events if (e.execution, e.seq) == ("exA", 2))
     assert late.parent_call is None and late.call == "exA:2"
+
+
+async def test_a_proxy_stopped_while_reading_stored_ids_never_serves(tmp_path, tok, nats_server, run_id,
+                                                                      monkeypatch):
+    from bus import Bus
+
+    reading = asyncio.Event()
+
+    async def slow_ids(self, name, **kw):
+        reading.set()
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr(Bus, "stored_ids", slow_ids)
+    closed = []
+    real_close = Bus.close
+    monkeypatch.setattr(Bus, "close", lambda self: (closed.append(1), real_close(self))[1])
+    url_file = tmp_path / "proxy.json"
+    cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
+                 url_file=str(url_file), shutdown_grace_s=5.0)
+    stop = asyncio.Event()
+    started = []
+    task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: started.append(url)))
+    await asyncio.wait_for(reading.wait(), 30)
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    assert started == [] and not url_file.exists() and closed == [1]
+
+
+async def test_a_proxy_that_cannot_read_stored_ids_closes_its_bus_and_raises(tok, nats_server, run_id, monkeypatch):
+    from bus import Bus
+
+    async def failing_ids(self, name, **kw):
+        raise RuntimeError("nats: timeout")
+
+    monkeypatch.setattr(Bus, "stored_ids", failing_ids)
+    closed = []
+    real_close = Bus.close
+    monkeypatch.setattr(Bus, "close", lambda self: (closed.append(1), real_close(self))[1])
+    cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token)
+    with pytest.raises(RuntimeError, match="nats: timeout"):
+        await asyncio.wait_for(run(cfg, asyncio.Event()), 30)
+    assert closed == [1]
+
+
+async def test_a_call_whose_id_another_proxy_used_is_logged_as_lost(stack, bus, run_id):
+    """Two proxies in one run (a replacement started before the old one exited): JetStream
+    drops the second `call:0` as a duplicate; the proxy says so at error level."""
+    engine = await stack.engine(["first"])
+    await stack.proxy(engine=engine)
+    other = schemas.CallCompleted(event_id=ids.call(run_id, "exD", 0), call="exD:0", execution="exD", seq=0,
+                                  parent_call=None, prefix_len=0, tokens=schemas.CallTokens(),
+                                  sampling=schemas.SamplingParams(), finish_reason="stop", versions=(), cell="c",
+                                  role="main", api="chat", status="ok", timings={}, drift=0, meta={})
+    await bus.publish(other)
+    with structlog.testing.capture_logs() as logs:
+        await stack.client("exD").chat.completions.create(model="m", messages=[TASK])
+        for _ in range(200):
+            if any(e["event"] == "proxy.call.duplicate_id" for e in logs):
+                break
+            await asyncio.sleep(0.02)
+    (lost,) = [e for e in logs if e["event"] == "proxy.call.duplicate_id"]
+    assert lost["event_id"] == ids.call(run_id, "exD", 0) and lost["log_level"] == "error"
 
 
 def test_load_script(tmp_path):
