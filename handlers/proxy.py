@@ -229,7 +229,8 @@ class Config:
     """`call.completed` publishes awaiting their PubAck at once; later ones wait their turn
     in the background (never dropped; each is still acknowledged)."""
     check_drift: bool = True
-    """Re-tokenise the whole rendered request on extensions to count drift."""
+    """Count drift on extensions (`gyre.tito.CallStore`: one turn re-tokenised with gyre's
+    template, the whole rendered request with another); False reports drift 0."""
     url_file: str = ""
     """If set, `{"url": ...}` is written there once the listener is bound."""
     shutdown_grace_s: float = 30.0
