@@ -37,6 +37,10 @@ OBJECT_THRESHOLD_BYTES = 256 * 1024
 MAX_EVENT_BYTES = 900 * 1024
 """Hard cap on an encoded event (bytes); the server's max_payload is 1 MiB."""
 
+_MAY_HAVE_LANDED = (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.StaleConnectionError)
+"""Publish failures after which the message may be stored all the same (the PubAck was
+lost, not the message); the others mean the server did not take it."""
+
 _TRANSIENT = (
     nats.errors.TimeoutError,
     asyncio.TimeoutError,
@@ -312,9 +316,9 @@ class Bus:
 
     async def publish(self, event: schemas.Event, data: bytes | None = None) -> bool:
         """Publish `event`; True if stored, False if the server already had its event_id
-        before this call (a duplicate answering an internal retry counts as stored: the
-        attempt that timed out had landed). data: `schemas.encode(event)` when the caller
-        already has it (encoded once).
+        before this call (a duplicate answering a retry after an attempt that may have
+        landed, a PubAck timeout or a stale connection, counts as stored). data:
+        `schemas.encode(event)` when the caller already has it (encoded once).
 
         Raises PayloadTooLarge (encoded > MAX_EVENT_BYTES), PublishError after
         config.publish_attempts transient failures, nats errors for anything else.
@@ -326,22 +330,24 @@ class Bus:
             raise PayloadTooLarge(
                 f"{name} {event.event_id}: encoded event is {len(data)} bytes, over {MAX_EVENT_BYTES}; "
                 "put large arrays in the object store (bus.put_object) and carry the key")
-        ack, attempts = await self._publish(subjects.subject(self.run, name), data, {"Nats-Msg-Id": event.event_id})
+        ack, landed = await self._publish(subjects.subject(self.run, name), data, {"Nats-Msg-Id": event.event_id})
         if ack.duplicate:
-            log.debug("bus.publish.duplicate", event_id=event.event_id, subject=name, attempts=attempts)
-        return not ack.duplicate or attempts > 1
+            log.debug("bus.publish.duplicate", event_id=event.event_id, subject=name, ours=landed)
+        return not ack.duplicate or landed
 
     async def publish_raw(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> Any:
         """Publish bytes to a JetStream subject with bounded retries; returns the PubAck."""
         return (await self._publish(subject, data, headers))[0]
 
-    async def _publish(self, subject: str, data: bytes, headers: dict[str, str] | None) -> tuple[Any, int]:
-        """(PubAck, attempts it took)."""
+    async def _publish(self, subject: str, data: bytes, headers: dict[str, str] | None) -> tuple[Any, bool]:
+        """(PubAck, whether an earlier attempt failed in a way that may have stored it)."""
         delay = self.config.publish_backoff_s
+        landed = False
         for attempt in range(1, self.config.publish_attempts + 1):
             try:
-                return await self.js.publish(subject, data, headers=dict(headers) if headers else None), attempt
+                return await self.js.publish(subject, data, headers=dict(headers) if headers else None), landed
             except _TRANSIENT as exc:
+                landed = landed or isinstance(exc, _MAY_HAVE_LANDED)
                 if attempt == self.config.publish_attempts:
                     raise PublishError(
                         f"publish to {subject} failed after {attempt} attempts ({exc!r}); "
@@ -516,9 +522,12 @@ class Bus:
         finally:
             stopped.cancel()
 
-    async def stored_ids(self, name: str, *, batch: int = 1024) -> list[str]:
+    async def stored_ids(self, name: str, *, stop: asyncio.Event | None = None,
+                         batch: int = 1024) -> list[str] | None:
         """The event ids (`Nats-Msg-Id`) of the events of `name` stored when called, oldest
-        first. Read with a headers-only ephemeral consumer: payloads stay on the server (a
+        first; None once `stop` is set. Both it and a cancellation are checked between
+        batches too (nats-py's fetch can swallow a cancellation on Python 3.11). Read
+        with a headers-only ephemeral consumer: payloads stay on the server (a
         `call.completed` with inline tokens costs ~150 bytes here, not its ~10-250 KB).
         Raises ValueError for a name on a work-queue stream, nats errors when the server
         cannot be read (callers that must not go on without the ids let them propagate)."""
@@ -534,7 +543,12 @@ class Bus:
         out: list[str] = []
         try:
             pending = info.num_pending
+            task = asyncio.current_task()
             while pending > 0:
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError
+                if stop is not None and stop.is_set():
+                    return None
                 msgs = await sub.fetch(min(batch, pending), timeout=self.config.timeout_s)
                 out.extend(m.headers["Nats-Msg-Id"] for m in msgs if m.headers and "Nats-Msg-Id" in m.headers)
                 pending = msgs[-1].metadata.num_pending

@@ -517,7 +517,7 @@ class ProxyState:
         deadline = time.monotonic() + self.cfg.retry_timeout_s
         delay = self.cfg.retry_backoff_s
         event, tokens_json = out
-        first = True
+        attempted = False  # a publish attempt that failed may have landed
         while True:
             try:
                 data = encode(event)
@@ -531,14 +531,14 @@ class ProxyState:
                 if tokens_json is not None:
                     await self.bus.put_object(event.tokens_ref, tokens_json)
                     log.debug("proxy.call.tokens_stored", event_id=event.event_id, tokens_ref=event.tokens_ref)
-                if not await self.bus.publish(event, data) and first:
+                again, attempted = attempted, True
+                if not await self.bus.publish(event, data) and not again:
                     # Not our own earlier attempt landing: another proxy of this run used the id,
                     # and JetStream dropped this call.
                     log.error("proxy.call.duplicate_id", event_id=event.event_id, execution=event.execution,
                               call=event.call, hint="one proxy per run: start a replacement after the old one exited")
                 return
             except Exception as exc:  # noqa: BLE001 - keep trying within the bound; never drop silently
-                first = False  # an attempt may have landed before failing
                 clog = log.bind(event_id=event.event_id, execution=event.execution, call=event.call)
                 if time.monotonic() + delay > deadline:
                     clog.error("proxy.call.publish_failed", error=repr(exc))
@@ -889,6 +889,7 @@ async def run(cfg: Config, stop: asyncio.Event,
         bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="proxy", stop=stop)
     session = runner = replay = state = None
     thresholds = gc.get_threshold()
+    tuned = False
     try:
         if bus is not None:
             await bus.ensure_streams()
@@ -902,6 +903,7 @@ async def run(cfg: Config, stop: asyncio.Event,
             gc.collect()
             gc.freeze()
             gc.set_threshold(*GC_THRESHOLDS)
+            tuned = True
         if cfg.url_file:
             path = Path(cfg.url_file)
             tmp = path.with_suffix(".tmp")
@@ -929,7 +931,7 @@ async def run(cfg: Config, stop: asyncio.Event,
             await session.close()
         if bus is not None:
             await bus.close()
-        if cfg.tune_gc:
+        if tuned:
             gc.set_threshold(*thresholds)
             gc.unfreeze()
         log.info("proxy.stopped")
@@ -937,21 +939,13 @@ async def run(cfg: Config, stop: asyncio.Event,
 
 async def _resumed(state: ProxyState, bus: Any, stop: asyncio.Event) -> bool:
     """Resume the executions' seqs from the run's stored `call.completed` ids
-    (`ProxyState.resume_seqs`); False when `stop` came first. Raises what
-    `Bus.stored_ids` raises: a proxy that cannot read them must not serve."""
+    (`ProxyState.resume_seqs`); False when `stop` is set meanwhile (the proxy then never
+    serves). Raises what `Bus.stored_ids` raises: a proxy that cannot read them must not
+    serve."""
     t0 = time.monotonic()
-    reading = asyncio.ensure_future(bus.stored_ids("call.completed"))
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({reading, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
-        if not reading.done():
-            reading.cancel()
-            await asyncio.gather(reading, return_exceptions=True)
-    if reading.cancelled():
+    stored = await bus.stored_ids("call.completed", stop=stop)
+    if stored is None or stop.is_set():
         return False
-    stored = reading.result()
     log.info("proxy.seqs.resumed", executions=state.resume_seqs(stored), calls=len(stored),
              seconds=round(time.monotonic() - t0, 3))
     return True

@@ -4,6 +4,9 @@ from __future__ import annotations
 import asyncio
 import os
 
+import nats
+import nats.errors
+import nats.js.errors
 import pytest
 
 import schemas
@@ -149,6 +152,26 @@ async def test_stored_ids_lists_an_events_ids_in_order_with_headers_only(bus, ru
         await bus.stored_ids("execution.dispatched")
     info = await bus.js.stream_info(cells_stream(run_id))
     assert info.state.consumer_count == consumers  # its consumers are gone
+
+
+@pytest.mark.parametrize("failure, stored", [(nats.errors.TimeoutError, True),
+                                              (nats.js.errors.NoStreamResponseError, False)])
+async def test_a_duplicate_after_a_retry_counts_as_stored_only_if_the_failed_attempt_may_have_landed(
+        bus, run_id, monkeypatch, failure, stored):
+    """The id is already on the server; the first attempt fails. After a PubAck timeout the
+    duplicate is our own attempt (stored); after "no stream" it is somebody else's."""
+    ev = switch(run_id, 0)
+    assert await bus.publish(ev) is True
+    real, calls = bus.js.publish, []
+
+    async def flaky(*args, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise failure()
+        return await real(*args, **kw)
+
+    monkeypatch.setattr(bus.js, "publish", flaky)
+    assert await bus.publish(ev) is stored and len(calls) == 2
 
 
 async def test_publish_refuses_oversized_event(bus, run_id):

@@ -471,15 +471,32 @@ async def test_a_restarted_proxy_goes_on_after_its_predecessors_seqs(tmp_path, t
     assert late.parent_call is None and late.call == "exA:2"
 
 
-async def test_a_proxy_stopped_while_reading_stored_ids_never_serves(tmp_path, tok, nats_server, run_id,
-                                                                      monkeypatch):
+async def _stored_calls(bus, run_id: str, n: int) -> None:
+    sem = asyncio.Semaphore(256)
+
+    async def one(k: int) -> None:
+        async with sem:
+            await bus.publish_raw(f"gyre.v1.{run_id}.call.completed", b"{}",
+                                  {"Nats-Msg-Id": ids.call(run_id, f"ex{k % 50}", k // 50)})
+
+    await asyncio.gather(*(one(k) for k in range(n)))
+
+
+@pytest.mark.parametrize("how", ["stop", "cancel"])
+async def test_a_proxy_stopped_while_reading_stored_ids_never_serves(tmp_path, tok, nats_server, run_id, bus,
+                                                                      monkeypatch, how):
+    """A stop (or the task's cancellation) while the stored ids are read ends the read at its
+    next batch: the proxy never binds, writes no url file, and closes its bus."""
     from bus import Bus
 
-    reading = asyncio.Event()
+    await _stored_calls(bus, run_id, 20000)
+    real_ids, reading, returned = Bus.stored_ids, asyncio.Event(), []
 
-    async def slow_ids(self, name, **kw):
+    async def slow_ids(self, name, **kw):  # small batches: the read takes a while
         reading.set()
-        await asyncio.sleep(30)
+        out = await real_ids(self, name, **{**kw, "batch": 256})
+        returned.append(out)
+        return out
 
     monkeypatch.setattr(Bus, "stored_ids", slow_ids)
     closed = []
@@ -492,8 +509,17 @@ async def test_a_proxy_stopped_while_reading_stored_ids_never_serves(tmp_path, t
     started = []
     task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: started.append(url)))
     await asyncio.wait_for(reading.wait(), 30)
-    stop.set()
-    await asyncio.wait_for(task, 10)
+    await asyncio.sleep(0.05)
+    t0 = asyncio.get_running_loop().time()
+    if how == "stop":
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        assert returned == [None]
+    else:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+    assert asyncio.get_running_loop().time() - t0 < 0.5  # not the rest of the read (750 batches)
     assert started == [] and not url_file.exists() and closed == [1]
 
 
@@ -513,11 +539,25 @@ async def test_a_proxy_that_cannot_read_stored_ids_closes_its_bus_and_raises(tok
     assert closed == [1]
 
 
-async def test_a_call_whose_id_another_proxy_used_is_logged_as_lost(stack, bus, run_id):
+@pytest.mark.parametrize("put_fails", [False, True])
+async def test_a_call_whose_id_another_proxy_used_is_logged_as_lost(stack, bus, run_id, monkeypatch, put_fails):
     """Two proxies in one run (a replacement started before the old one exited): JetStream
-    drops the second `call:0` as a duplicate; the proxy says so at error level."""
+    drops the second `call:0` as a duplicate; the proxy says so at error level, also when
+    its first try failed before publishing (storing the tokens)."""
+    from bus import Bus
+
+    if put_fails:
+        real_put, puts = Bus.put_object, []
+
+        async def flaky_put(self, key, data):
+            puts.append(key)
+            if len(puts) == 1:
+                raise TimeoutError("nats: timeout")
+            return await real_put(self, key, data)
+
+        monkeypatch.setattr(Bus, "put_object", flaky_put)
     engine = await stack.engine(["first"])
-    await stack.proxy(engine=engine)
+    await stack.proxy(engine=engine, retry_backoff_s=0.01, **({"object_threshold_bytes": 400} if put_fails else {}))
     other = schemas.CallCompleted(event_id=ids.call(run_id, "exD", 0), call="exD:0", execution="exD", seq=0,
                                   parent_call=None, prefix_len=0, tokens=schemas.CallTokens(),
                                   sampling=schemas.SamplingParams(), finish_reason="stop", versions=(), cell="c",
@@ -525,12 +565,33 @@ async def test_a_call_whose_id_another_proxy_used_is_logged_as_lost(stack, bus, 
     await bus.publish(other)
     with structlog.testing.capture_logs() as logs:
         await stack.client("exD").chat.completions.create(model="m", messages=[TASK])
-        for _ in range(200):
+        for _ in range(300):
             if any(e["event"] == "proxy.call.duplicate_id" for e in logs):
                 break
             await asyncio.sleep(0.02)
     (lost,) = [e for e in logs if e["event"] == "proxy.call.duplicate_id"]
     assert lost["event_id"] == ids.call(run_id, "exD", 0) and lost["log_level"] == "error"
+    assert [e["event"] for e in logs if e["event"] == "proxy.call.publish_retry"] == (
+        ["proxy.call.publish_retry"] if put_fails else [])
+
+
+async def test_a_proxy_that_cannot_bind_leaves_the_processes_gc_as_it_was(tok, run_id):
+    """GC tuning is undone only where it was done (an embedding process keeps its own)."""
+    import gc
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        gc.freeze()
+        frozen, thresholds = gc.get_freeze_count(), gc.get_threshold()
+        try:
+            cfg = Config(run=run_id, key_secret=SECRET, port=taken.getsockname()[1])
+            with pytest.raises(OSError):
+                await run(cfg, asyncio.Event())
+            assert gc.get_freeze_count() > frozen // 2 > 0 and gc.get_threshold() == thresholds  # not unfrozen
+        finally:
+            gc.unfreeze()
 
 
 def test_load_script(tmp_path):
