@@ -51,6 +51,9 @@ class RunContext:
     nats_url: str
     nats_token: str | None
     key_secret: bytes
+    owner: dict | None = None
+    """The `gyre run` that owns the run (nats.json's identity, `run_owner_alive`) when the
+    daemon joined it with `--run-dir` on its private server; None otherwise."""
 
     @property
     def model_dir(self) -> Path:
@@ -154,7 +157,8 @@ def context_from_args(args: argparse.Namespace) -> RunContext:
     if not secret_hex and (run_dir / "key_secret").exists():
         secret_hex = (run_dir / "key_secret").read_text().strip()
     return RunContext(run=run, run_dir=run_dir, recipe=recipe, nats_url=url, nats_token=token,
-                      key_secret=bytes.fromhex(secret_hex) if secret_hex else b"")
+                      key_secret=bytes.fromhex(secret_hex) if secret_hex else b"",
+                      owner=info if args.run_dir and not env_url else None)
 
 
 def base_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -233,6 +237,20 @@ def install_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, _on_signal, sig)
 
 
+async def _stop_when_run_ends(ctx: RunContext, stop: asyncio.Event, every_s: float = 1.0) -> None:
+    """Set `stop` once the `gyre run` owning ctx's run has ended (its private NATS server
+    went with it): a daemon joined with `--run-dir` then stops instead of retrying a dead
+    server forever."""
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), every_s)
+        except asyncio.TimeoutError:
+            pass
+        if not stop.is_set() and not run_owner_alive(ctx.owner):
+            log.warning("daemon.run.ended", error=ended_run_message(ctx.run_dir, ctx.owner))
+            stop.set()
+
+
 def daemon_main(name: str, description: str,
                 make_config: Callable[[RunContext, argparse.Namespace], object],
                 run: Callable[[object, asyncio.Event], Awaitable[None]],
@@ -266,7 +284,14 @@ def daemon_main(name: str, description: str,
     async def _main() -> None:
         stop = asyncio.Event()
         install_signals(stop)
-        await run(cfg, stop)
+        watcher = None
+        if ctx.owner is not None:
+            watcher = asyncio.create_task(_stop_when_run_ends(ctx, stop))
+        try:
+            await run(cfg, stop)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
 
     try:
         run_async(_main())

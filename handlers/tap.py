@@ -78,7 +78,11 @@ async def _tap(url: str, token: str | None, run: str | None, pattern: str, width
     print(f"gyre tap: {subject} on {url} (Ctrl-C to stop)", file=sys.stderr, flush=True)
 
     async def show(subj: str, data: bytes) -> None:
-        print(summarise(subj, data, width=width), flush=True)
+        try:
+            print(summarise(subj, data, width=width), flush=True)
+        except BrokenPipeError:  # the reader went away (`gyre tap | head`): stop, quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
+            stop.set()
 
     try:
         await bus.tap(subject, show)

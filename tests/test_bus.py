@@ -8,6 +8,7 @@ import nats
 import nats.errors
 import nats.js.errors
 import pytest
+from pathlib import Path
 
 import schemas
 from bus import (
@@ -124,6 +125,41 @@ async def test_ensure_consumer_updates_in_place(bus, run_id):
     await bus.ensure_consumer(spec("cell-c0-v1", ack_wait_s=7.0))
     info = await bus.js.consumer_info(cells_stream(run_id), "cell-c0-v1")
     assert info.config.ack_wait == 7.0
+
+
+def test_close_after_the_server_went_away_does_not_raise_under_uvloop(tmp_path):
+    """nats-py's close writes pending bytes into the dead transport, which uvloop refuses
+    (RuntimeError: the handler is closed): a daemon stopping after its run's server ended
+    exited 1 with a traceback."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import asyncio, uvloop
+        from bus import Bus, BusConfig
+        from bus.server import NatsServer
+
+        async def main():
+            srv = NatsServer.start({str(tmp_path / "nats")!r})
+            bus = await Bus.connect(srv.url, token=srv.token, run="r1", name="t",
+                                    config=BusConfig(drain_timeout_s=2.0))
+            await bus.ensure_streams()
+            stop = asyncio.Event()
+            replay = asyncio.create_task(bus.replay(["cell.switched"], lambda e: asyncio.sleep(0), stop=stop))
+            await asyncio.sleep(0.5)
+            srv.stop()
+            await asyncio.sleep(1.5)
+            await bus.close()
+            print("closed", bus.nc.is_closed)
+            stop.set()
+            await asyncio.wait_for(replay, 10)
+
+        uvloop.run(main())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         cwd=str(Path(__file__).resolve().parents[1]))
+    assert out.returncode == 0 and "closed True" in out.stdout, out.stderr[-2000:]
 
 
 # ---- publishing ---------------------------------------------------------------------------

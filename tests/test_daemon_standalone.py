@@ -126,6 +126,48 @@ def test_a_daemon_pointed_at_an_ended_run_says_so_at_once(tmp_path):
     assert "daemon.run.ended" in proc.stderr, proc.stderr
 
 
+async def test_a_daemon_joined_to_a_run_stops_when_the_run_ends(nats_server, run_id, tmp_path):
+    """A daemon started on its own with `--run-dir` of a live run stops by itself once that
+    run's `gyre run` is gone and its NATS server with it (it retried the dead server every
+    second, forever, and a SIGTERM then ended in a traceback from closing the connection)."""
+    import orjson
+
+    from gyre.config import load_recipe
+    from handlers.daemon import process_identity
+
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        run_dir = tmp_path / run_id
+        run_dir.mkdir()
+        (run_dir / "config.json").write_bytes(orjson.dumps(load_recipe("toy").to_dict()))
+        (run_dir / "nats.json").write_bytes(orjson.dumps({"run": run_id, "url": nats_server.url,
+                                                          "token": nats_server.token,
+                                                          **process_identity(owner.pid)}))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_NATS")}
+        proc = subprocess.Popen([sys.executable, "-m", "handlers.cli", "builder", "--run-dir", str(run_dir),
+                                 "--log-json"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not await _consumer_exists(nats_server, f"GYRE_{run_id.upper()}_CALLS", "builder-calls-v1"):
+                assert proc.poll() is None, proc.stdout.read()
+                assert time.monotonic() < deadline, "daemon did not declare its consumer"
+                time.sleep(0.2)
+        finally:
+            owner.kill()
+            owner.wait()
+        nats_server.stop()  # the run's private server ends with its `gyre run`
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "daemon.run.ended" in out and "daemon.stopped" in out, out
+    assert "Traceback" not in out and "daemon.crashed" not in out, out
+
+
 def test_run_owner_alive_tells_only_what_this_process_can_see():
     """An ended `gyre run` is one whose process is gone, exited but unreaped, or whose pid
     now names another process; from another host or pid namespace it cannot tell and

@@ -66,6 +66,43 @@ async def test_tap_prints_a_live_runs_events_and_stops_when_the_run_ends(nats_se
             await tap.wait()
 
 
+async def test_tap_stops_quietly_when_its_reader_goes_away(nats_server, run_id, tmp_path):
+    """`gyre tap | head -1`: once the pipe's reader is gone the tap exits 0 with no traceback
+    (it wrote a BrokenPipeError traceback per event, forever)."""
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    run_dir = _run_dir(tmp_path, run_id, nats_server.url, nats_server.token, owner.pid)
+    read, write = os.pipe()
+    tap = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "handlers.cli", "tap", "--run-dir", str(run_dir), "cell.*", cwd=ROOT, env=_env(),
+        stdout=write, stderr=asyncio.subprocess.PIPE)
+    os.close(write)
+    bus = await Bus.connect(nats_server.url, token=nats_server.token, run=run_id, name="test-tap")
+    try:
+        await bus.ensure_streams()
+        deadline = time.monotonic() + 60
+        with os.fdopen(read, "rb", buffering=0) as reader:
+            os.set_blocking(reader.fileno(), False)
+            first = None
+            while not first and time.monotonic() < deadline:
+                await bus.publish(schemas.CellSwitch(event_id=f"{run_id}:sw:{time.monotonic()}", cell="c1", seq=1,
+                                                     from_role="idle", to_role="rollout", reason="x"))
+                await asyncio.sleep(0.3)
+                first = reader.read(4096)
+        assert first, "the tap printed nothing"
+        for k in range(5):  # the reader is gone: these hit a broken pipe
+            await bus.publish(schemas.CellSwitch(event_id=f"{run_id}:late:{k}", cell="c1", seq=2,
+                                                 from_role="idle", to_role="rollout", reason="x"))
+        _, err = await asyncio.wait_for(tap.communicate(), 30)
+        assert tap.returncode == 0 and b"Traceback" not in err and b"BrokenPipe" not in err, err
+    finally:
+        await bus.close()
+        owner.kill()
+        owner.wait()
+        if tap.returncode is None:
+            tap.kill()
+            await tap.wait()
+
+
 def test_tap_refuses_an_ended_run_at_once(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
