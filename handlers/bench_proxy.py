@@ -993,7 +993,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = argparse.ArgumentParser(prog="gyre bench proxy", description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--smoke", action="store_true", help="the machinery only (CI; 20–30 s, mostly starting processes): 8 executions, 0.5 s runs")
+    p.add_argument("--smoke", action="store_true", help="the machinery only (CI; 10–30 s, mostly starting processes): 8 executions, 0.5 s runs")
     p.add_argument("--duration-s", type=float, default=None, help="seconds of load per run (default 10)")
     p.add_argument("--executions", type=int, default=None,
                    help="simulated executions in the latency runs (default 256)")

@@ -208,7 +208,7 @@ class Evaluator:
                                              reason=f"evaluator failed {failures} times: {exc}"), elog)
             return
         if not self.cfg.keep_scratch:
-            await asyncio.to_thread(shutil.rmtree, scratch, True)
+            await asyncio.to_thread(_remove_scratch, scratch)
         elog.info("evaluator.graded", reward=result.reward, passed=result.passed, total=result.total,
                   note=result.note, duration_s=round(time.monotonic() - started, 3))
         await self._publish(scored_event(self.cfg.run, info, outcome="reward", attempt=failures, grade_=result), elog)
@@ -233,6 +233,15 @@ async def run(cfg: Config, stop: asyncio.Event) -> None:
     finally:
         await bus.close()
 
+def _remove_scratch(scratch: Path) -> None:
+    """Remove a graded attempt's copy, and the execution's folder once nothing else is in it
+    (a failed attempt's copy stays for a look)."""
+    shutil.rmtree(scratch, True)
+    try:
+        scratch.parent.rmdir()
+    except OSError:
+        pass
+
 
 def main(argv: list[str] | None = None) -> int:
     return daemon_main("evaluator", "Evaluator: hidden tests on preserved workspaces → execution.scored.",
@@ -241,3 +250,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+

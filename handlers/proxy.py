@@ -102,6 +102,7 @@ from typing import Any, NamedTuple
 
 import orjson
 import structlog
+import aiohttp
 from aiohttp import web
 
 from gyre.chat import parse_completion
@@ -894,6 +895,11 @@ async def run(cfg: Config, stop: asyncio.Event,
         if bus is not None:
             await bus.ensure_streams()
         session = make_session()
+        if cfg.url_file and (other := await _serving_proxy(session, Path(cfg.url_file))):
+            from handlers.daemon import FatalError
+
+            raise FatalError(f"a proxy of run {cfg.run} already serves at {other} ({cfg.url_file}); one proxy "
+                             "per run: start this one once that one has exited")
         state = ProxyState(cfg, tokenizer, session, bus)
         # Before serving: a restarted proxy goes on after its predecessor's seqs.
         if bus is not None and not await _resumed(state, bus, stop):
@@ -935,6 +941,17 @@ async def run(cfg: Config, stop: asyncio.Event,
             gc.set_threshold(*thresholds)
             gc.unfreeze()
         log.info("proxy.stopped")
+
+
+async def _serving_proxy(session: Any, url_file: Path, timeout_s: float = 2.0) -> str | None:
+    """The URL in `url_file` when a proxy answers `/health` there, else None (no file, a
+    proxy that has exited, anything else)."""
+    try:
+        url = orjson.loads(url_file.read_bytes())["url"]
+        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            return url if resp.status == 200 else None
+    except Exception:  # noqa: BLE001 - nothing serves there
+        return None
 
 
 async def _resumed(state: ProxyState, bus: Any, stop: asyncio.Event) -> bool:

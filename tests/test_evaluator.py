@@ -153,6 +153,7 @@ async def test_evaluator_over_the_bus(nats_server, run_id, base):
         assert e1.outcome == "reward" and 0.0 < e1.reward < 1.0  # floor division breaks the "/" tests
         assert (e2.outcome, e2.reward) == ("placeholder", 0.0)
         assert (e3.outcome, e3.reward) == ("excluded", None)
+        assert not (base / "run" / "eval" / "s0-g0-e0").exists()  # graded: its scratch folder is gone
 
         evaluator = Evaluator(broken_cfg, bus, broken_tasks)
         event = finished(run_id, "s0-g0-e4", "ok", str(good))

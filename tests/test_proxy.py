@@ -594,6 +594,31 @@ async def test_a_proxy_that_cannot_bind_leaves_the_processes_gc_as_it_was(tok, r
             gc.unfreeze()
 
 
+async def test_a_second_proxy_of_a_run_refuses_to_start_while_the_first_serves(tmp_path, tok, run_id):
+    """One proxy per run: a second one given the run's url file while the first answers
+    there exits with a clear error and leaves the file (the runner's harnesses read it)
+    alone; once the first has exited (the file is stale) it starts."""
+    from handlers.daemon import FatalError
+
+    url_file = tmp_path / "proxy.json"
+    cfg = Config(run=run_id, key_secret=SECRET, url_file=str(url_file), shutdown_grace_s=1.0)
+    stop_first, first_up = asyncio.Event(), asyncio.Event()
+    first = asyncio.create_task(run(cfg, stop_first, on_started=lambda state, url: first_up.set()))
+    await asyncio.wait_for(first_up.wait(), 30)
+    written = url_file.read_bytes()
+    with pytest.raises(FatalError, match="already serves at .* one proxy per run"):
+        await asyncio.wait_for(run(cfg, asyncio.Event()), 30)
+    assert url_file.read_bytes() == written
+    stop_first.set()
+    await asyncio.wait_for(first, 10)
+    stop_second, second_up = asyncio.Event(), asyncio.Event()
+    second = asyncio.create_task(run(cfg, stop_second, on_started=lambda state, url: second_up.set()))
+    await asyncio.wait_for(second_up.wait(), 30)
+    assert url_file.read_bytes() != written
+    stop_second.set()
+    await asyncio.wait_for(second, 10)
+
+
 def test_load_script(tmp_path):
     path = tmp_path / "script.jsonl"
     path.write_text('"plain"\n{"text": "<tool_call>\\n{}\\n</tool_call>"}\n\n')
