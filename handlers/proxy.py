@@ -811,7 +811,7 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    return web.json_response({"status": "ok", "run": request.app[STATE].cfg.run})
 
 
 async def root(request: web.Request) -> web.Response:
@@ -895,7 +895,7 @@ async def run(cfg: Config, stop: asyncio.Event,
         if bus is not None:
             await bus.ensure_streams()
         session = make_session()
-        if cfg.url_file and (other := await _serving_proxy(session, Path(cfg.url_file))):
+        if cfg.url_file and (other := await _serving_proxy(session, Path(cfg.url_file), cfg.run)):
             from handlers.daemon import FatalError
 
             raise FatalError(f"a proxy of run {cfg.run} already serves at {other} ({cfg.url_file}); one proxy "
@@ -943,14 +943,15 @@ async def run(cfg: Config, stop: asyncio.Event,
         log.info("proxy.stopped")
 
 
-async def _serving_proxy(session: Any, url_file: Path, timeout_s: float = 2.0) -> str | None:
-    """The URL in `url_file` when a proxy answers `/health` there, else None (no file, a
-    proxy that has exited, anything else)."""
+async def _serving_proxy(session: Any, url_file: Path, run: str, timeout_s: float = 2.0) -> str | None:
+    """The URL in `url_file` when a proxy of `run` answers `/health` there, else None (no
+    file, a proxy that has exited, something else on that port now)."""
     try:
         url = orjson.loads(url_file.read_bytes())["url"]
         async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            return url if resp.status == 200 else None
-    except Exception:  # noqa: BLE001 - nothing serves there
+            body = await resp.json(content_type=None)
+        return url if resp.status == 200 and isinstance(body, dict) and body.get("run") == run else None
+    except Exception:  # noqa: BLE001 - nothing of ours serves there
         return None
 
 

@@ -266,7 +266,7 @@ async def test_errors_auth_and_plain_endpoints(stack):
         async with http.head(url + "/") as r:
             assert r.status == 200
         async with http.get(url + "/health") as r:
-            assert r.status == 200
+            assert r.status == 200 and (await r.json())["run"] == stack.run_id
         async with http.get(url + "/v1/nope", headers={"x-api-key": key}) as r:
             assert r.status == 404 and "error" in await r.json()
     client = stack.client("ex3")
@@ -609,6 +609,15 @@ async def test_a_second_proxy_of_a_run_refuses_to_start_while_the_first_serves(t
     with pytest.raises(FatalError, match="already serves at .* one proxy per run"):
         await asyncio.wait_for(run(cfg, asyncio.Event()), 30)
     assert url_file.read_bytes() == written
+    # Another run's proxy at that URL (its port reused): not this run's, so no refusal.
+    other_file = tmp_path / "other.json"
+    other_file.write_bytes(written)
+    other_cfg = Config(run=run_id + "x", key_secret=SECRET, url_file=str(other_file), shutdown_grace_s=1.0)
+    stop_other, other_up = asyncio.Event(), asyncio.Event()
+    other = asyncio.create_task(run(other_cfg, stop_other, on_started=lambda state, url: other_up.set()))
+    await asyncio.wait_for(other_up.wait(), 30)
+    stop_other.set()
+    await asyncio.wait_for(other, 10)
     stop_first.set()
     await asyncio.wait_for(first, 10)
     stop_second, second_up = asyncio.Event(), asyncio.Event()
