@@ -251,17 +251,17 @@ class Bus:
                 w.cancel()
             if pending:
                 log.warning("bus.close.handlers_unfinished", loops=len(pending))
-        if not self.nc.is_connected:  # the server is gone (reconnecting): nothing to drain
-            try:
-                await self.nc.close()
-            except (RuntimeError, OSError) as exc:  # nats-py flushes pending bytes into the dead transport
-                log.info("bus.close.transport_gone", error=repr(exc))
-            return
         try:
-            await self.nc.drain()
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
-                nats.errors.DrainTimeoutError):
-            await self.nc.close()
+            if self.nc.is_connected:
+                try:
+                    await self.nc.drain()
+                    return
+                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
+                        nats.errors.DrainTimeoutError):
+                    pass
+            await self.nc.close()  # the server is gone (reconnecting): nothing to drain
+        except (RuntimeError, OSError) as exc:  # nats-py flushes pending bytes into a dead transport,
+            log.info("bus.close.transport_gone", error=repr(exc))  # which uvloop refuses
 
     # ---- declarations -------------------------------------------------------------------
 

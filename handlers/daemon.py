@@ -223,13 +223,16 @@ def run_async(main: Awaitable[object]) -> object:
 
 
 def install_signals(stop: asyncio.Event) -> None:
-    """SIGTERM/SIGINT set `stop`; a second signal exits at once with 128 + its number."""
+    """SIGTERM/SIGINT set `stop`; a second signal exits at once with 128 + its number (a
+    stop set otherwise, e.g. because the run ended, still lets the first one wait)."""
     loop = asyncio.get_running_loop()
+    signalled = []
 
     def _on_signal(signum: int) -> None:
-        if stop.is_set():
+        if signalled:
             log.warning("daemon.signal.forced", signal=signum)
             os._exit(128 + signum)
+        signalled.append(signum)
         log.info("daemon.signal", signal=signum)
         stop.set()
 
@@ -238,9 +241,9 @@ def install_signals(stop: asyncio.Event) -> None:
 
 
 async def _stop_when_run_ends(ctx: RunContext, stop: asyncio.Event, every_s: float = 1.0) -> None:
-    """Set `stop` once the `gyre run` owning ctx's run has ended (its private NATS server
-    went with it): a daemon joined with `--run-dir` then stops instead of retrying a dead
-    server forever."""
+    """Set `stop` once the `gyre run` owning ctx's run has ended: a daemon joined with
+    `--run-dir` to a run on its private NATS server then stops instead of serving a run that
+    is over (retrying its server every second once that stopped too)."""
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), every_s)

@@ -233,6 +233,7 @@ async def run(cfg: Config, stop: asyncio.Event) -> None:
     finally:
         await bus.close()
 
+
 def _remove_scratch(scratch: Path) -> None:
     """Remove a graded attempt's copy, and the execution's folder once nothing else is in it
     (a failed attempt's copy stays for a look)."""
@@ -250,4 +251,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-

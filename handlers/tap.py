@@ -81,7 +81,9 @@ async def _tap(url: str, token: str | None, run: str | None, pattern: str, width
         try:
             print(summarise(subj, data, width=width), flush=True)
         except BrokenPipeError:  # the reader went away (`gyre tap | head`): stop, quietly
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # no error at exit's flush
+            os.close(devnull)
             stop.set()
 
     try:
