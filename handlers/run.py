@@ -67,6 +67,7 @@ class Progress:
         self.rewards: dict[int, dict[str, float]] = {}
         self.excluded: set[str] = set()
         self.calls = 0
+        self.calling: set[str] = set()  # executions with at least one recorded call
         self.calls_by_version: dict[int, int] = {}
         self.completed: dict[int, schemas.StepCompleted] = {}
         self.sealed: dict[int, schemas.StepSealed] = {}
@@ -105,6 +106,7 @@ class Progress:
                        reward=event.reward, reason=event.reason)
         elif isinstance(event, schemas.CallCompleted):
             self.calls += 1
+            self.calling.add(event.execution)
             for _s, _e, v in event.versions:
                 self.calls_by_version[v] = self.calls_by_version.get(v, 0) + 1
         elif isinstance(event, schemas.StepSealed):
@@ -139,6 +141,7 @@ class Progress:
             "executions": len(self.finished),
             "executions_by_status": {s: list(self.finished.values()).count(s) for s in set(self.finished.values())},
             "excluded": len(self.excluded),
+            "executions_without_calls": len(self.finished.keys() - self.calling),
             "calls": self.calls,
             "calls_by_policy_version": {str(k): v for k, v in sorted(self.calls_by_version.items())},
             "tokens_trained": sum(self.completed[k].tokens for k in steps),
@@ -164,6 +167,10 @@ def _print_summary(s: dict) -> None:
     print(f"policy version   {s['policy_version']}")
     print(f"wall             {s['wall_s']} s")
     failed = {k: v for k, v in s["executions_by_status"].items() if k != "ok"}
+    if s.get("executions_without_calls"):
+        print(f"note             {s['executions_without_calls']} of {s['executions']} executions made no model "
+              f"call (scored, never trained):\n                 did their harness reach the proxy? See "
+              f"runs/{s['run']}/logs/executions/")
     if failed:
         print(f"note             executions that did not finish ok: {failed}; their reasons are in\n"
               f"                 runs/{s['run']}/logs/runner.log and logs/executions/")

@@ -82,7 +82,7 @@ def test_toy_loop_end_to_end(tmp_path, nats_server):
                 "grad_norm_per_step", "policy_version", "rewards_per_step"):
         assert key in summary, key
     assert summary["steps"] == 2 and summary["policy_version"] == 2
-    assert summary["executions"] == 16
+    assert summary["executions"] == 16 and summary["executions_without_calls"] == 0
     # Rewards differed inside at least one group, so the first step has a gradient.
     assert summary["grad_norm_per_step"][0] > 0
     assert summary["tokens_trained"] > 0

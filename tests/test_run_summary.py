@@ -1,0 +1,34 @@
+"""`gyre run`'s summary counts what a user needs to notice a broken run."""
+from __future__ import annotations
+
+import schemas
+from gyre.config import load_recipe
+from handlers.run import Progress, _print_summary
+
+
+def _finished(execution: str) -> schemas.ExecutionFinished:
+    info = schemas.ExecutionInfo(execution=execution, task="t", group="s0-g0", step=0, harness="toy",
+                                 group_size=2, step_groups=1)
+    return schemas.ExecutionFinished(event_id=f"r:{execution}:finished", info=info, status="ok",
+                                     workspace="/nonexistent", exit_code=1, duration_s=0.5)
+
+
+def _call(execution: str) -> schemas.CallCompleted:
+    return schemas.CallCompleted(event_id=f"r:{execution}:call:0", call=f"{execution}:0", execution=execution, seq=0,
+                                 parent_call=None, prefix_len=0, tokens=schemas.CallTokens(),
+                                 sampling=schemas.SamplingParams(), finish_reason="stop", versions=(), cell="c",
+                                 role="main", api="chat", status="ok", timings={}, drift=0, meta={})
+
+
+async def test_executions_that_never_called_the_model_are_counted_and_named(tmp_path, capsys):
+    """A harness that could not reach the proxy finishes `ok` (it ran) and scores 0: the
+    summary says how many executions made no call, so the run does not look healthy."""
+    progress = Progress(load_recipe("toy"), tmp_path / "metrics.jsonl")
+    for event in (_finished("s0-g0-e0"), _call("s0-g0-e0"), _finished("s0-g0-e1"), _finished("s0-g0-e2")):
+        await progress.on_event(event)
+    summary = {**progress.summary("r", 1.0), "outcome": "done"}
+    assert summary["executions_without_calls"] == 2 and summary["calls"] == 1
+    _print_summary(summary)
+    out = capsys.readouterr().out
+    assert "2 of 3 executions made no model call" in out and "runs/r/logs/executions/" in out
+    progress.metrics.close()
