@@ -79,10 +79,11 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
 Restarts: before serving, the proxy reads the ids of the run's stored `call.completed`
 events (headers only) and continues each execution's seq after its highest, so event
 ids never repeat; a restarted proxy's call stores are empty, so each execution's next
-call is a new root (its full prompt in the event). One proxy serves a run: a replacement
-started before the old one exited can reuse an id the old one publishes late, and
-JetStream drops that call (logged as `proxy.call.duplicate_id`). `max_calls` counts
-from 0 again after a restart.
+call is a new root (its full prompt in the event). One proxy serves a run: a proxy does
+not start while the proxy named in its url file answers `/health` for the same run; one
+started after the old one stopped listening but before its late publishes went out can
+reuse an id, and JetStream drops that call (logged as `proxy.call.duplicate_id`).
+`max_calls` counts from 0 again after a restart.
 
 Known limits: Anthropic `thinking: disabled` does
 not switch the template's thinking off; a stop string completed by the last token allowed
@@ -100,9 +101,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import aiohttp
 import orjson
 import structlog
-import aiohttp
 from aiohttp import web
 
 from gyre.chat import parse_completion
