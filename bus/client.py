@@ -455,10 +455,7 @@ class Bus:
         """
         groups: dict[str, list[str]] = {}
         for n in names:
-            spec = subjects.stream_for(n)
-            if spec.work_queue:
-                raise ValueError(f"cannot replay {n!r}: stream {spec.concern} is a work queue")
-            groups.setdefault(spec.concern, []).append(n)
+            groups.setdefault(_kept_stream(n, "replay").concern, []).append(n)
         done_events = {concern: asyncio.Event() for concern in groups}
         done = asyncio.Event()
         self._loops.add(done)
@@ -520,11 +517,7 @@ class Bus:
                     rlog.warning("bus.replay.restarting", next_seq=next_seq, error=repr(exc))
                     await asyncio.wait({stopped}, timeout=min(poll_s, 1.0))
                 finally:
-                    await _unsubscribe(sub)
-                    try:
-                        await self.js.delete_consumer(stream, info.name)
-                    except Exception:  # noqa: BLE001 - ephemeral: the server removes it anyway
-                        pass
+                    await self._drop_ephemeral(sub, stream, info.name)
         finally:
             stopped.cancel()
 
@@ -537,10 +530,7 @@ class Bus:
         `call.completed` with inline tokens costs ~150 bytes here, not its ~10-250 KB).
         Raises ValueError for a name on a work-queue stream, nats errors when the server
         cannot be read (callers that must not go on without the ids let them propagate)."""
-        spec = subjects.stream_for(name)
-        if spec.work_queue:
-            raise ValueError(f"cannot list {name!r}: stream {spec.concern} is a work queue")
-        stream = spec.stream_name(self.run)
+        stream = _kept_stream(name, "list").stream_name(self.run)
         cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL,
                                  filter_subject=subjects.subject(self.run, name), headers_only=True,
                                  inactive_threshold=30.0, mem_storage=True)
@@ -559,12 +549,16 @@ class Bus:
                 out.extend(m.headers["Nats-Msg-Id"] for m in msgs if m.headers and "Nats-Msg-Id" in m.headers)
                 pending = msgs[-1].metadata.num_pending
         finally:
-            await _unsubscribe(sub)
-            try:
-                await self.js.delete_consumer(stream, info.name)
-            except Exception:  # noqa: BLE001 - ephemeral: the server removes it anyway
-                pass
+            await self._drop_ephemeral(sub, stream, info.name)
         return out
+
+    async def _drop_ephemeral(self, sub: Any, stream: str, consumer: str) -> None:
+        """Unsubscribe from and delete an ephemeral consumer of `stream`."""
+        await _unsubscribe(sub)
+        try:
+            await self.js.delete_consumer(stream, consumer)
+        except Exception:  # noqa: BLE001 - ephemeral: the server removes it anyway
+            pass
 
     async def tap(self, pattern: str | None, callback: Callable[[str, bytes], Awaitable[Any]]) -> Tap:
         """Core-NATS subscription: `await callback(subject, data)` for every message on `pattern`.
@@ -579,6 +573,15 @@ class Bus:
 
         sub = await self.nc.subscribe(pattern or subjects.run_wildcard(self.run), cb=on_msg)
         return Tap(sub)
+
+
+def _kept_stream(name: str, what: str) -> subjects.StreamSpec:
+    """The stream holding `name`'s history. Raises ValueError for a work-queue stream
+    (reading it would consume the events)."""
+    spec = subjects.stream_for(name)
+    if spec.work_queue:
+        raise ValueError(f"cannot {what} {name!r}: stream {spec.concern} is a work queue")
+    return spec
 
 
 async def _replay_one(msg: Any, handler: Callable, rlog: Any) -> None:
