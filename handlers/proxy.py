@@ -167,6 +167,13 @@ def tokens_key(execution: str, seq: int) -> str:
     return f"calls/{execution}/{seq}"
 
 
+def _tokens_json(prompt_ids: Any, completion_ids: Any, logprobs: Any) -> bytes:
+    """A call's token arrays as the object store keeps them (`CallTokens` as JSON); each a
+    sequence or a 1-D numpy array."""
+    return orjson.dumps({"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs},
+                        option=orjson.OPT_SERIALIZE_NUMPY)
+
+
 class Outgoing(NamedTuple):
     """A `call.completed` to publish, and the JSON of its token arrays when they go to the
     object store under `event.tokens_ref` (None: inline, or moved there at publish time if
@@ -483,8 +490,7 @@ class ProxyState:
         logprobs = result.logprobs if result else []
         tokens_json = tokens_ref = None
         if TOKEN_JSON_BYTES * (len(prompt) + len(completion)) > self.cfg.object_threshold_bytes:
-            tokens_json = orjson.dumps({"prompt_ids": prompt, "completion_ids": completion, "logprobs": logprobs},
-                                       option=orjson.OPT_SERIALIZE_NUMPY)
+            tokens_json = _tokens_json(prompt, completion, logprobs)
             if len(tokens_json) > self.cfg.object_threshold_bytes:
                 tokens_ref = tokens_key(execution, seq)
             else:
@@ -525,8 +531,7 @@ class ProxyState:
                 data = encode(event)
                 if tokens_json is None and len(data) > self.cfg.object_threshold_bytes:
                     t = event.tokens  # inline arrays whose event is still too large with the rest
-                    tokens_json = orjson.dumps({"prompt_ids": t.prompt_ids, "completion_ids": t.completion_ids,
-                                                "logprobs": t.logprobs})
+                    tokens_json = _tokens_json(t.prompt_ids, t.completion_ids, t.logprobs)
                     event = dataclasses.replace(event, tokens=CallTokens(),
                                                 tokens_ref=tokens_key(event.execution, event.seq))
                     data = encode(event)
