@@ -240,17 +240,19 @@ def install_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, _on_signal, sig)
 
 
-async def _stop_when_run_ends(ctx: RunContext, stop: asyncio.Event, every_s: float = 1.0) -> None:
-    """Set `stop` once the `gyre run` owning ctx's run has ended: a daemon joined with
-    `--run-dir` to a run on its private NATS server then stops instead of serving a run that
-    is over (retrying its server every second once that stopped too)."""
+async def stop_when_run_ends(owner: dict, stop: asyncio.Event, on_end: Callable[[], None],
+                             every_s: float = 1.0) -> None:
+    """Call `on_end` and set `stop` once the `gyre run` identified by `owner` (nats.json,
+    `run_owner_alive`) has ended, checking every `every_s` seconds: a daemon or tap joined
+    with `--run-dir` to a run on its private NATS server then stops instead of following a
+    run that is over (retrying its server every second once that stopped too)."""
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), every_s)
         except asyncio.TimeoutError:
             pass
-        if not stop.is_set() and not run_owner_alive(ctx.owner):
-            log.warning("daemon.run.ended", error=ended_run_message(ctx.run_dir, ctx.owner))
+        if not stop.is_set() and not run_owner_alive(owner):
+            on_end()
             stop.set()
 
 
@@ -289,7 +291,8 @@ def daemon_main(name: str, description: str,
         install_signals(stop)
         watcher = None
         if ctx.owner is not None:
-            watcher = asyncio.create_task(_stop_when_run_ends(ctx, stop))
+            watcher = asyncio.create_task(stop_when_run_ends(ctx.owner, stop, lambda: log.warning(
+                "daemon.run.ended", error=ended_run_message(ctx.run_dir, ctx.owner))))
         try:
             await run(cfg, stop)
         finally:

@@ -17,7 +17,8 @@ import orjson
 
 from bus import Bus, BusConfig, ConnectError
 from bus.subjects import PREFIX, name_of, run_of
-from handlers.daemon import ended_run_message, install_signals, read_nats_info, run_owner_alive
+from handlers.daemon import (ended_run_message, install_signals, read_nats_info, run_owner_alive,
+                             stop_when_run_ends)
 from handlers.run import runs_root
 
 _ARRAYS = ("prompt_ids", "completion_ids", "logprobs")
@@ -86,17 +87,16 @@ async def _tap(url: str, token: str | None, run: str | None, pattern: str, width
             os.close(devnull)
             stop.set()
 
+    watcher = None
     try:
         await bus.tap(subject, show)
-        while not stop.is_set():
-            if owner is not None and not run_owner_alive(owner):
-                print("gyre tap: the run has ended", file=sys.stderr, flush=True)
-                break
-            try:
-                await asyncio.wait_for(stop.wait(), 1.0)
-            except asyncio.TimeoutError:
-                pass
+        if owner is not None:
+            watcher = asyncio.create_task(stop_when_run_ends(
+                owner, stop, lambda: print("gyre tap: the run has ended", file=sys.stderr, flush=True)))
+        await stop.wait()
     finally:
+        if watcher is not None:
+            watcher.cancel()
         await bus.close()
 
 
