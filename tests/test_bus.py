@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import sys
+import time
 
 import nats
 import nats.errors
@@ -160,6 +163,46 @@ def test_close_after_the_server_went_away_does_not_raise_under_uvloop(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                          cwd=str(Path(__file__).resolve().parents[1]))
     assert out.returncode == 0 and "closed True" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_server_goes_when_the_process_that_started_it_is_killed(tmp_path):
+    """A `gyre run` killed with SIGKILL runs no cleanup; its private server used to run on."""
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import time
+        from bus.server import NatsServer
+        srv = NatsServer.start({str(tmp_path / "nats")!r})
+        print(srv.process.pid, flush=True)
+        time.sleep(120)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              cwd=str(Path(__file__).resolve().parents[1]))
+    server_pid = None
+    try:
+        server_pid = int(parent.stdout.readline())
+        assert _alive(server_pid)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(server_pid), "nats-server outlived the process that started it"
+    finally:
+        parent.kill()
+        parent.stdout.close()
+        if server_pid is not None and _alive(server_pid):
+            os.kill(server_pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Running and not a zombie (the server's parent, init, may not have reaped it yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 # ---- publishing ---------------------------------------------------------------------------
