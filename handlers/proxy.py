@@ -83,7 +83,8 @@ call is a new root (its full prompt in the event). One proxy serves a run: a pro
 not start while the proxy named in its url file answers `/health` for the same run; one
 started after the old one stopped listening but before its late publishes went out can
 reuse an id, and JetStream drops that call (logged as `proxy.call.duplicate_id`).
-`max_calls` counts from 0 again after a restart.
+After a restart `max_calls` counts each execution's stored calls as started (its
+count_tokens calls included: the ids do not tell them apart, so the cap errs low).
 
 Known limits: Anthropic `thinking: disabled` does
 not switch the template's thinking off; a stop string completed by the last token allowed
@@ -416,7 +417,10 @@ class ProxyState:
         (`<run>:<execution>:call:<seq>`) stored by an earlier proxy of this run, so a
         restarted proxy's events never reuse an id (JetStream would drop them as duplicates
         within its window; after it, two calls would share a call id). Returns the number
-        of executions resumed. Ids of other runs or shapes are ignored."""
+        of executions resumed. Ids of other runs or shapes are ignored. Each resumed
+        execution's started model calls (`max_calls`) count as next_seq: the ids do not tell
+        count_tokens calls apart, so the cap errs low rather than letting a runaway harness
+        start over."""
         head = f"{self.cfg.run}:"
         resumed = set()
         for event_id in event_ids:
@@ -425,6 +429,7 @@ class ProxyState:
                 continue
             ex = self.executions.setdefault(execution, _Execution(store=None))
             ex.next_seq = max(ex.next_seq, int(seq) + 1)
+            ex.model_calls = max(ex.model_calls, ex.next_seq)
             resumed.add(execution)
         return len(resumed)
 

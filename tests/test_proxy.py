@@ -471,6 +471,38 @@ async def test_a_restarted_proxy_goes_on_after_its_predecessors_seqs(tmp_path, t
     assert late.parent_call is None and late.call == "exA:2"
 
 
+async def test_max_calls_holds_across_a_proxy_restart(tmp_path, tok, nats_server, run_id, bus):
+    """A restarted proxy must not give a runaway execution a fresh `max_calls` allowance."""
+    engine = ScriptedEngine(tok, ["one", "two", "three"])
+    await engine.start()
+    cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
+                 engine_url=engine.url, shutdown_grace_s=5.0, max_calls=2)
+
+    async def serve(calls: list[str]) -> list[str]:
+        stop, started, urls, out = asyncio.Event(), asyncio.Event(), [], []
+        task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: (urls.append(url), started.set())))
+        try:
+            await asyncio.wait_for(started.wait(), 30)
+            for execution in calls:
+                async with openai.AsyncOpenAI(base_url=urls[0] + "/v1", api_key=execution_key(SECRET, execution),
+                                              max_retries=0) as client:
+                    try:
+                        await client.chat.completions.create(model="m", messages=[TASK])
+                        out.append("ok")
+                    except openai.BadRequestError as exc:
+                        out.append(exc.body["code"] if isinstance(exc.body, dict) else str(exc.body))
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 20)
+        return out
+
+    try:
+        assert await serve(["exA", "exA"]) == ["ok", "ok"]
+        assert await serve(["exA", "exB"]) == ["max_calls_exceeded", "ok"]
+    finally:
+        await engine.stop()
+
+
 async def _stored_calls(bus, run_id: str, n: int) -> None:
     sem = asyncio.Semaphore(256)
 
