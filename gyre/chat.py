@@ -211,7 +211,8 @@ def _tool_call(body: str, call_id: str) -> ToolCall | None:
     """A ToolCall from a <tool_call> body, or None when the body is not a valid call:
     not JSON (NaN, Infinity and overflowing numbers included, which Python's json reads
     but JSON cannot carry), no name, arguments not an object or nested deeper than
-    TOOL_ARGS_DEPTH."""
+    TOOL_ARGS_DEPTH, or a name or arguments holding an unpaired surrogate (`"\\ud800"`:
+    Python's json reads the escape, but no UTF-8 answer can carry the character)."""
     try:
         obj = _loads(body)
     except (ValueError, RecursionError):
@@ -229,7 +230,13 @@ def _tool_call(body: str, call_id: str) -> ToolCall | None:
             return None
     if not isinstance(args, dict) or not _depth_ok(args):
         return None
-    return ToolCall(id=call_id, name=name, arguments=_DUMPS(args))
+    arguments = _DUMPS(args)
+    try:
+        name.encode()
+        arguments.encode()
+    except UnicodeEncodeError:
+        return None
+    return ToolCall(id=call_id, name=name, arguments=arguments)
 
 
 def parse_completion(text: str, *, id_prefix: str = "call") -> Parsed:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -232,6 +233,13 @@ def test_parse_malformed_tool_calls_stay_text():
     p = parse_completion(mixed, id_prefix="p")
     assert p.tool_calls == (ToolCall(id="p_0", name="a", arguments="{}"),)
     assert p.content == "<tool_call>{oops}</tool_call>"
+    # An unpaired surrogate escape: Python's json reads it, no UTF-8 answer carries it (was a 500).
+    for body in ['{"name": "bash", "arguments": {"command": "echo \\ud800"}}',
+                 '{"name": "bash", "arguments": "{\\"c\\": \\"\\\\udc00\\"}"}',
+                 '{"name": "b\\ud800", "arguments": {}}']:
+        text = f"<tool_call>{body}</tool_call>"
+        assert parse_completion(text) == Parsed(content=text, reasoning=None, tool_calls=()), body
+        orjson.dumps(parse_completion(text).content)
 
 
 def test_parse_then_render_reproduces_canonical_output(tok):
