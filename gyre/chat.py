@@ -57,10 +57,31 @@ def call_id_prefix(key: str) -> str:
     return "call_" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:24]
 
 
-def content_text(content: Any, where: str = "content") -> str:
-    """Flatten message content (None, str, or a list of text parts) into one string.
+MEDIA_PLACEHOLDERS = {"image_url": "[image]", "input_audio": "[audio]"}
+"""What the policy sees for a Chat Completions media part (it reads text only); the
+Responses and Messages parsers give their image, audio and file parts the same."""
 
-    Errors: `ValueError` for a non-text part or an unsupported content type.
+
+def _media_text(part: Mapping) -> str | None:
+    """A non-text part's text (a placeholder; a refusal's own text), or None when unknown."""
+    kind = part.get("type")
+    if kind in MEDIA_PLACEHOLDERS:
+        return MEDIA_PLACEHOLDERS[kind]
+    if kind == "file":
+        file = part.get("file")
+        name = file.get("filename") if isinstance(file, Mapping) else None
+        return f"[file {name}]" if isinstance(name, str) and name else "[file]"
+    if kind == "refusal" and isinstance(part.get("refusal"), str):
+        return part["refusal"]
+    return None
+
+
+def content_text(content: Any, where: str = "content") -> str:
+    """Flatten message content (None, str, or a list of parts) into one string: text parts
+    as they are, images, audio and files as placeholders (`MEDIA_PLACEHOLDERS`), a
+    refusal part as its text.
+
+    Errors: `ValueError` for a part of another type or an unsupported content type.
     """
     if content is None:
         return ""
@@ -76,9 +97,12 @@ def content_text(content: Any, where: str = "content") -> str:
                 if not isinstance(text, str):
                     raise ValueError(f"{where}[{i}].text must be a string, got {type(text).__name__}")
                 out.append(text)
+            elif isinstance(part, Mapping) and (media := _media_text(part)) is not None:
+                out.append(media)
             else:
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                raise ValueError(f"{where}[{i}] has unsupported part type {kind!r}; only text parts")
+                raise ValueError(f"{where}[{i}] has unsupported part type {kind!r}; only text, image_url, "
+                                 "input_audio, file and refusal parts")
         return "".join(out)
     raise ValueError(f"{where} must be a string or a list of text parts, got {type(content).__name__}")
 

@@ -173,11 +173,23 @@ def test_roles_system_placement_and_generation_prompt(tok):
     assert no_think.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
+def test_media_parts_become_placeholders(tok):
+    """The policy reads text: a screenshot must not fail the call (a 400 is not retried)."""
+    content = [{"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,x"}},
+               {"type": "input_audio", "input_audio": {"data": "x", "format": "wav"}},
+               {"type": "file", "file": {"filename": "a.pdf", "file_data": "x"}}, {"type": "file", "file": {}}]
+    assert render(tok, [{"role": "user", "content": content}], add_generation_prompt=False) == \
+        "<|im_start|>user\nLook: [image][audio][file a.pdf][file]<|im_end|>\n"
+    refused = [{"type": "refusal", "refusal": "I cannot help with that."}]
+    assert "I cannot help with that." in render(tok, [{"role": "user", "content": "x"},
+                                                       {"role": "assistant", "content": refused}])
+
+
 def test_invalid_messages_raise_value_error(tok):
     with pytest.raises(ValueError, match=r"messages\[0\]\.role"):
         render(tok, [{"role": "robot", "content": "x"}])
-    with pytest.raises(ValueError, match="image_url"):
-        render(tok, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(ValueError, match="video_url"):
+        render(tok, [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}])
     with pytest.raises(ValueError, match=r"tool_calls\[0\]"):
         render(tok, [{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}])
 
