@@ -4,7 +4,7 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
 - Routes: `POST /v1/chat/completions` and `POST /v1/responses` (OpenAI shapes,
   handlers/proxy_openai.py), `POST /v1/messages` and `POST /v1/messages/count_tokens`
   (Anthropic shapes, handlers/proxy_anthropic.py; a `?beta=true` query is ignored), the
-  same without `/v1`, `GET /v1/models`, `GET /health`, `GET|HEAD /`. Any model name is
+  same without `/v1`, `GET /v1/models` (and `/v1/models/{id}`, any id), `GET /health`, `GET|HEAD /`. Any model name is
   accepted; unknown fields and `anthropic-beta` flags are ignored. Sampling:
   `temperature`/`top_p`/`top_k` honoured and recorded (Config defaults when absent), the
   completion cap (`max_tokens`, `max_completion_tokens`, `max_output_tokens`) clamped to
@@ -807,18 +807,33 @@ async def count_tokens(request: web.Request) -> web.Response:
     return web.json_response({"input_tokens": len(match.prompt_ids)})
 
 
+def _model_entry(name: str) -> dict:
+    """A model object both OpenAI's (`id`, `object`, `created`, `owned_by`) and Anthropic's
+    (`id`, `type`, `display_name`, `created_at`) SDKs read."""
+    return {"id": name, "object": "model", "type": "model", "display_name": name, "created": 0,
+            "created_at": "1970-01-01T00:00:00Z", "owned_by": "gyre"}
+
+
 async def models(request: web.Request) -> web.Response:
-    """The one model, in a shape both OpenAI's and Anthropic's SDKs read."""
+    """The one model (`GET /v1/models`)."""
     state: ProxyState = request.app[STATE]
     try:
         authenticate(state, request)
     except ApiError as err:
         return error_response(_api_of(request), err)
     name = state.cfg.model_name
-    return web.json_response({"object": "list", "data": [
-        {"id": name, "object": "model", "type": "model", "display_name": name, "created": 0,
-         "created_at": "1970-01-01T00:00:00Z", "owned_by": "gyre"}], "has_more": False, "first_id": name,
-        "last_id": name})
+    return web.json_response({"object": "list", "data": [_model_entry(name)], "has_more": False, "first_id": name,
+                              "last_id": name})
+
+
+async def model(request: web.Request) -> web.Response:
+    """`GET /v1/models/{id}`: any name, as every call accepts any model name (it is served
+    by the policy)."""
+    try:
+        authenticate(request.app[STATE], request)
+    except ApiError as err:
+        return error_response(_api_of(request), err)
+    return web.json_response(_model_entry(request.match_info["model"]))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -858,6 +873,7 @@ def make_app(state: ProxyState) -> web.Application:
         app.router.add_post(prefix + "/messages", messages)
         app.router.add_post(prefix + "/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/health", health)
     app.router.add_get("/", root)
     app.router.add_route("*", "/{tail:.*}", not_found)

@@ -15,7 +15,10 @@ chat messages: `message` items (roles user/assistant/system/developer → system
 {call_id, output} → a tool message, `custom_tool_call`/`_output` likewise (input as
 `{"input": …}`), `reasoning` and unknown items dropped. Only `function` tools are rendered;
 `namespace`, `web_search`, `custom`, … are tolerated. `max_output_tokens`,
-`temperature`, `top_p`. Answers: output items `reasoning` (summary text), `message`
+`temperature`, `top_p`. The proxy stores no responses or conversations: a request naming
+`previous_response_id` or `conversation` is refused (400, `previous_response_not_found`
+as the hosted API answers an unknown id) rather than answered without the history it
+stands for. Answers: output items `reasoning` (summary text), `message`
 (one `output_text` part) and `function_call` (ids `fc_…`, call ids `call_…`); a stream is
 `response.created`, `response.in_progress`, per item `response.output_item.added`,
 (`response.content_part.added`, `response.output_text.delta`…, `response.output_text.done`,
@@ -230,6 +233,14 @@ def parse_responses_request(body: Any, defaults: SamplingParams, memo: Any = Non
     grouped across items, not converted one by one. Raises ApiError(400)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    for field, what in (("previous_response_id", "Previous response"), ("conversation", "Conversation")):
+        ref = body.get(field)
+        if ref:
+            ref = ref.get("id") if isinstance(ref, dict) else ref
+            raise ApiError(400, f"{what} with id {str(ref)[:200]!r} not found: this proxy stores no responses or "
+                                "conversations; send the whole conversation as input (store: false, as Codex CLI does)",
+                           code="previous_response_not_found" if field == "previous_response_id" else None,
+                           param=field)
     messages = responses_messages(body)
     tools = responses_tools(body.get("tools"))
     sampling = parse_sampling(body, defaults, ("max_output_tokens",))

@@ -181,3 +181,27 @@ async def test_chat_stream_helper_parses_tool_calls(local, tok):  # noqa: F811
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
     (tc,) = choice.message.tool_calls
     assert tc.function.arguments == RAW_ARGS and json.loads(tc.function.arguments)["note"] == "café ✓"
+
+
+async def test_state_kept_server_side_is_refused_and_any_model_can_be_retrieved(local, tok):  # noqa: F811
+    """The proxy stores no responses: a `previous_response_id` (or `conversation`) would
+    otherwise be answered without the history it stands for and recorded as a new root."""
+    import anthropic
+    import openai
+
+    engine = await local.engine(["ok"])
+    await local.proxy(engine=engine)
+    client = local.client("ex5")
+    tail = [{"type": "function_call_output", "call_id": "call_1", "output": "a.txt"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.create(model="m", input=tail, previous_response_id="resp_abc")
+    assert refused.value.code == "previous_response_not_found" and refused.value.param == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.create(model="m", input=tail, conversation="conv_abc", stream=True)
+    assert refused.value.param == "conversation" and "conv_abc" in refused.value.message
+    assert engine.requests == [] and local.store("ex5").calls == []
+    assert (await client.models.retrieve("gpt-anything")).id == "gpt-anything"
+    assert (await local.anthropic("ex5").models.retrieve("claude-x")).id == "claude-x"
+    async with anthropic.AsyncAnthropic(base_url=local.url, api_key="nope", max_retries=0) as stranger:
+        with pytest.raises(anthropic.AuthenticationError):
+            await stranger.models.retrieve("claude-x")
