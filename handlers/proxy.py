@@ -114,7 +114,9 @@ from gyre.tito import CallStore, Match, Pending, Prepared
 from gyre.tokenizer import fast_decoder, fast_encoder
 from handlers.engine_client import ids_json, make_session
 from handlers.proxy_anthropic import MessagesApi, parse_messages_request
-from handlers.proxy_api import Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, internal_message
+from handlers.proxy_api import (
+    Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, context_exceeded, internal_message,
+)
 from handlers.proxy_http import Reply, error_response, key_of, read_json
 from handlers.proxy_openai import ChatApi, ResponsesApi, parse_chat_request, parse_responses_request
 from handlers.proxy_routing import Attempt, Dispatcher, EngineResult, Router
@@ -214,6 +216,13 @@ class Config:
     """Cap on a call's completion tokens, and the value when the request sets none."""
     max_calls: int = 0
     """Model calls one execution may start (count_tokens not counted); 0 = no cap."""
+    context_tokens: int = 0
+    """The policy's context window in tokens (prompt + completion). A prompt that fills it
+    is refused before it reaches an engine, with the API's own prompt-too-long error
+    (`proxy_api.context_exceeded`: harnesses compact on it); otherwise the completion cap
+    is at most the room left (an engine such as SGLang refuses prompt + max_new_tokens
+    beyond its context), and the call records that cap. 0 = not known here: an engine's
+    own refusal is answered the same way."""
     body_limit_bytes: int = 64 * 1024 * 1024
     """Largest request body, as sent and once decoded."""
     concurrency: int = 256
@@ -268,7 +277,7 @@ class Config:
                      "retry_after_s", "max_publishes_in_flight"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Config.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_calls", "max_active_calls", "max_active_calls_per_execution"):
+        for name in ("max_calls", "context_tokens", "max_active_calls", "max_active_calls_per_execution"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Config.{name} must be >= 0 (0 = no cap), got {getattr(self, name)}")
         if self.harness and self.harness not in PROFILES:
@@ -687,6 +696,9 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
     except BaseException:
         ex.model_calls -= 1
         raise
+    room = cfg.context_tokens - len(match.prompt_ids)
+    if cfg.context_tokens and 0 < room < req.sampling.max_tokens:  # the completion cap fits the context
+        req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_tokens=room))
     seq = ex.next_seq
     ex.next_seq += 1
     call_id = f"{execution}:{seq}"
@@ -703,8 +715,10 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
     try:
         await reply.start(start, api.preamble(start, req) if req.stream else [])
         try:
+            if cfg.context_tokens and len(prompt) >= cfg.context_tokens:
+                raise context_exceeded(len(prompt), cfg.context_tokens)
             result = await state.engines.generate(execution, orjson.Fragment(prompt_json), req.sampling, call_id,
-                                                  attempt)
+                                                  attempt, len(prompt))
         except ApiError as err:
             log.warning("proxy.call.failed", **ctx, status=err.status, error=err.message[:300])
             resp = await reply.fail(err)
@@ -997,11 +1011,14 @@ async def _resumed(state: ProxyState, bus: Any, stop: asyncio.Event) -> bool:
 
 
 def config_from_context(ctx: Any, args: Any) -> Config:
+    """The proxy of a run. Its context window is the recipe's `engine.max_context_tokens`
+    when the run's cells serve it; an engine given by `--engine-url` says its own."""
     r = ctx.recipe
     return Config(run=ctx.run, key_secret=ctx.key_secret, port=args.port, model_dir=str(ctx.model_dir),
                   nats_url=ctx.nats_url, nats_token=ctx.nats_token, engine_url=args.engine_url or "",
                   temperature=r.sampling.temperature, top_p=r.sampling.top_p, top_k=r.sampling.top_k,
                   max_completion_tokens=r.sampling.max_tokens, max_calls=r.harness.max_calls,
+                  context_tokens=0 if args.engine_url else r.engine.max_context_tokens,
                   url_file=str(ctx.run_dir / "proxy.json"))
 
 

@@ -54,6 +54,23 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def context_exceeded(prompt_tokens: int | None, limit: int | None, detail: str = "") -> ApiError:
+    """The 400 a prompt that leaves no room in the model's context gets, worded so that every
+    harness recognises it and compacts or shortens its conversation instead of failing:
+    Anthropic's "prompt is too long: N tokens > M maximum", OpenAI's "This model's maximum
+    context length is M tokens" with code `context_length_exceeded` (what Codex CLI and
+    litellm, hence mini-swe-agent, test for). `detail`: an engine's own words, appended."""
+    have = f"{prompt_tokens} tokens" if prompt_tokens is not None else "more tokens"
+    most = f"{limit} maximum" if limit is not None else "the engine's maximum"
+    message = f"prompt is too long: {have} > {most}."
+    if limit is not None:
+        message += f" This model's maximum context length is {limit} tokens"
+        message += f"; your messages resulted in {prompt_tokens} tokens." if prompt_tokens is not None else "."
+    if detail:
+        message += f" ({detail[:300]})"
+    return ApiError(400, message, code="context_length_exceeded", param="messages")
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ModelRequest:
     """A model call in the internal form, whatever API it arrived through.

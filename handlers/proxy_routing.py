@@ -14,14 +14,16 @@ import asyncio
 import dataclasses
 import math
 import operator
+import re
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+import orjson
 import structlog
 
 from handlers.engine_client import EngineClient, EngineRequestError, EngineUnavailable
-from handlers.proxy_api import ApiError, unique_hex
+from handlers.proxy_api import ApiError, context_exceeded, unique_hex
 from schemas.call import SamplingParams
 from schemas.cell import CellSwitched, RouteUpdated
 
@@ -163,6 +165,28 @@ def _take_back(task: asyncio.Task, attempt: Attempt) -> bool:
     attempt.cancel_owed = False
     task.uncancel()
     return True
+
+
+_ENGINE_LIMIT = re.compile(r"(?:max_context_tokens is|context length of|context length \()\s*(\d+)")
+_TOO_LONG = ("longer than the model's context length", "exceeds the model's maximum context length")
+
+
+def prompt_too_long(exc: EngineRequestError) -> tuple[int | None, str] | None:
+    """(the engine's context length if it says, its message) when `exc` refuses a prompt
+    longer than the context: gyre's engine (`PromptTooLong`), SGLang ("The input (N tokens)
+    is longer than the model's context length (M tokens).", and "Requested token count
+    exceeds the model's maximum context length of M tokens. …" when the prompt and
+    max_new_tokens together do); None for other refusals."""
+    if not 400 <= exc.status < 500:
+        return None
+    body = exc.body
+    error = body.get("error", body) if isinstance(body, dict) else body
+    kind = error.get("type") if isinstance(error, dict) else None
+    text = str(error.get("message", "")) if isinstance(error, dict) else str(error)
+    if kind != "PromptTooLong" and not any(phrase in text for phrase in _TOO_LONG):
+        return None
+    found = _ENGINE_LIMIT.search(text)
+    return (int(found.group(1)) if found else None), text
 
 
 GENERATE_GRACE_S = 600.0
@@ -337,13 +361,15 @@ class Dispatcher:
         return min(backoff * 2, self.retry_backoff_max_s)
 
     async def generate(self, execution: str, prompt_ids: Any, sampling: SamplingParams, call_id: str,
-                       attempt: Attempt) -> EngineResult:
+                       attempt: Attempt, prompt_tokens: int | None = None) -> EngineResult:
         """Run the call on an engine, waiting and retrying transparently (class docstring).
-        prompt_ids: (P,) int32, or their JSON array as an `orjson.Fragment`. attempt: filled
-        with the request in flight (for an abort upstream if the caller is cancelled).
+        prompt_ids: (P,) int32, or their JSON array as an `orjson.Fragment` (then
+        `prompt_tokens` = P, for error messages). attempt: filled with the request in flight
+        (for an abort upstream if the caller is cancelled).
 
         Raises ApiError(503) when no engine answered within retry_timeout_s, ApiError(400|502)
-        when the engine refused the request.
+        when the engine refused the request (`proxy_api.context_exceeded` when it refused a
+        prompt its context cannot hold).
         """
         t0 = time.monotonic()
         deadline = t0 + self.retry_timeout_s
@@ -391,6 +417,11 @@ class Dispatcher:
             except EngineRequestError as exc:
                 attempt.client = None
                 log.warning("proxy.engine.refused", **ctx, cell=cell, status=exc.status, body=str(exc.body)[:500])
+                too_long = prompt_too_long(exc)
+                if too_long is not None:
+                    if prompt_tokens is None and not isinstance(prompt_ids, orjson.Fragment):
+                        prompt_tokens = len(prompt_ids)
+                    raise context_exceeded(prompt_tokens, too_long[0], too_long[1]) from exc
                 status = 400 if 400 <= exc.status < 500 else 502
                 raise ApiError(status, f"the engine refused the request: {exc.body}",
                                "invalid_request_error" if status == 400 else "server_error",

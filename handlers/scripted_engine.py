@@ -20,6 +20,9 @@ same endpoints as `handlers/engine_server.py` (SGLang native API):
 - `GET /health`, `GET|POST /flush_cache`, `GET /get_model_info`, `GET /get_weight_version`,
   `POST /update_weights_from_disk` {model_path, weight_version?} (bumps the policy version).
 
+Context: with `context_length` set, a prompt of more ids than that, or one whose ids and
+`max_new_tokens` together exceed it, is refused (400) in SGLang's words and shape.
+
 Fault injection: `fail_next(n, status)` answers the next n `/generate` calls with
 `status` (503 = engine unavailable); `abort_next(n)` finishes them with `abort` (a cell
 leaving rollout); `delay_s` holds each generation that long (abortable).
@@ -71,11 +74,12 @@ class ScriptedEngine:
     completions: texts answered in turn (cycled); or callback(body) -> text.
     policy_version: version reported in `weight_version` and `gyre_versions`.
     delay_s: seconds each generation takes (polled for abort every 10 ms).
+    context_length: the model's context in tokens, as SGLang enforces it (0 = none).
     Attributes: `requests` (every /generate body received, in order), `aborted` (rids).
     """
 
     def __init__(self, tokenizer: Any, completions: Sequence[str] | None = None, callback: Callback | None = None,
-                 *, policy_version: int = 0, delay_s: float = 0.0, seed: int = 0):
+                 *, policy_version: int = 0, delay_s: float = 0.0, seed: int = 0, context_length: int = 0):
         if (completions is None) == (callback is None):
             raise ValueError("give exactly one of completions or callback")
         if completions is not None and not completions:
@@ -86,6 +90,7 @@ class ScriptedEngine:
         self.policy_version = policy_version
         self.delay_s = delay_s
         self.seed = seed
+        self.context_length = context_length
         self.requests: list[dict] = []
         self.aborted: set[str] = set()
         self._next = 0
@@ -113,6 +118,20 @@ class ScriptedEngine:
         self._next += 1
         return text
 
+    def _beyond_context(self, prompt_len: int, max_new: int) -> str:
+        """SGLang's refusal of a request its context cannot hold ('' when it fits)."""
+        n = self.context_length
+        if not n:
+            return ""
+        if prompt_len >= n:
+            return f"The input ({prompt_len} tokens) is longer than the model's context length ({n} tokens)."
+        if prompt_len + max_new > n:
+            return (f"Requested token count exceeds the model's maximum context length of {n} tokens. You requested "
+                    f"a total of {prompt_len + max_new} tokens: {prompt_len} tokens from the input messages and "
+                    f"{max_new} tokens for the completion. Please reduce the number of tokens in the input messages "
+                    "or the completion to fit within the limit.")
+        return ""
+
     def _logprobs(self, prompt_len: int, ids: Sequence[int]) -> list[float]:
         rng = random.Random(self.seed * 1_000_003 + prompt_len)
         return [round(-rng.expovariate(2.0) - 1e-4, 6) for _ in ids]
@@ -136,6 +155,9 @@ class ScriptedEngine:
             return web.json_response({"error": {"message": "scripted failure"}}, status=status)
         params = body.get("sampling_params") or {}
         max_new = int(params.get("max_new_tokens") or 128)
+        refused = self._beyond_context(len(body["input_ids"]), max_new)
+        if refused:
+            return web.json_response({"error": {"message": refused}}, status=400)
         text = await self._text(body)
         ids = [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]] + [IM_END]
         finish: dict[str, Any] = {"type": "stop", "matched": IM_END}

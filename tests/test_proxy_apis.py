@@ -471,3 +471,25 @@ async def test_profile_configured_per_execution_from_execution_started(local):
 def test_unique_ids():
     ids = [unique_hex() for _ in range(10_000)]
     assert len(set(ids)) == len(ids) and all(len(i) == 24 and int(i, 16) >= 0 for i in ids)
+
+
+def test_engine_refusals_of_a_long_prompt_are_recognised():
+    """gyre's engine and SGLang (both of its wordings) say a prompt does not fit; other
+    refusals and server errors are not read as that."""
+    from handlers.engine_client import EngineRequestError
+    from handlers.proxy_routing import prompt_too_long
+
+    def refusal(body, status=400):
+        return prompt_too_long(EngineRequestError("refused", status, body))
+
+    ours = {"error": {"message": "prompt has 409 tokens, max_context_tokens is 200", "type": "PromptTooLong"}}
+    assert refusal(ours) == (200, "prompt has 409 tokens, max_context_tokens is 200")
+    sglang = "The input (309 tokens) is longer than the model's context length (120 tokens)."
+    assert refusal({"error": {"message": sglang}}) == (120, sglang)
+    total = ("Requested token count exceeds the model's maximum context length of 32768 tokens. You requested a "
+             "total of 33000 tokens: 900 tokens from the input messages and 32100 tokens for the completion.")
+    assert refusal({"object": "error", "message": total, "type": "BadRequestError", "code": 400})[0] == 32768
+    assert refusal("The input is longer than the model's context length") == (None, "The input is longer than "
+                                                                                     "the model's context length")
+    assert refusal({"error": {"message": "input_ids must be a non-empty list"}}) is None
+    assert refusal({"error": {"message": sglang}}, status=500) is None

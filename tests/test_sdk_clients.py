@@ -205,3 +205,44 @@ async def test_state_kept_server_side_is_refused_and_any_model_can_be_retrieved(
     async with anthropic.AsyncAnthropic(base_url=local.url, api_key="nope", max_retries=0) as stranger:
         with pytest.raises(anthropic.AuthenticationError):
             await stranger.models.retrieve("claude-x")
+
+
+@pytest.mark.parametrize("known", [True, False], ids=["proxy_knows_the_context", "engine_refuses"])
+async def test_a_prompt_beyond_the_context_gets_each_apis_prompt_too_long_error(local, tok, known):  # noqa: F811
+    """Harnesses compact (Claude Code, Codex CLI) or stop cleanly (litellm's
+    ContextWindowExceededError, mini-swe-agent) only on the hosted APIs' wording and code;
+    the engine's refusal passed on as a generic 400 ended long rollouts instead."""
+    import anthropic
+    import openai
+    from litellm.litellm_core_utils.exception_mapping_utils import ExceptionCheckers
+
+    engine = await local.engine(["ok"], context_length=120)
+    await local.proxy(engine=engine, context_tokens=120 if known else 0)
+    client, claude = local.client("ex6"), local.anthropic("ex6")
+    long = [{"role": "user", "content": "word " * 300}]
+    with pytest.raises(openai.BadRequestError) as chat:
+        await client.chat.completions.create(model="m", messages=long)
+    assert chat.value.code == "context_length_exceeded" and chat.value.param == "messages"
+    assert ExceptionCheckers.is_error_str_context_window_exceeded(str(chat.value))
+    assert "This model's maximum context length is 120 tokens" in chat.value.message
+    with pytest.raises(openai.BadRequestError) as responses:
+        await client.responses.create(model="m", input="word " * 300, stream=True)
+    assert responses.value.code == "context_length_exceeded"
+    with pytest.raises(anthropic.BadRequestError) as messages:
+        await claude.messages.create(model="m", max_tokens=64000, messages=long, stream=True)
+    error = messages.value.body["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith("prompt is too long: ")
+    # A prompt that fits: the completion cap (64,000 asked, 4,096 the proxy's) is what room is left.
+    short = [{"role": "user", "content": "hi"}]
+    if known:
+        assert engine.requests == []  # refused before any engine
+        answer = await claude.messages.create(model="m", max_tokens=20000, messages=short)
+        assert answer.content[0].text == "ok"
+        sent = engine.requests[-1]
+        assert sent["sampling_params"]["max_new_tokens"] == 120 - len(sent["input_ids"])
+    else:  # not known here: the engine refuses prompt + cap beyond its context, answered the same way
+        assert len(engine.requests) == 3
+        with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):
+            await claude.messages.create(model="m", max_tokens=20000, messages=short)
+        answer = await claude.messages.create(model="m", max_tokens=10, messages=short)
+        assert answer.content[0].text == "ok"
