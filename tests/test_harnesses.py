@@ -322,6 +322,50 @@ async def test_harnesses_complete_their_task_through_the_proxy(tok, nats_server,
         await engine.stop()
 
 
+async def test_claude_code_compacts_when_the_proxy_says_its_prompt_is_too_long(tok, nats_server, run_id, run_dir):
+    """A rollout that outgrows the policy's context: the proxy answers Anthropic's "prompt is
+    too long" (context_tokens known, the engine enforcing the same context as SGLang does),
+    and Claude Code compacts and goes on to finish. With the engine's refusal passed on as a
+    generic 400 it exited 1 after four calls."""
+    wanted(["claude-code"])
+    context = 30_000  # Claude Code's system prompt and tools alone are ≈ 18.7k tokens
+    state = {"after_summary": 0}
+
+    def answer(body: dict) -> str:
+        text = tok.decode(body["input_ids"][-3000:], skip_special_tokens=False)
+        if COMPACT_MARK in text or "Respond with TEXT ONLY" in text:
+            state["after_summary"] = 0
+            return "<summary>1. Primary Request: print 1..600 with Bash, many times. 2. Pending: go on.</summary>"
+        if "Summary:" in tok.decode(body["input_ids"][:30000], skip_special_tokens=False):
+            state["after_summary"] += 1
+            if state["after_summary"] > 2:
+                return "Done: the numbers were printed."
+        return tool_call("Bash", {"command": "seq 1 600", "description": "print the numbers"})
+
+    engine = ScriptedEngine(tok, callback=answer, context_length=context)
+    await engine.start()
+    stack = Stack(tok, nats_server, run_id, run_dir)
+    try:
+        await stack.start(engine.url, context_tokens=context)
+        await stack.dispatch("claude", "claude-code", timeout_s=150.0, max_calls=40)
+        await stack.wait_finished(["claude"], 200.0)
+        done = stack.finished["claude"]
+        assert (done.status, done.exit_code) == ("ok", 0), f"{done.status} {done.exit_code}\n{stack.log('claude')}"
+        calls = await stack.recorded_calls("claude")
+        assert_recorded(stack, "claude", calls, statuses=("ok", "error"))
+        refused = [c for c in calls if c.status == "error"]
+        assert refused, [(c.seq, c.status, c.role) for c in calls]
+        assert [s for s in stack.statuses if s[2] >= 400] == [("POST", "/v1/messages", 400)] * len(refused)
+        roles = [c.role for c in calls if c.status == "ok"]
+        # the compaction request and the line continued after it are `main-summary` (gyre.roles)
+        assert roles[0] == "main" and roles[-1] == "main-summary" and len(roles) > roles.index("main-summary") + 1, \
+            roles
+        assert all(len(c.tokens.prompt_ids) + c.sampling.max_tokens <= context for c in calls if c.status == "ok")
+    finally:
+        await stack.close()
+        await engine.stop()
+
+
 async def test_harnesses_run_to_their_end_on_the_random_model(tok, nats_server, run_id, run_dir, tmp_path):
     from gyre.engine import Engine, EngineConfig
     from gyre.model import init_model
