@@ -87,7 +87,9 @@ After a restart `max_calls` counts each execution's stored calls as started (its
 count_tokens calls included: the ids do not tell them apart, so the cap errs low).
 
 Known limits: Anthropic `thinking: disabled` does
-not switch the template's thinking off; a stop string completed by the last token allowed
+not switch the template's thinking off; `tool_choice` and `parallel_tool_calls` are not
+acted on (the policy decides); a final assistant message (a prefill) is rendered as a
+finished turn; a stop string completed by the last token allowed
 is reported by SGLang as `length` (it checks the length first), so the answer then keeps it.
 """
 from __future__ import annotations
