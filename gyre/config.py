@@ -103,7 +103,9 @@ class SamplingSection:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class EngineSection:
-    max_context_tokens: int = 32768  # prompt + completion cap of the embedded engine
+    # prompt + completion window of the policy: the embedded engine's cap, and the proxy's (a prompt
+    # that leaves no room gets the API's prompt-too-long error; completions are capped at the room left)
+    max_context_tokens: int = 32768
 
     def __post_init__(self) -> None:
         _positive(self, "max_context_tokens")

@@ -117,7 +117,8 @@ from gyre.tokenizer import fast_decoder, fast_encoder
 from handlers.engine_client import ids_json, make_session
 from handlers.proxy_anthropic import MessagesApi, parse_messages_request
 from handlers.proxy_api import (
-    Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, context_exceeded, internal_message,
+    Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, completion_room, context_exceeded,
+    internal_message,
 )
 from handlers.proxy_http import Reply, error_response, key_of, read_json
 from handlers.proxy_openai import ChatApi, ResponsesApi, parse_chat_request, parse_responses_request
@@ -219,12 +220,14 @@ class Config:
     max_calls: int = 0
     """Model calls one execution may start (count_tokens not counted); 0 = no cap."""
     context_tokens: int = 0
-    """The policy's context window in tokens (prompt + completion). A prompt that fills it
-    is refused before it reaches an engine, with the API's own prompt-too-long error
-    (`proxy_api.context_exceeded`: harnesses compact on it); otherwise the completion cap
-    is at most the room left (an engine such as SGLang refuses prompt + max_new_tokens
-    beyond its context), and the call records that cap. 0 = not known here: an engine's
-    own refusal is answered the same way."""
+    """The policy's context window in tokens (prompt + completion). A prompt that leaves no
+    room in it (`proxy_api.completion_room`, SGLang's count) is refused before it reaches
+    an engine, with the API's own prompt-too-long error (`proxy_api.context_exceeded`:
+    harnesses compact on it); otherwise the completion cap is at most the room left (SGLang
+    refuses prompt + max_new_tokens beyond its context), and the call records that cap.
+    0 = not known yet: the first engine refusal that names the context teaches it
+    (`ProxyState.context_tokens`), and the refused call is retried with the cap when its
+    prompt fits."""
     body_limit_bytes: int = 64 * 1024 * 1024
     """Largest request body, as sent and once decoded."""
     concurrency: int = 256
@@ -376,6 +379,8 @@ class ProxyState:
         self.executions: dict[str, _Execution] = {}
         self.active = 0
         self.defaults = cfg.sampling_defaults()
+        self.context_tokens = cfg.context_tokens
+        """The context window in force (`Config.context_tokens`, or learnt from an engine)."""
         self.engines = Dispatcher(self.router, session, concurrency=cfg.concurrency,
                                   retry_timeout_s=cfg.retry_timeout_s, retry_backoff_s=cfg.retry_backoff_s,
                                   retry_backoff_max_s=cfg.retry_backoff_max_s, spawn=self.spawn)
@@ -443,6 +448,16 @@ class ProxyState:
             ex.model_calls = max(ex.model_calls, ex.next_seq)
             resumed.add(execution)
         return len(resumed)
+
+    def learn_context(self, err: ApiError) -> bool:
+        """Take the context length an engine's prompt-too-long refusal names, when it is news
+        (none known, or a smaller one). True when it was learnt."""
+        context = err.context if err.code == "context_length_exceeded" else None
+        if context is None or context < 2 or (self.context_tokens and context >= self.context_tokens):
+            return False
+        log.warning("proxy.context.learnt", context_tokens=context, was=self.context_tokens)
+        self.context_tokens = context
+        return True
 
     def execution(self, execution: str) -> _Execution:
         ex = self.executions.get(execution)
@@ -698,9 +713,7 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
     except BaseException:
         ex.model_calls -= 1
         raise
-    room = cfg.context_tokens - len(match.prompt_ids)
-    if cfg.context_tokens and 0 < room < req.sampling.max_tokens:  # the completion cap fits the context
-        req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_tokens=room))
+    req = _fit(req, len(match.prompt_ids), state.context_tokens)
     seq = ex.next_seq
     ex.next_seq += 1
     call_id = f"{execution}:{seq}"
@@ -717,10 +730,18 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
     try:
         await reply.start(start, api.preamble(start, req) if req.stream else [])
         try:
-            if cfg.context_tokens and len(prompt) >= cfg.context_tokens:
-                raise context_exceeded(len(prompt), cfg.context_tokens)
-            result = await state.engines.generate(execution, orjson.Fragment(prompt_json), req.sampling, call_id,
-                                                  attempt, len(prompt))
+            while True:
+                if state.context_tokens and completion_room(state.context_tokens, len(prompt)) < 1:
+                    raise context_exceeded(len(prompt), state.context_tokens)
+                try:
+                    result = await state.engines.generate(execution, orjson.Fragment(prompt_json), req.sampling,
+                                                          call_id, attempt, len(prompt))
+                    break
+                except ApiError as err:
+                    if not state.learn_context(err):
+                        raise
+                    req = _fit(req, len(prompt), state.context_tokens)  # and go again, capped (or refused)
+                    common["sampling"] = req.sampling
         except ApiError as err:
             log.warning("proxy.call.failed", **ctx, status=err.status, error=err.message[:300])
             resp = await reply.fail(err)
@@ -771,6 +792,16 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
                                          code="internal_error"))
     finally:
         await reply.stop_keepalive()
+
+
+def _fit(req: ModelRequest, prompt_tokens: int, context: int) -> ModelRequest:
+    """`req` with its completion cap at most the room a `context`-token window leaves
+    (`completion_room`; unchanged when the context is 0, not known, or the prompt does not
+    fit: that is refused before any engine)."""
+    room = completion_room(context, prompt_tokens) if context else 0
+    if 0 < room < req.sampling.max_tokens:
+        return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_tokens=room))
+    return req
 
 
 async def _abandon(state: ProxyState, attempt: Attempt, common: dict, result: EngineResult | None,

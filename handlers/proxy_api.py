@@ -36,7 +36,8 @@ class ApiError(Exception):
     status: HTTP status. type: OpenAI/Anthropic error type (`invalid_request_error`,
     `authentication_error`, `rate_limit_error`, `overloaded_error`, `server_error`, …).
     code/param: OpenAI's fields (Anthropic's shape drops them). headers: extra response
-    headers (e.g. `Retry-After` on 429).
+    headers (e.g. `Retry-After` on 429). context: the context length in tokens a
+    `context_length_exceeded` error names (None otherwise, or when not known).
     """
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
@@ -48,27 +49,39 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.headers = dict(headers or {})
+        self.context: int | None = None
 
     def body(self) -> dict:
         """OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def context_exceeded(prompt_tokens: int | None, limit: int | None, detail: str = "") -> ApiError:
-    """The 400 a prompt that leaves no room in the model's context gets, worded so that every
-    harness recognises it and compacts or shortens its conversation instead of failing:
-    Anthropic's "prompt is too long: N tokens > M maximum", OpenAI's "This model's maximum
-    context length is M tokens" with code `context_length_exceeded` (what Codex CLI and
-    litellm, hence mini-swe-agent, test for). `detail`: an engine's own words, appended."""
-    have = f"{prompt_tokens} tokens" if prompt_tokens is not None else "more tokens"
-    most = f"{limit} maximum" if limit is not None else "the engine's maximum"
-    message = f"prompt is too long: {have} > {most}."
-    if limit is not None:
-        message += f" This model's maximum context length is {limit} tokens"
+def completion_room(context: int, prompt_tokens: int) -> int:
+    """Completion tokens a prompt leaves in a `context`-token window, as SGLang counts it:
+    it refuses prompt + max_new_tokens >= its context length (`_validate_one_request`), so
+    one token of the window is never used. < 1: the prompt does not fit."""
+    return context - 1 - prompt_tokens
+
+
+def context_exceeded(prompt_tokens: int | None, context: int | None, detail: str = "") -> ApiError:
+    """The 400 a prompt that leaves no room in a `context`-token window gets (`completion_room`
+    < 1), worded so that every harness recognises it and compacts or shortens its
+    conversation instead of failing: Anthropic's "prompt is too long: N tokens > M maximum"
+    (M = the longest prompt that fits, context − 2), OpenAI's "This model's maximum context
+    length is C tokens" with code `context_length_exceeded` (what Codex CLI and litellm, hence
+    mini-swe-agent, test for). `detail`: an engine's own words, appended. The error's
+    `context` is `context`."""
+    if context is not None:
+        message = f"prompt is too long: {prompt_tokens if prompt_tokens is not None else 'more'} tokens > " \
+                  f"{context - 2} maximum. This model's maximum context length is {context} tokens"
         message += f"; your messages resulted in {prompt_tokens} tokens." if prompt_tokens is not None else "."
+    else:
+        message = "prompt is too long for the engine's context."
     if detail:
         message += f" ({detail[:300]})"
-    return ApiError(400, message, code="context_length_exceeded", param="messages")
+    err = ApiError(400, message, code="context_length_exceeded", param="messages")
+    err.context = context
+    return err
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

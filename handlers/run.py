@@ -68,6 +68,8 @@ class Progress:
         self.excluded: set[str] = set()
         self.calls = 0
         self.calling: set[str] = set()  # executions with at least one recorded call
+        self.calls_by_status: dict[str, int] = {}  # ok, error (refused or failed), aborted
+        self.exit_nonzero: set[str] = set()  # harnesses that exited with a non-zero code
         self.calls_by_version: dict[int, int] = {}
         self.completed: dict[int, schemas.StepCompleted] = {}
         self.sealed: dict[int, schemas.StepSealed] = {}
@@ -89,6 +91,8 @@ class Progress:
             self.started.add(event.info.execution)
         elif isinstance(event, schemas.ExecutionFinished):
             self.finished[event.info.execution] = event.status
+            if event.exit_code:
+                self.exit_nonzero.add(event.info.execution)
             step = event.info.step
             done = sum(1 for e in self.finished if e.startswith(f"s{step}-"))
             self._emit("execution.finished", execution=event.info.execution, status=event.status,
@@ -107,6 +111,7 @@ class Progress:
         elif isinstance(event, schemas.CallCompleted):
             self.calls += 1
             self.calling.add(event.execution)
+            self.calls_by_status[event.status] = self.calls_by_status.get(event.status, 0) + 1
             for _s, _e, v in event.versions:
                 self.calls_by_version[v] = self.calls_by_version.get(v, 0) + 1
         elif isinstance(event, schemas.StepSealed):
@@ -142,7 +147,9 @@ class Progress:
             "executions_by_status": {s: list(self.finished.values()).count(s) for s in set(self.finished.values())},
             "excluded": len(self.excluded),
             "executions_without_calls": len(self.finished.keys() - self.calling),
+            "executions_exit_nonzero": len(self.exit_nonzero),
             "calls": self.calls,
+            "calls_by_status": dict(sorted(self.calls_by_status.items())),
             "calls_by_policy_version": {str(k): v for k, v in sorted(self.calls_by_version.items())},
             "tokens_trained": sum(self.completed[k].tokens for k in steps),
             "zero_variance_groups": sum(s.zero_variance_groups for s in self.sealed.values()),
@@ -159,7 +166,7 @@ def _print_summary(s: dict) -> None:
     print("\n== gyre run summary ==")
     print(f"run              {s['run']}   outcome {s['outcome']}")
     print(f"steps            {s['steps']}   executions {s['executions']} {s['executions_by_status']}")
-    print(f"calls            {s['calls']}   by policy version {s['calls_by_policy_version']}")
+    print(f"calls            {s['calls']} {s['calls_by_status']}   by policy version {s['calls_by_policy_version']}")
     print(f"reward per step  {[None if r is None else round(r, 3) for r in s['rewards_per_step']]}")
     print(f"tokens trained   {s['tokens_trained']}")
     print(f"zero-var groups  {s['zero_variance_groups']}")
@@ -167,6 +174,14 @@ def _print_summary(s: dict) -> None:
     print(f"policy version   {s['policy_version']}")
     print(f"wall             {s['wall_s']} s")
     failed = {k: v for k, v in s["executions_by_status"].items() if k != "ok"}
+    refused = s["calls_by_status"].get("error", 0)
+    if refused:
+        print(f"note             {refused} model calls were refused or failed (never trained): the proxy's reasons are\n"
+              f"                 `proxy.call.failed` lines in runs/{s['run']}/logs/proxy.log (a prompt beyond\n"
+              "                 engine.max_context_tokens is answered \"prompt is too long\")")
+    if s["executions_exit_nonzero"]:
+        print(f"note             {s['executions_exit_nonzero']} of {s['executions']} harnesses exited with a non-zero code "
+              f"(scored as they\n                 left their workspace): see runs/{s['run']}/logs/executions/")
     if s.get("executions_without_calls"):
         print(f"note             {s['executions_without_calls']} of {s['executions']} executions made no model "
               f"call (scored, never trained):\n                 did their harness reach the proxy? See "

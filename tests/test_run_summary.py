@@ -13,11 +13,12 @@ def _finished(execution: str) -> schemas.ExecutionFinished:
                                      workspace="/nonexistent", exit_code=1, duration_s=0.5)
 
 
-def _call(execution: str) -> schemas.CallCompleted:
-    return schemas.CallCompleted(event_id=f"r:{execution}:call:0", call=f"{execution}:0", execution=execution, seq=0,
-                                 parent_call=None, prefix_len=0, tokens=schemas.CallTokens(),
-                                 sampling=schemas.SamplingParams(), finish_reason="stop", versions=(), cell="c",
-                                 role="main", api="chat", status="ok", timings={}, drift=0, meta={})
+def _call(execution: str, seq: int = 0, status: str = "ok") -> schemas.CallCompleted:
+    return schemas.CallCompleted(event_id=f"r:{execution}:call:{seq}", call=f"{execution}:{seq}", execution=execution,
+                                 seq=seq, parent_call=None, prefix_len=0, tokens=schemas.CallTokens(),
+                                 sampling=schemas.SamplingParams(), finish_reason="stop" if status == "ok" else "error",
+                                 versions=(), cell="c", role="main", api="chat", status=status, timings={}, drift=0,
+                                 meta={})
 
 
 async def test_executions_that_never_called_the_model_are_counted_and_named(tmp_path, capsys):
@@ -31,4 +32,19 @@ async def test_executions_that_never_called_the_model_are_counted_and_named(tmp_
     _print_summary(summary)
     out = capsys.readouterr().out
     assert "2 of 3 executions made no model call" in out and "runs/r/logs/executions/" in out
+    progress.metrics.close()
+
+
+async def test_refused_calls_and_failed_harnesses_are_counted_and_named(tmp_path, capsys):
+    """A run whose prompts outgrew the context finished `done` with every execution `ok`
+    (their harnesses ran, then exited 1 on the refusal): the summary says so."""
+    progress = Progress(load_recipe("toy"), tmp_path / "metrics.jsonl")
+    for event in (_call("s0-g0-e0"), _call("s0-g0-e0", 1, "error"), _finished("s0-g0-e0")):
+        await progress.on_event(event)
+    summary = {**progress.summary("r", 1.0), "outcome": "done"}
+    assert summary["calls_by_status"] == {"error": 1, "ok": 1} and summary["executions_exit_nonzero"] == 1
+    _print_summary(summary)
+    out = capsys.readouterr().out
+    assert "1 model calls were refused or failed" in out and "runs/r/logs/proxy.log" in out
+    assert "1 of 1 harnesses exited with a non-zero code" in out
     progress.metrics.close()

@@ -208,12 +208,15 @@ async def test_state_kept_server_side_is_refused_and_any_model_can_be_retrieved(
 
 
 @pytest.mark.parametrize("known", [True, False], ids=["proxy_knows_the_context", "engine_refuses"])
-async def test_a_prompt_beyond_the_context_gets_each_apis_prompt_too_long_error(local, tok, known):  # noqa: F811
+async def test_a_prompt_beyond_the_context_gets_each_apis_prompt_too_long_error(local, tok, known,  # noqa: F811
+                                                                               monkeypatch):
     """Harnesses compact (Claude Code, Codex CLI) or stop cleanly (litellm's
     ContextWindowExceededError, mini-swe-agent) only on the hosted APIs' wording and code;
     the engine's refusal passed on as a generic 400 ended long rollouts instead."""
     import anthropic
     import openai
+
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # offline: litellm fetches it at import
     from litellm.litellm_core_utils.exception_mapping_utils import ExceptionCheckers
 
     engine = await local.engine(["ok"], context_length=120)
@@ -239,10 +242,26 @@ async def test_a_prompt_beyond_the_context_gets_each_apis_prompt_too_long_error(
         answer = await claude.messages.create(model="m", max_tokens=20000, messages=short)
         assert answer.content[0].text == "ok"
         sent = engine.requests[-1]
-        assert sent["sampling_params"]["max_new_tokens"] == 120 - len(sent["input_ids"])
-    else:  # not known here: the engine refuses prompt + cap beyond its context, answered the same way
-        assert len(engine.requests) == 3
-        with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):
-            await claude.messages.create(model="m", max_tokens=20000, messages=short)
-        answer = await claude.messages.create(model="m", max_tokens=10, messages=short)
+        assert sent["sampling_params"]["max_new_tokens"] == 120 - 1 - len(sent["input_ids"])
+    else:  # not known yet: the engine's refusals name the context, which the proxy learns
+        assert len(engine.requests) == 1 and local.state.context_tokens == 120
+        answer = await claude.messages.create(model="m", max_tokens=20000, messages=short)
         assert answer.content[0].text == "ok"
+        sent = engine.requests[-1]
+        assert sent["sampling_params"]["max_new_tokens"] == 120 - 1 - len(sent["input_ids"])
+
+
+async def test_a_fitting_prompt_refused_for_its_completion_cap_is_retried_capped(local, tok):  # noqa: F811
+    """An engine whose context the proxy does not know yet refuses prompt + max_new_tokens
+    beyond it (SGLang): the proxy learns the context from the refusal and sends the call
+    again with the cap that fits, instead of telling the harness its prompt is too long."""
+    engine = await local.engine(["ok"], context_length=200)
+    await local.proxy(engine=engine, context_tokens=0, max_completion_tokens=1000)
+    answer = await local.anthropic("ex7").messages.create(model="m", max_tokens=1000,
+                                                          messages=[{"role": "user", "content": "hi"}])
+    assert answer.content[0].text == "ok"
+    refused, sent = engine.requests
+    assert refused["sampling_params"]["max_new_tokens"] == 1000
+    assert sent["sampling_params"]["max_new_tokens"] == 200 - 1 - len(sent["input_ids"])
+    assert local.state.context_tokens == 200
+    assert [r.call for r in local.store("ex7").calls] == ["ex7:0"]
