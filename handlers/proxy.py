@@ -449,15 +449,14 @@ class ProxyState:
             resumed.add(execution)
         return len(resumed)
 
-    def learn_context(self, err: ApiError) -> bool:
+    def learn_context(self, err: ApiError) -> None:
         """Take the context length an engine's prompt-too-long refusal names, when it is news
-        (none known, or a smaller one). True when it was learnt."""
+        (none known, or a smaller one)."""
         context = err.context if err.code == "context_length_exceeded" else None
         if context is None or context < 2 or (self.context_tokens and context >= self.context_tokens):
-            return False
+            return
         log.warning("proxy.context.learnt", context_tokens=context, was=self.context_tokens)
         self.context_tokens = context
-        return True
 
     def execution(self, execution: str) -> _Execution:
         ex = self.executions.get(execution)
@@ -738,9 +737,13 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
                                                           call_id, attempt, len(prompt))
                     break
                 except ApiError as err:
-                    if not state.learn_context(err):
+                    # An engine's prompt-too-long names its context: learn it, and when the prompt
+                    # fits with a lower cap (sent before the context was known), go again capped.
+                    state.learn_context(err)
+                    fitted = _fit(req, len(prompt), state.context_tokens) if err.context else req
+                    if fitted is req:
                         raise
-                    req = _fit(req, len(prompt), state.context_tokens)  # and go again, capped (or refused)
+                    req = fitted
                     common["sampling"] = req.sampling
         except ApiError as err:
             log.warning("proxy.call.failed", **ctx, status=err.status, error=err.message[:300])

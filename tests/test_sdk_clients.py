@@ -255,13 +255,16 @@ async def test_a_fitting_prompt_refused_for_its_completion_cap_is_retried_capped
     """An engine whose context the proxy does not know yet refuses prompt + max_new_tokens
     beyond it (SGLang): the proxy learns the context from the refusal and sends the call
     again with the cap that fits, instead of telling the harness its prompt is too long."""
+    import asyncio
+
     engine = await local.engine(["ok"], context_length=200)
     await local.proxy(engine=engine, context_tokens=0, max_completion_tokens=1000)
-    answer = await local.anthropic("ex7").messages.create(model="m", max_tokens=1000,
-                                                          messages=[{"role": "user", "content": "hi"}])
-    assert answer.content[0].text == "ok"
-    refused, sent = engine.requests
-    assert refused["sampling_params"]["max_new_tokens"] == 1000
-    assert sent["sampling_params"]["max_new_tokens"] == 200 - 1 - len(sent["input_ids"])
+    # Two calls in flight before the context is known: each is retried capped, not only the
+    # one whose refusal taught it.
+    answers = await asyncio.gather(*(local.anthropic(e).messages.create(
+        model="m", max_tokens=1000, messages=[{"role": "user", "content": "hi"}]) for e in ("ex7", "ex8")))
+    assert [a.content[0].text for a in answers] == ["ok", "ok"]
+    caps = sorted(r["sampling_params"]["max_new_tokens"] for r in engine.requests)
+    assert caps == [200 - 1 - len(engine.requests[0]["input_ids"])] * 2 + [1000, 1000]
     assert local.state.context_tokens == 200
     assert [r.call for r in local.store("ex7").calls] == ["ex7:0"]
