@@ -57,23 +57,27 @@ class ApiError(Exception):
 
 
 def completion_room(context: int, prompt_tokens: int) -> int:
-    """Completion tokens a prompt leaves in a `context`-token window, as SGLang counts it:
-    it refuses prompt + max_new_tokens >= its context length (`_validate_one_request`), so
-    one token of the window is never used. < 1: the prompt does not fit."""
-    return context - 1 - prompt_tokens
+    """Completion tokens a prompt may be given in a `context`-token window, counted as SGLang
+    counts it (≤ 0: the prompt is refused). SGLang serves a prompt shorter than its scheduler's
+    `max_req_input_len` = `max_req_len` − 5, with `max_req_len` = context − 1 (so at most
+    context − 7 tokens; longer: "Input length … exceeds the maximum allowed length …"), and
+    caps `max_new_tokens` at `max_req_len` − 1 − prompt = context − 2 − prompt (scheduler
+    `validate_input_length` and its cap; its tokenizer manager also refuses prompt +
+    max_new_tokens ≥ context)."""
+    return context - 2 - prompt_tokens if prompt_tokens <= context - 7 else 0
 
 
 def context_exceeded(prompt_tokens: int | None, context: int | None, detail: str = "") -> ApiError:
     """The 400 a prompt that leaves no room in a `context`-token window gets (`completion_room`
     < 1), worded so that every harness recognises it and compacts or shortens its
     conversation instead of failing: Anthropic's "prompt is too long: N tokens > M maximum"
-    (M = the longest prompt that fits, context − 2), OpenAI's "This model's maximum context
+    (M = the longest prompt that fits, context − 7), OpenAI's "This model's maximum context
     length is C tokens" with code `context_length_exceeded` (what Codex CLI and litellm, hence
     mini-swe-agent, test for). `detail`: an engine's own words, appended. The error's
     `context` is `context`."""
     if context is not None:
         message = f"prompt is too long: {prompt_tokens if prompt_tokens is not None else 'more'} tokens > " \
-                  f"{context - 2} maximum. This model's maximum context length is {context} tokens"
+                  f"{context - 7} maximum. This model's maximum context length is {context} tokens"
         message += f"; your messages resulted in {prompt_tokens} tokens." if prompt_tokens is not None else "."
     else:
         message = "prompt is too long for the engine's context."

@@ -167,26 +167,51 @@ def _take_back(task: asyncio.Task, attempt: Attempt) -> bool:
     return True
 
 
-_ENGINE_LIMIT = re.compile(r"(?:max_context_tokens is|context length of|context length \()\s*(\d+)")
-_TOO_LONG = ("longer than the model's context length", "exceeds the model's maximum context length")
+_CONTEXT_NAMED = (  # (pattern, what to add to its number to get the context length)
+    (re.compile(r"max_context_tokens is (\d+)"), 0),  # gyre's engine
+    (re.compile(r"context length \((\d+) tokens\)"), 0),  # SGLang's tokenizer manager: the input alone
+    (re.compile(r"maximum context length of (\d+) tokens"), 0),  # SGLang: input + max_new_tokens
+    (re.compile(r"maximum allowed length \((\d+) tokens\)"), 6),  # SGLang's scheduler: max_req_input_len
+)
+_TOO_LONG = ("longer than the model's context length", "exceeds the model's maximum context length",
+             "exceeds the maximum allowed length")
 
 
 def prompt_too_long(exc: EngineRequestError) -> tuple[int | None, str] | None:
     """(the engine's context length if it says, its message) when `exc` refuses a prompt
-    longer than the context: gyre's engine (`PromptTooLong`), SGLang ("The input (N tokens)
-    is longer than the model's context length (M tokens).", and "Requested token count
-    exceeds the model's maximum context length of M tokens. …" when the prompt and
-    max_new_tokens together do); None for other refusals."""
+    its context cannot hold (`too_long_text`); None for other refusals and server errors."""
     if not 400 <= exc.status < 500:
         return None
     body = exc.body
     error = body.get("error", body) if isinstance(body, dict) else body
     kind = error.get("type") if isinstance(error, dict) else None
     text = str(error.get("message", "")) if isinstance(error, dict) else str(error)
-    if kind != "PromptTooLong" and not any(phrase in text for phrase in _TOO_LONG):
+    return too_long_text(text, kind == "PromptTooLong")
+
+
+def too_long_text(text: str, known: bool = False) -> tuple[int | None, str] | None:
+    """(the context length `text` names, `text`) when it says a prompt does not fit (or
+    `known`): gyre's engine ("prompt has N tokens, max_context_tokens is C"), SGLang's
+    tokenizer manager ("The input (N tokens) is longer than the model's context length (C
+    tokens).", "Requested token count exceeds the model's maximum context length of C tokens.
+    …") and scheduler ("Input length (N tokens) exceeds the maximum allowed length (C − 6
+    tokens). …", a 400 or an `abort` finish depending on the version); else None."""
+    if not known and not any(phrase in text for phrase in _TOO_LONG):
         return None
-    found = _ENGINE_LIMIT.search(text)
-    return (int(found.group(1)) if found else None), text
+    for pattern, add in _CONTEXT_NAMED:
+        found = pattern.search(text)
+        if found:
+            return int(found.group(1)) + add, text
+    return None, text
+
+
+def _aborted_too_long(body: Any) -> tuple[int | None, str] | None:
+    """`too_long_text` of an `abort` finish's message in a `/generate` reply, else None."""
+    meta = body.get("meta_info") if isinstance(body, dict) else None
+    reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+    if not isinstance(reason, dict) or reason.get("type") != "abort":
+        return None
+    return too_long_text(str(reason.get("message") or ""))
 
 
 GENERATE_GRACE_S = 600.0
@@ -371,6 +396,8 @@ class Dispatcher:
         when the engine refused the request (`proxy_api.context_exceeded` when it refused a
         prompt its context cannot hold).
         """
+        if prompt_tokens is None and not isinstance(prompt_ids, orjson.Fragment):
+            prompt_tokens = len(prompt_ids)
         t0 = time.monotonic()
         deadline = t0 + self.retry_timeout_s
         backoff = self.retry_backoff_s
@@ -419,8 +446,6 @@ class Dispatcher:
                 log.warning("proxy.engine.refused", **ctx, cell=cell, status=exc.status, body=str(exc.body)[:500])
                 too_long = prompt_too_long(exc)
                 if too_long is not None:
-                    if prompt_tokens is None and not isinstance(prompt_ids, orjson.Fragment):
-                        prompt_tokens = len(prompt_ids)
                     raise context_exceeded(prompt_tokens, too_long[0], too_long[1]) from exc
                 status = 400 if 400 <= exc.status < 500 else 502
                 raise ApiError(status, f"the engine refused the request: {exc.body}",
@@ -437,6 +462,10 @@ class Dispatcher:
                 continue
             attempt.client = None
             engine_s = time.monotonic() - t_engine
+            too_long = _aborted_too_long(result)
+            if too_long is not None:  # SGLang's scheduler refusing the prompt (versions that abort it)
+                log.warning("proxy.engine.refused", **ctx, cell=cell, status=200, body=too_long[1][:500])
+                raise context_exceeded(prompt_tokens, too_long[0], too_long[1])
             reply = engine_reply(result)
             if reply.finish == "abort":
                 aborts += 1

@@ -20,9 +20,10 @@ same endpoints as `handlers/engine_server.py` (SGLang native API):
 - `GET /health`, `GET|POST /flush_cache`, `GET /get_model_info`, `GET /get_weight_version`,
   `POST /update_weights_from_disk` {model_path, weight_version?} (bumps the policy version).
 
-Context: with `context_length` set, a prompt of that many ids or more, or one whose ids
-and `max_new_tokens` together reach it, is refused (400) in SGLang's words and shape
-(its `_validate_one_request`).
+Context: with `context_length` C set, requests are refused (400) in SGLang's words and
+shape where SGLang refuses them: a prompt of C ids or more, or one whose ids and
+`max_new_tokens` together reach C (its tokenizer manager), or a prompt of C − 6 ids or
+more (its scheduler's `max_req_input_len`).
 
 Fault injection: `fail_next(n, status)` answers the next n `/generate` calls with
 `status` (503 = engine unavailable); `abort_next(n)` finishes them with `abort` (a cell
@@ -126,6 +127,9 @@ class ScriptedEngine:
             return ""
         if prompt_len >= n:
             return f"The input ({prompt_len} tokens) is longer than the model's context length ({n} tokens)."
+        if prompt_len >= n - 6:  # the scheduler: max_req_input_len = (n - 1) - 5
+            return (f"Input length ({prompt_len} tokens) exceeds the maximum allowed length ({n - 6} tokens). "
+                    "Use a shorter input or enable --allow-auto-truncate.")
         if prompt_len + max_new >= n:
             return (f"Requested token count exceeds the model's maximum context length of {n} tokens. You requested "
                     f"a total of {prompt_len + max_new} tokens: {prompt_len} tokens from the input messages and "

@@ -290,6 +290,37 @@ async def test_repeated_engine_aborts_back_off_then_fail_with_502(local):
         await runner.cleanup()
 
 
+async def test_a_scheduler_abort_for_a_long_prompt_is_a_prompt_too_long_error(local):  # noqa: F811
+    """SGLang versions whose scheduler finishes an over-long prompt with `abort` (its message
+    saying so): not retried as a cell leaving rollout (502 after 17 tries), but answered as
+    the prompt-too-long error, the context learnt (max_req_input_len + 6)."""
+    calls = []
+
+    async def generate(request):
+        body = await request.json()
+        calls.append(len(body["input_ids"]))
+        message = (f"Input length ({len(body['input_ids'])} tokens) exceeds the maximum allowed length (14 tokens). "
+                   "Use a shorter input or enable --allow-auto-truncate.")
+        return web.json_response({"text": "", "output_ids": [], "meta_info": {
+            "id": "x", "finish_reason": {"type": "abort", "message": message}, "prompt_tokens": 1,
+            "completion_tokens": 0, "output_token_logprobs": []}})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner, url = await serve(app)
+    try:
+        engine = type("Engine", (), {"url": url})()
+        await local.proxy(engine=engine)
+        with pytest.raises(openai.BadRequestError) as err:
+            await local.client("ex-long").chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "word " * 40}])
+        assert err.value.code == "context_length_exceeded" and len(calls) == 1
+        assert "maximum context length is 20 tokens" in err.value.message
+        assert local.state.context_tokens == 20
+    finally:
+        await runner.cleanup()
+
+
 async def test_race_tells_an_eviction_from_a_cancelled_call():
     """`race` awaits the engine request in the call's own task: the router's eviction
     cancels the request and the call goes on (None, nothing left cancelling); a harness
@@ -491,5 +522,10 @@ def test_engine_refusals_of_a_long_prompt_are_recognised():
     assert refusal({"object": "error", "message": total, "type": "BadRequestError", "code": 400})[0] == 32768
     assert refusal("The input is longer than the model's context length") == (None, "The input is longer than "
                                                                                      "the model's context length")
+    scheduler = ("Input length (29994 tokens) exceeds the maximum allowed length (29994 tokens). Use a shorter "
+                 "input or enable --allow-auto-truncate.")
+    assert refusal({"error": {"message": scheduler}}) == (30000, scheduler)
     assert refusal({"error": {"message": "input_ids must be a non-empty list"}}) is None
+    # a 4xx that merely names a number is not a context refusal
+    assert refusal({"error": {"message": "lora adapter: context length of 5 unsupported"}}) is None
     assert refusal({"error": {"message": sglang}}, status=500) is None

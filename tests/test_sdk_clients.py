@@ -242,13 +242,13 @@ async def test_a_prompt_beyond_the_context_gets_each_apis_prompt_too_long_error(
         answer = await claude.messages.create(model="m", max_tokens=20000, messages=short)
         assert answer.content[0].text == "ok"
         sent = engine.requests[-1]
-        assert sent["sampling_params"]["max_new_tokens"] == 120 - 1 - len(sent["input_ids"])
+        assert sent["sampling_params"]["max_new_tokens"] == 120 - 2 - len(sent["input_ids"])
     else:  # not known yet: the engine's refusals name the context, which the proxy learns
         assert len(engine.requests) == 1 and local.state.context_tokens == 120
         answer = await claude.messages.create(model="m", max_tokens=20000, messages=short)
         assert answer.content[0].text == "ok"
         sent = engine.requests[-1]
-        assert sent["sampling_params"]["max_new_tokens"] == 120 - 1 - len(sent["input_ids"])
+        assert sent["sampling_params"]["max_new_tokens"] == 120 - 2 - len(sent["input_ids"])
 
 
 async def test_a_fitting_prompt_refused_for_its_completion_cap_is_retried_capped(local, tok):  # noqa: F811
@@ -265,6 +265,6 @@ async def test_a_fitting_prompt_refused_for_its_completion_cap_is_retried_capped
         model="m", max_tokens=1000, messages=[{"role": "user", "content": "hi"}]) for e in ("ex7", "ex8")))
     assert [a.content[0].text for a in answers] == ["ok", "ok"]
     caps = sorted(r["sampling_params"]["max_new_tokens"] for r in engine.requests)
-    assert caps == [200 - 1 - len(engine.requests[0]["input_ids"])] * 2 + [1000, 1000]
+    assert caps == [200 - 2 - len(engine.requests[0]["input_ids"])] * 2 + [1000, 1000]
     assert local.state.context_tokens == 200
     assert [r.call for r in local.store("ex7").calls] == ["ex7:0"]
