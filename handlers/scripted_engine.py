@@ -21,9 +21,10 @@ same endpoints as `handlers/engine_server.py` (SGLang native API):
   `POST /update_weights_from_disk` {model_path, weight_version?} (bumps the policy version).
 
 Context: with `context_length` C set, requests are refused (400) in SGLang's words and
-shape where SGLang refuses them: a prompt of C ids or more, or one whose ids and
-`max_new_tokens` together reach C (its tokenizer manager), or a prompt of C − 6 ids or
-more (its scheduler's `max_req_input_len`).
+shape where SGLang refuses them, in its order: a prompt of C ids or more, or one whose ids
+and `max_new_tokens` together reach C (its tokenizer manager), then a prompt of C − 6 ids
+or more (its scheduler's `max_req_input_len`); and `max_new_tokens` is capped at
+C − 2 − prompt, as its scheduler caps it.
 
 Fault injection: `fail_next(n, status)` answers the next n `/generate` calls with
 `status` (503 = engine unavailable); `abort_next(n)` finishes them with `abort` (a cell
@@ -127,14 +128,14 @@ class ScriptedEngine:
             return ""
         if prompt_len >= n:
             return f"The input ({prompt_len} tokens) is longer than the model's context length ({n} tokens)."
-        if prompt_len >= n - 6:  # the scheduler: max_req_input_len = (n - 1) - 5
-            return (f"Input length ({prompt_len} tokens) exceeds the maximum allowed length ({n - 6} tokens). "
-                    "Use a shorter input or enable --allow-auto-truncate.")
         if prompt_len + max_new >= n:
             return (f"Requested token count exceeds the model's maximum context length of {n} tokens. You requested "
                     f"a total of {prompt_len + max_new} tokens: {prompt_len} tokens from the input messages and "
                     f"{max_new} tokens for the completion. Please reduce the number of tokens in the input messages "
                     "or the completion to fit within the limit.")
+        if prompt_len >= n - 6:  # then the scheduler: max_req_input_len = (n - 1) - 5
+            return (f"Input length ({prompt_len} tokens) exceeds the maximum allowed length ({n - 6} tokens). "
+                    "Use a shorter input or enable --allow-auto-truncate.")
         return ""
 
     def _logprobs(self, prompt_len: int, ids: Sequence[int]) -> list[float]:
@@ -163,6 +164,8 @@ class ScriptedEngine:
         refused = self._beyond_context(len(body["input_ids"]), max_new)
         if refused:
             return web.json_response({"error": {"message": refused}}, status=400)
+        if self.context_length:  # SGLang's scheduler caps the completion at max_req_len - 1 - prompt
+            max_new = min(max_new, self.context_length - 2 - len(body["input_ids"]))
         text = await self._text(body)
         ids = [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]] + [IM_END]
         finish: dict[str, Any] = {"type": "stop", "matched": IM_END}
