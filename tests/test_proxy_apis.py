@@ -4,9 +4,11 @@ isolation, and roles + harness metadata on `call.completed`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import zlib
+from collections.abc import Callable
 
 import aiohttp
 import anthropic
@@ -221,6 +223,28 @@ async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
+@contextlib.asynccontextmanager
+async def aborting_engine(message: Callable[[dict], str]):
+    """An engine that finishes every `/generate` with SGLang's `abort` (its message
+    `message(body)`); yields (an object with its `url`, [(loop time, body) received])."""
+    seen: list[tuple[float, dict]] = []
+
+    async def generate(request):
+        body = await request.json()
+        seen.append((asyncio.get_running_loop().time(), body))
+        return web.json_response({"text": "", "output_ids": [], "meta_info": {
+            "id": "x", "finish_reason": {"type": "abort", "message": message(body)}, "prompt_tokens": 1,
+            "completion_tokens": 0, "output_token_logprobs": []}})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner, url = await serve(app)
+    try:
+        yield type("Engine", (), {"url": url})(), seen
+    finally:
+        await runner.cleanup()
+
+
 def switched(cell: str, to_role: str, url: str = "", seq: int = 0) -> CellSwitched:
     return CellSwitched(event_id=ids.switched("apis", cell, seq), cell=cell, seq=seq, from_role="rollout",
                         to_role=to_role, durations={}, engine_url=url)
@@ -265,60 +289,33 @@ async def test_repeated_engine_aborts_back_off_then_fail_with_502(local):
     """An engine that ends every generation with `abort` (SGLang's shape): the only engine
     is retried after a backoff each time, never in a tight loop, and after
     MAX_ENGINE_ABORTS retries the call fails with 502 `engine_aborted`."""
-    times: list[float] = []
-
-    async def generate(request):
-        await request.read()
-        times.append(asyncio.get_running_loop().time())
-        return web.json_response({"text": "", "output_ids": [], "meta_info": {
-            "id": "x", "finish_reason": {"type": "abort", "message": "aborted"}, "prompt_tokens": 1,
-            "completion_tokens": 0, "output_token_logprobs": []}})
-
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    runner, url = await serve(app)
-    try:
-        engine = type("Engine", (), {"url": url})()
+    async with aborting_engine(lambda body: "aborted") as (engine, seen):
         await local.proxy(engine=engine, retry_backoff_s=0.02, retry_backoff_max_s=0.02)
         with pytest.raises(openai.APIStatusError) as err:
             await local.client("ex-aborts").chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "hi"}])
         assert err.value.status_code == 502 and err.value.code == "engine_aborted"
+        times = [t for t, _ in seen]
         assert len(times) == MAX_ENGINE_ABORTS + 1
         assert min(b - a for a, b in zip(times, times[1:])) >= 0.015
-    finally:
-        await runner.cleanup()
 
 
 async def test_a_scheduler_abort_for_a_long_prompt_is_a_prompt_too_long_error(local):  # noqa: F811
     """SGLang versions whose scheduler finishes an over-long prompt with `abort` (its message
     saying so): not retried as a cell leaving rollout (502 after 17 tries), but answered as
     the prompt-too-long error, the context learnt (max_req_input_len + 6)."""
-    calls = []
+    def message(body: dict) -> str:
+        return (f"Input length ({len(body['input_ids'])} tokens) exceeds the maximum allowed length (14 tokens). "
+                "Use a shorter input or enable --allow-auto-truncate.")
 
-    async def generate(request):
-        body = await request.json()
-        calls.append(len(body["input_ids"]))
-        message = (f"Input length ({len(body['input_ids'])} tokens) exceeds the maximum allowed length (14 tokens). "
-                   "Use a shorter input or enable --allow-auto-truncate.")
-        return web.json_response({"text": "", "output_ids": [], "meta_info": {
-            "id": "x", "finish_reason": {"type": "abort", "message": message}, "prompt_tokens": 1,
-            "completion_tokens": 0, "output_token_logprobs": []}})
-
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    runner, url = await serve(app)
-    try:
-        engine = type("Engine", (), {"url": url})()
+    async with aborting_engine(message) as (engine, seen):
         await local.proxy(engine=engine)
         with pytest.raises(openai.BadRequestError) as err:
             await local.client("ex-long").chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "word " * 40}])
-        assert err.value.code == "context_length_exceeded" and len(calls) == 1
+        assert err.value.code == "context_length_exceeded" and len(seen) == 1
         assert "maximum context length is 20 tokens" in err.value.message
         assert local.state.context_tokens == 20
-    finally:
-        await runner.cleanup()
 
 
 async def test_race_tells_an_eviction_from_a_cancelled_call():
