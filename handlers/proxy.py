@@ -11,7 +11,8 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   `Config.max_completion_tokens`.
 - Auth: `Authorization: Bearer <key>` or `x-api-key: <key>`, a per-execution key checked
   by `gyre.harness.verify_key`; the key alone names the execution a call is recorded in.
-  Errors in the API's own shape: 401 (missing/invalid key), 400 (malformed JSON or
+  Errors in the API's own shape: 401 (missing/invalid key), 403 code
+  `execution_finished` (the key's execution has finished), 400 (malformed JSON or
   request), 413 (body over `body_limit_bytes`, also once decoded), 415 (a
   `Content-Encoding` this process cannot decode: gzip and deflate always, zstd when its
   module is installed, never br), 429 with `Retry-After` (more than
@@ -305,10 +306,12 @@ class _Execution:
     """Per-execution proxy state: the TITO store, the request-conversion memo and the prompt
     JSON of the latest calls (`wire`; None, None and empty once the execution finished), the
     next call's seq (kept for the proxy's lifetime so event ids never repeat), model calls
-    started (for `max_calls`), calls in flight, and the roles profile (None = detect)."""
+    started (for `max_calls`), calls in flight, the roles profile (None = detect), and whether
+    its `execution.finished` has been seen (its key then takes no more calls)."""
 
     store: CallStore | None
     memo: MessageMemo | None = None
+    finished: bool = False
     next_seq: int = 0
     model_calls: int = 0
     active: int = 0
@@ -422,10 +425,10 @@ class ProxyState:
             ex = self.executions.setdefault(event.info.execution, _Execution(store=None))
             ex.harness = profile_for_harness(event.info.harness)
         elif isinstance(event, ExecutionFinished):
-            ex = self.executions.get(event.info.execution)
-            if ex is not None:
-                ex.store = ex.memo = None
-                ex.wire = {}
+            ex = self.executions.setdefault(event.info.execution, _Execution(store=None))
+            ex.store = ex.memo = None
+            ex.wire = {}
+            ex.finished = True
             self.router.sticky.pop(event.info.execution, None)
 
     def resume_seqs(self, event_ids: Iterable[str]) -> int:
@@ -459,9 +462,16 @@ class ProxyState:
         self.context_tokens = context
 
     def execution(self, execution: str) -> _Execution:
+        """The state of a live execution, its call store made on its first call. Raises
+        ApiError(403, `execution_finished`) once its `execution.finished` was seen: a call
+        then (a harness's leftover process, a key reused after the run) would be recorded
+        after the execution was scored, as a new root of its tree."""
         ex = self.executions.get(execution)
         if ex is None:
             ex = self.executions[execution] = _Execution(store=None)
+        if ex.finished:
+            raise ApiError(403, f"execution {execution!r} has finished; its key takes no more calls",
+                           "permission_error", code="execution_finished")
         if ex.store is None:
             ex.store = CallStore(self.tokenizer, check_drift=self.cfg.check_drift)
             ex.memo = MessageMemo()
@@ -660,7 +670,7 @@ async def _parsed(request: web.Request, state: ProxyState,
                   parse: Callable[[Any, SamplingParams, MessageMemo | None], ModelRequest],
                   ) -> tuple[str, _Execution, ModelRequest]:
     """Authenticate, read the body within the size limit, parse it with the execution's
-    memo. Raises ApiError (401, 400, 413, 415) for the caller to answer in its API's shape."""
+    memo. Raises ApiError (401, 403, 400, 413, 415) for the caller to answer in its API's shape."""
     execution = authenticate(state, request)
     body = await read_json(request, state.cfg.body_limit_bytes, request.app.get(RAW_BODIES, False))
     ex = state.execution(execution)

@@ -413,8 +413,8 @@ async def test_run_serves_until_stopped(tmp_path, tok, nats_server, run_id, bus)
                                       max_retries=0) as client:
             r = await client.chat.completions.create(model="m", messages=[TASK])
             assert r.choices[0].message.content == "hi there"
-            # Once the execution finished, its call store is freed: a late call is a root
-            # (with the next seq, so event ids never repeat).
+            # Once the execution finished, its call store is freed and its key takes no more
+            # calls: a late call (a leftover process) would be trained after the score.
             info = ExecutionInfo(execution="ex8", task="t", group="s0-g0", step=0, harness="toy",
                                  group_size=1, step_groups=1)
             await bus.publish(ExecutionFinished(event_id=ids.finished(run_id, "ex8"), info=info, status="ok",
@@ -424,14 +424,17 @@ async def test_run_serves_until_stopped(tmp_path, tok, nats_server, run_id, bus)
                     break
                 await asyncio.sleep(0.02)
             follow_up = [TASK, {"role": "assistant", "content": "hi there"}, {"role": "user", "content": "more"}]
-            await client.chat.completions.create(model="m", messages=follow_up)
+            with pytest.raises(openai.PermissionDeniedError) as late:
+                await client.chat.completions.create(model="m", messages=follow_up)
+            assert late.value.code == "execution_finished" and "has finished" in late.value.message
+            assert started["state"].executions["ex8"].store is None
     finally:
         stop.set()
         await asyncio.wait_for(task, 20)
         await engine.stop()
-    e0, e1 = await Stack(tok, bus, run_id).calls(2)
+    (e0,) = await Stack(tok, bus, run_id).calls(1)
     assert e0.cell == "c0" and e0.status == "ok"
-    assert (e1.seq, e1.parent_call, e1.prefix_len) == (1, None, 0)
+    assert len(engine.requests) == 1
 
 
 async def test_a_restarted_proxy_goes_on_after_its_predecessors_seqs(tmp_path, tok, nats_server, run_id, bus):
@@ -781,6 +784,30 @@ async def test_a_call_answered_after_its_execution_finished_leaves_no_prompt_jso
     await inflight
     ex = stack.state.executions["exl"]
     assert ex.store is None and ex.wire == {}
+
+
+async def test_a_finished_executions_key_takes_no_more_calls_in_either_api(stack, run_id):
+    """After `execution.finished` the execution has been (or is being) scored: a call with its
+    key is a 403 in the caller's shape, for messages and count_tokens alike, and reaches no
+    engine; another execution is served as before."""
+    engine = await stack.engine(["one", "two"])
+    await stack.proxy(engine=engine)
+    info = ExecutionInfo(execution="exf", task="t", group="s0-g0", step=0, harness="toy", group_size=1,
+                         step_groups=1)
+    await stack.state.handle_event(ExecutionFinished(event_id=ids.finished(run_id, "exf"), info=info, status="ok",
+                                                     workspace=""))
+    late = stack.anthropic("exf")
+    with pytest.raises(anthropic.PermissionDeniedError) as refused:
+        await late.messages.create(model="m", max_tokens=50, messages=[TASK])
+    assert refused.value.body["error"]["type"] == "permission_error"
+    assert "has finished" in refused.value.body["error"]["message"]
+    with pytest.raises(anthropic.PermissionDeniedError):
+        await late.messages.count_tokens(model="m", messages=[TASK])
+    assert engine.requests == [] and stack.state.executions["exf"].store is None
+    r = await stack.anthropic("exg").messages.create(model="m", max_tokens=50, messages=[TASK])
+    assert r.content[0].text == "one"
+    (event,) = await stack.calls(1)
+    assert event.execution == "exg"
 
 
 async def test_a_heavy_branch_is_rendered_and_encoded_off_the_event_loop(stack, tok, monkeypatch):
