@@ -60,7 +60,8 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   counted prompt, no completion, finish `stop`. An event whose encoding exceeds
   `object_threshold_bytes` carries its token arrays in the object store under
   `calls/<execution>/<seq>` (orjson `{"prompt_ids", "completion_ids", "logprobs"}`) and
-  the key in `tokens_ref`.
+  the key in `tokens_ref`. A `call.completed` without its PubAck after `retry_timeout_s`,
+  or at shutdown, is spilled to `Config.spill_file` and published by the next proxy.
 - `call.completed.finish_reason` is the engine's (`stop` | `length`), never inferred
   from the last token; the stop token stays in `completion_ids`. Stop strings (OpenAI
   `stop`, Anthropic `stop_sequences`) go to the engine and into `sampling.stop`; when the
@@ -100,6 +101,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import gc
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
@@ -124,6 +126,7 @@ from handlers.proxy_api import (
 from handlers.proxy_http import Reply, error_response, key_of, read_json
 from handlers.proxy_openai import ChatApi, ResponsesApi, parse_chat_request, parse_responses_request
 from handlers.proxy_routing import Attempt, Dispatcher, EngineResult, Router
+import schemas
 from schemas import encode, ids
 from schemas.call import CallCompleted, CallTokens, SamplingParams
 from schemas.cell import CellSwitched, RouteUpdated
@@ -258,6 +261,13 @@ class Config:
     template, the whole rendered request with another); False reports drift 0."""
     url_file: str = ""
     """If set, `{"url": ...}` is written there once the listener is bound."""
+    spill_file: str = ""
+    """Where a `call.completed` goes when it cannot be published: no PubAck within
+    `retry_timeout_s` (the bus is down), or still unacknowledged once `shutdown_grace_s` is
+    over (JSON lines: the event, its token arrays' JSON). The next proxy started with the
+    same file publishes what it holds before it serves, then removes it (`republish`).
+    '' = such a call is lost (logged as an error). A run's proxy uses
+    `<run_dir>/proxy-unpublished.jsonl`."""
     shutdown_grace_s: float = 30.0
     """Bound on finishing in-flight calls and publishes on shutdown."""
     tune_gc: bool = True
@@ -389,6 +399,8 @@ class ProxyState:
                                   retry_backoff_max_s=cfg.retry_backoff_max_s, spawn=self.spawn)
         self._publishing = asyncio.Semaphore(cfg.max_publishes_in_flight)
         self._background: set[asyncio.Task] = set()
+        self._unsent: dict[str, Outgoing] = {}
+        """event id → each `call.completed` handed to `publish` and not yet acknowledged."""
         self._branch_thread: concurrent.futures.ThreadPoolExecutor | None = None
 
     def branch_thread(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -504,11 +516,17 @@ class ProxyState:
         task.add_done_callback(self._background.discard)
 
     async def drain(self, timeout_s: float) -> None:
-        """Wait (≤ timeout_s) for background publishes and aborts."""
+        """Wait (≤ timeout_s) for background publishes and aborts; then cancel what is left
+        and spill the calls still unacknowledged (`Config.spill_file`)."""
         if self._background:
             _, pending = await asyncio.wait(set(self._background), timeout=timeout_s)
             if pending:
-                log.warning("proxy.drain.unfinished", tasks=len(pending))
+                log.warning("proxy.drain.unfinished", tasks=len(pending), unpublished=len(self._unsent))
+                for task in pending:
+                    task.cancel()
+                await asyncio.wait(pending, timeout=5.0)
+        if self._unsent:
+            self.spill(list(self._unsent.values()), "shutdown")
 
     # -- events
     def call_event(self, *, execution: str, seq: int, match: Match, sampling: SamplingParams,
@@ -554,18 +572,85 @@ class ProxyState:
 
     async def publish(self, out: Outgoing) -> None:
         """Publish `call.completed` (its token arrays first to the object store when they
-        go there); retried with backoff for up to retry_timeout_s (the call must not be
-        lost). At most `max_publishes_in_flight` run at once."""
+        go there); retried with backoff for up to retry_timeout_s, then spilled to
+        `Config.spill_file` (the call must not be lost). At most `max_publishes_in_flight`
+        run at once."""
         if self.bus is None:
             return
+        event_id = out.event.event_id
+        self._unsent[event_id] = out
         async with self._publishing:
-            await self._publish(out)
+            stored = await self._publish(out)
+        del self._unsent[event_id]
+        if not stored:
+            self.spill([out], "no PubAck within retry_timeout_s")
 
-    async def _publish(self, out: Outgoing) -> None:
+    def spill(self, outs: list[Outgoing], why: str) -> None:
+        """Append calls that could not be published to `Config.spill_file` (one JSON line
+        each: `{"event": <call.completed>, "tokens": <token arrays' JSON or null>}`, written
+        and fsynced at once); without a spill file, or when it cannot be written, log them
+        as lost."""
+        event_ids = [out.event.event_id for out in outs]
+        path = self.cfg.spill_file
+        if path:
+            lines = b"".join(orjson.dumps({"event": orjson.Fragment(encode(out.event)),
+                                           "tokens": orjson.Fragment(out.tokens_json) if out.tokens_json else None})
+                             + b"\n" for out in outs)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                try:
+                    os.write(fd, lines)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                log.error("proxy.call.spilled", calls=len(outs), why=why, spill_file=path, event_ids=event_ids[:20],
+                          hint="the run's next proxy publishes them before it serves")
+                return
+            except OSError as exc:
+                log.error("proxy.spill.failed", spill_file=path, error=repr(exc))
+        log.error("proxy.call.lost", calls=len(outs), why=why, event_ids=event_ids)
+
+    async def republish(self) -> int:
+        """Publish the calls an earlier proxy spilled (`Config.spill_file`), then remove the
+        file; before serving, so that `resume_seqs` sees their ids. Returns the number
+        published. An unreadable line (a write cut short) is kept in `<spill_file>.unreadable`
+        and logged. Raises RuntimeError when one is still not acknowledged after
+        `retry_timeout_s`: the file is then kept (what went out meanwhile goes again, as a
+        duplicate), and this proxy must not serve."""
+        path = Path(self.cfg.spill_file) if self.cfg.spill_file else None
+        if path is None or self.bus is None or not path.exists():
+            return 0
+        good, bad = [], []
+        for line in path.read_bytes().splitlines():
+            if not line.strip():
+                continue
+            try:
+                item = orjson.loads(line)
+                event = schemas.decode(CallCompleted.NAME, item["event"])
+                tokens = item["tokens"]
+                good.append((event, orjson.dumps(tokens) if tokens is not None else None))
+            except Exception as exc:  # noqa: BLE001 - kept aside, named in the log
+                bad.append(line)
+                log.error("proxy.spill.unreadable", spill_file=str(path), error=repr(exc), line=line[:200])
+        for event, tokens_json in good:
+            if not await self._publish(Outgoing(event, tokens_json), may_have_landed=True):
+                raise RuntimeError(f"could not publish the calls spilled in {path} (call {event.call}); "
+                                   "is the bus up? the file is kept for the next start")
+        if bad:
+            with open(f"{path}.unreadable", "ab") as f:
+                f.write(b"".join(line + b"\n" for line in bad))
+        path.unlink()
+        log.warning("proxy.spill.republished", calls=len(good), unreadable=len(bad), spill_file=str(path))
+        return len(good)
+
+    async def _publish(self, out: Outgoing, may_have_landed: bool = False) -> bool:
+        """True once stored (or known), False when still failing after retry_timeout_s.
+        may_have_landed: an earlier attempt (a spilled call's) may be stored already, so a
+        duplicate is no other proxy's doing."""
         deadline = time.monotonic() + self.cfg.retry_timeout_s
         delay = self.cfg.retry_backoff_s
         event, tokens_json = out
-        attempted = False  # a publish attempt that failed may have landed
+        attempted = may_have_landed  # a publish attempt that failed may have landed
         while True:
             try:
                 data = encode(event)
@@ -584,12 +669,12 @@ class ProxyState:
                     # and JetStream dropped this call.
                     log.error("proxy.call.duplicate_id", event_id=event.event_id, execution=event.execution,
                               call=event.call, hint="one proxy per run: start a replacement after the old one exited")
-                return
+                return True
             except Exception as exc:  # noqa: BLE001 - keep trying within the bound; never drop silently
                 clog = log.bind(event_id=event.event_id, execution=event.execution, call=event.call)
                 if time.monotonic() + delay > deadline:
                     clog.error("proxy.call.publish_failed", error=repr(exc))
-                    return
+                    return False
                 clog.warning("proxy.call.publish_retry", error=repr(exc), retry_in_s=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.cfg.retry_backoff_max_s)
@@ -988,7 +1073,9 @@ async def run(cfg: Config, stop: asyncio.Event,
             raise FatalError(f"a proxy of run {cfg.run} already serves at {other} ({cfg.url_file}); one proxy "
                              "per run: start this one once that one has exited")
         state = ProxyState(cfg, tokenizer, session, bus)
-        # Before serving: a restarted proxy goes on after its predecessor's seqs.
+        # Before serving: what an earlier proxy could not publish goes out, and a restarted
+        # proxy goes on after its predecessor's seqs (those included).
+        await state.republish()
         if bus is not None and not await _resumed(state, bus, stop):
             return
         runner, url = await start(state)
@@ -1065,7 +1152,7 @@ def config_from_context(ctx: Any, args: Any) -> Config:
                   temperature=r.sampling.temperature, top_p=r.sampling.top_p, top_k=r.sampling.top_k,
                   max_completion_tokens=r.sampling.max_tokens, max_calls=r.harness.max_calls,
                   context_tokens=0 if args.engine_url else r.engine.max_context_tokens,
-                  url_file=str(ctx.run_dir / "proxy.json"))
+                  url_file=str(ctx.run_dir / "proxy.json"), spill_file=str(ctx.run_dir / "proxy-unpublished.jsonl"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -474,6 +474,63 @@ async def test_a_restarted_proxy_goes_on_after_its_predecessors_seqs(tmp_path, t
     assert late.parent_call is None and late.call == "exA:2"
 
 
+async def test_calls_the_bus_cannot_take_are_spilled_and_published_by_the_next_proxy(tmp_path, tok, run_id):
+    """Nothing is lost while the bus is down: a call whose `call.completed` gets no PubAck
+    within retry_timeout_s, and one still unacknowledged when the proxy shuts down, go to
+    the spill file; the next proxy publishes them before it serves and numbers on after
+    them."""
+    from bus.server import NatsServer
+
+    server = NatsServer.start(tmp_path / "nats")
+    port = int(server.url.rsplit(":", 1)[1])
+    bus = await Bus.connect(server.url, token=server.token, run=run_id, name="t",
+                            config=BusConfig(reconnect_wait_s=0.1, timeout_s=0.3, publish_attempts=1))
+    spill = tmp_path / "proxy-unpublished.jsonl"
+    stack = Stack(tok, bus, run_id)
+    try:
+        await bus.ensure_streams()
+        engine = await stack.engine(["one", "two", "three", "four"])
+        await stack.proxy(engine=engine, spill_file=str(spill), retry_timeout_s=0.5)
+        client = stack.client("exs")
+        history = [SYSTEM, TASK]
+        for _ in range(3):
+            if len(history) == 4:  # the first call is stored; then the bus goes away
+                server.stop()
+            r = await client.chat.completions.create(model="m", messages=history)
+            history += [{"role": "assistant", "content": r.choices[0].message.content},
+                        {"role": "user", "content": "go on"}]
+            if len(history) == 6:  # the second call's publish gives up after retry_timeout_s
+                for _ in range(200):
+                    if spill.exists():
+                        break
+                    await asyncio.sleep(0.02)
+                assert len(spill.read_bytes().splitlines()) == 1
+        await stack.state.drain(0.2)  # the third is still waiting for its PubAck
+        assert len(spill.read_bytes().splitlines()) == 2
+        server = await asyncio.to_thread(NatsServer.start, tmp_path / "nats", port=port, token=server.token)
+        cfg = Config(run=run_id, key_secret=SECRET, nats_url=server.url, nats_token=server.token,
+                     engine_url=engine.url, spill_file=str(spill), shutdown_grace_s=5.0)
+        stop, started, urls = asyncio.Event(), asyncio.Event(), []
+        task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: (urls.append(url), started.set())))
+        try:
+            await asyncio.wait_for(started.wait(), 30)
+            assert not spill.exists()
+            async with openai.AsyncOpenAI(base_url=urls[0] + "/v1", api_key=execution_key(SECRET, "exs"),
+                                          max_retries=0) as again:
+                await again.chat.completions.create(model="m", messages=[TASK])
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 20)
+        events = await stack.calls(4)
+        assert [(e.seq, e.status) for e in events] == [(0, "ok"), (1, "ok"), (2, "ok"), (3, "ok")]
+        assert [tok.decode(e.tokens.completion_ids[:-1]) for e in events] == ["one", "two", "three", "four"]
+        assert events[2].parent_call == "exs:1" and events[3].parent_call is None
+    finally:
+        await stack.close()
+        await bus.close()
+        server.stop()
+
+
 async def test_max_calls_holds_across_a_proxy_restart(tmp_path, tok, nats_server, run_id, bus):
     """A restarted proxy must not give a runaway execution a fresh `max_calls` allowance."""
     engine = ScriptedEngine(tok, ["one", "two", "three"])
