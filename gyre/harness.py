@@ -107,6 +107,8 @@ class LaunchRequest:
     api_key: the execution's key (`execution_key`). model: model name sent to the proxy.
     max_calls: cap on model calls (0 = none); profiles pass it on where the harness has one.
     python: interpreter of the harness environment (a venv readable by the sandbox uid).
+    context_tokens: the policy's context window in tokens (0 = not known); profiles pass it
+      on where the harness takes one, so that it compacts before the proxy must refuse.
     """
 
     execution: str
@@ -118,6 +120,7 @@ class LaunchRequest:
     model: str
     max_calls: int = 0
     python: str = sys.executable
+    context_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -250,13 +253,19 @@ def claude_code(req: LaunchRequest) -> HarnessCommand:
                           path_dirs=(str(prefix / "bin"),))
 
 
-def codex_config(proxy_url: str, model: str) -> str:
+def codex_config(proxy_url: str, model: str, context_tokens: int = 0) -> str:
     """`$CODEX_HOME/config.toml` for one execution: a custom provider at `<proxy>/v1`
     speaking Responses, the key from CODEX_KEY_ENV, no approvals, no sandbox of its own (gyre
-    confines it), no update check, analytics off."""
+    confines it), no update check, analytics off; `model_context_window` = context_tokens
+    when known. Codex knows no window for a model name it does not ship, and then never
+    compacts: a rollout that outgrows the context ends in `turn.failed` on the proxy's
+    `context_length_exceeded` (Codex CLI 0.171, measured), where with the window set it
+    compacts first and goes on."""
     template = (HARNESS_DIR / "codex_config.toml").read_text()
+    window = f"model_context_window = {int(context_tokens)}" if context_tokens > 0 else ""
     return template.replace("@BASE_URL@", json.dumps(f"{proxy_url.rstrip('/')}/v1")).replace(
-        "@MODEL@", json.dumps(model)).replace("@ENV_KEY@", json.dumps(CODEX_KEY_ENV))
+        "@MODEL@", json.dumps(model)).replace("@ENV_KEY@", json.dumps(CODEX_KEY_ENV)).replace(
+        "@CONTEXT_WINDOW@", window)
 
 
 def codex(req: LaunchRequest) -> HarnessCommand:
@@ -268,7 +277,7 @@ def codex(req: LaunchRequest) -> HarnessCommand:
            "NO_COLOR": "1"}
     tmp_env, files = _own_tmp(req)
     env.update(tmp_env)
-    files[".codex/config.toml"] = codex_config(req.proxy_url, req.model)
+    files[".codex/config.toml"] = codex_config(req.proxy_url, req.model, req.context_tokens)
     return HarnessCommand(argv=argv, env=env, files=files, readonly=_npm_readonly(prefix),
                           path_dirs=(str(prefix / "bin"),))
 

@@ -59,6 +59,8 @@ class Config:
     concurrency: executions running at once.
     sandbox: confinement (uid, mode, extra read-only paths).
     proxy_wait_s: seconds to wait for proxy.json before failing the execution (retried).
+    context_tokens: the policy's context window in tokens, passed to harnesses that take one
+      (`LaunchRequest.context_tokens`); 0 = not known.
     """
 
     run: str
@@ -73,10 +75,13 @@ class Config:
     concurrency: int = 16
     sandbox: SandboxConfig = SandboxConfig()
     proxy_wait_s: float = 60.0
+    context_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError(f"runner concurrency must be >= 1, got {self.concurrency}")
+        if self.context_tokens < 0:
+            raise ValueError(f"runner context_tokens must be >= 0 (0 = not known), got {self.context_tokens}")
         try:
             secret = bytes.fromhex(self.key_secret)
         except ValueError:
@@ -91,7 +96,7 @@ def config_from_context(ctx: RunContext, _args=None) -> Config:
     h = ctx.recipe.harness
     return Config(run=ctx.run, nats_url=ctx.nats_url, nats_token=ctx.nats_token, run_dir=ctx.run_dir,
                   tasks=ctx.recipe.tasks.set, key_secret=ctx.key_secret.hex(), concurrency=h.concurrency,
-                  proxy_url=os.environ.get("GYRE_PROXY_URL", ""))
+                  proxy_url=os.environ.get("GYRE_PROXY_URL", ""), context_tokens=ctx.recipe.engine.max_context_tokens)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -200,7 +205,8 @@ class Runner:
         req = harnesses.LaunchRequest(
             execution=event.info.execution, task=task, workspace=paths.workspace, home=paths.home,
             proxy_url=proxy_url, api_key=harnesses.execution_key(self.secret, event.info.execution),
-            model=self.cfg.model, max_calls=event.max_calls, python=self.cfg.python)
+            model=self.cfg.model, max_calls=event.max_calls, python=self.cfg.python,
+            context_tokens=self.cfg.context_tokens)
         cmd = profile(req)
         paths.home.mkdir(parents=True, exist_ok=True)
         write_files(paths.home, cmd.files)

@@ -22,6 +22,7 @@ whose API the proxy does not serve yet (its route is missing) is skipped.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -33,6 +34,7 @@ from aiohttp import web
 import schemas
 from bus import Bus, BusConfig
 from gyre import harness as harnesses
+from gyre.roles import CODEX_COMPACT_REQUEST
 from gyre.sandbox import SandboxConfig, base_env, confine
 from gyre.tasks import load_tasks
 from gyre.tokenizer import build_tokenizer
@@ -136,7 +138,8 @@ class Stack:
         self.url = f"http://127.0.0.1:{self.web.addresses[0][1]}"
         rcfg = RunnerConfig(run=self.run_id, nats_url=self.nats.url, nats_token=self.nats.token,
                             run_dir=self.run_dir, tasks=str(self.tasks_file), key_secret=SECRET.hex(),
-                            proxy_url=self.url, concurrency=8)
+                            proxy_url=self.url, concurrency=8,
+                            context_tokens=proxy_overrides.get("context_tokens", 0))
         self.runner_cfg = rcfg
         self._bg.append(asyncio.create_task(runner_mod.run(rcfg, self.stop)))
         self._bg.append(asyncio.create_task(self.bus.replay(["execution.started", "execution.finished", "call.completed"],
@@ -366,6 +369,42 @@ async def test_claude_code_compacts_when_the_proxy_says_its_prompt_is_too_long(t
         await engine.stop()
 
 
+async def test_codex_compacts_when_told_the_policys_context(tok, nats_server, run_id, run_dir):
+    """Codex CLI knows no context window for a model name it does not ship: without one it
+    never compacts, and a rollout that outgrows the policy's context ends in `turn.failed`
+    (exit 1) on the proxy's `context_length_exceeded`. The runner passes the context on
+    (`model_context_window`): Codex compacts before the limit and finishes."""
+    wanted(["codex"])
+    context = 6_400  # Codex's instructions and tools are ≈ 5.3k tokens
+
+    def answer(body: dict) -> str:
+        text = tok.decode(body["input_ids"], skip_special_tokens=False)
+        if CODEX_COMPACT_REQUEST in text[-4000:]:
+            return "Summary: printed the numbers 1 to 200 once."
+        if "Summary:" in text or "seq 1 200" in text:
+            return "Done: the numbers were printed."
+        return tool_call("exec_command", {"cmd": "seq 1 200"})
+
+    engine = ScriptedEngine(tok, callback=answer, context_length=context)
+    await engine.start()
+    stack = Stack(tok, nats_server, run_id, run_dir)
+    try:
+        await stack.start(engine.url, context_tokens=context)
+        await stack.dispatch("codex", "codex", timeout_s=150.0, max_calls=10)
+        await stack.wait_finished(["codex"], 200.0)
+        done = stack.finished["codex"]
+        assert (done.status, done.exit_code) == ("ok", 0), f"{done.status} {done.exit_code}\n{stack.log('codex')}"
+        calls = await stack.recorded_calls("codex")
+        assert_recorded(stack, "codex", calls)
+        assert_no_proxy_errors(stack)
+        kinds = [(c.role, c.meta.get("request_kind")) for c in calls]
+        assert ("main-summary", "compaction") in kinds and kinds[0][0] == "main", kinds
+        assert all(c.status == "ok" for c in calls)
+    finally:
+        await stack.close()
+        await engine.stop()
+
+
 async def test_harnesses_run_to_their_end_on_the_random_model(tok, nats_server, run_id, run_dir, tmp_path):
     from gyre.engine import Engine, EngineConfig
     from gyre.model import init_model
@@ -423,6 +462,9 @@ def test_npm_profiles_build_their_command_lines(tmp_path):
                         "wire_api": "responses"}
     assert (conf["model"], conf["approval_policy"], conf["sandbox_mode"]) == ("gyre", "never", "danger-full-access")
     assert conf["check_for_update_on_startup"] is False and conf["analytics"]["enabled"] is False
+    assert "model_context_window" not in conf  # not known: Codex's own default
+    windowed = harnesses.get_profile("codex")(dataclasses.replace(req, context_tokens=32768))
+    assert tomllib.loads(windowed.files[".codex/config.toml"])["model_context_window"] == 32768
 
 
 def test_playbook_picks_rule_and_turn_from_the_prompt(tok):
