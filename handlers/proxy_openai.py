@@ -17,8 +17,9 @@ chat messages: `message` items (roles user/assistant/system/developer → system
 `namespace`, `web_search`, `custom`, … are tolerated. `max_output_tokens`,
 `temperature`, `top_p`. The proxy stores no responses or conversations: a request naming
 `previous_response_id` or `conversation` is refused (400, `previous_response_not_found`
-as the hosted API answers an unknown id) rather than answered without the history it
-stands for. Answers: output items `reasoning` (summary text), `message`
+as the hosted API answers an unknown id), and so is an `item_reference` input item,
+rather than answered without the history it stands for. `text.format` (a JSON schema),
+`reasoning.effort`, `tool_choice` and `background` are accepted and not acted on. Answers: output items `reasoning` (summary text), `message`
 (one `output_text` part) and `function_call` (ids `fc_…`, call ids `call_…`); a stream is
 `response.created`, `response.in_progress`, per item `response.output_item.added`,
 (`response.content_part.added`, `response.output_text.delta`…, `response.output_text.done`,
@@ -192,8 +193,9 @@ def responses_messages(body: dict) -> list[dict]:
             if not isinstance(call_id, str) or not isinstance(name, str):
                 raise ApiError(400, f"{where} needs string 'call_id' and 'name'", param="input")
             if kind == "function_call":
-                args = item.get("arguments")
-                args = args if isinstance(args, str) else "{}"
+                args = item.get("arguments")  # JSON text; an object is taken as what it stands for
+                args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False) if isinstance(
+                    args, dict) else "{}"
             else:
                 args = json.dumps({"input": item.get("input") or ""}, ensure_ascii=False)
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
@@ -207,6 +209,9 @@ def responses_messages(body: dict) -> list[dict]:
                 raise ApiError(400, f"{where} needs a string 'call_id'", param="input")
             out.append({"role": "tool", "tool_call_id": call_id,
                         "content": _parts_text(item.get("output"), f"{where}.output")})
+        elif kind == "item_reference":  # a stored item: as `previous_response_id`, not to be dropped
+            raise ApiError(400, f"{where}: item with id {str(item.get('id'))[:200]!r} not found: this proxy "
+                                "stores no items; send the item itself", param="input")
         # `reasoning` items (our own summaries echoed back, possibly encrypted) and unknown
         # kinds carry nothing the template renders: TITO restores recorded reasoning itself.
     if not out:

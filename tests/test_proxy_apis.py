@@ -496,6 +496,18 @@ async def test_profile_configured_per_execution_from_execution_started(local):
     assert (roles.role, roles.harness) == ("main", "mini-swe-agent")
 
 
+def test_responses_function_call_arguments_given_as_an_object_keep_their_values():
+    """`arguments` is JSON text on the wire; a client that sends the object itself means the
+    same call (it used to be rendered as `{}`)."""
+    from handlers.proxy_openai import responses_messages
+
+    items = [{"type": "message", "role": "user", "content": "List files."},
+             {"type": "function_call", "call_id": "c1", "name": "bash", "arguments": {"cmd": "ls", "n": 2}},
+             {"type": "function_call_output", "call_id": "c1", "output": "a.txt"}]
+    (call,) = responses_messages({"input": items})[1]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"cmd": "ls", "n": 2}
+
+
 def test_unique_ids():
     ids = [unique_hex() for _ in range(10_000)]
     assert len(set(ids)) == len(ids) and all(len(i) == 24 and int(i, 16) >= 0 for i in ids)
