@@ -16,9 +16,11 @@ from the request headers (names lower-case):
 - `generic`: anything else.
 
 Rules (`classify`), in order:
-1. `auxiliary`: `count_tokens`; a call asking for a JSON-schema answer with no tools
-   (title generation); for `claude-code`, a model name containing `haiku` (the small
-   side model).
+1. `auxiliary`: `count_tokens`; for `claude-code`, a call asking for a JSON-schema
+   answer with no tools (its title generation) and a model name containing `haiku` (the
+   small side model). Other harnesses' schema-constrained calls stay agent calls: an
+   agent built on structured outputs may send nothing else, and none of them was seen
+   making titles.
 2. Agent: `claude-code` calls with an `x-claude-code-agent-id` header are `sub-agent`;
    `codex` calls with an `x-openai-subagent` header (unobserved; `compact` there means
    compaction, anything else a sub-agent); everything else is `main`.
@@ -184,7 +186,7 @@ def classify(facts: CallFacts, profile: str | None = None) -> Classification:
     if facts.api == "count_tokens":
         meta["request_kind"] = "count_tokens"
         return Classification("auxiliary", harness, meta)
-    if facts.json_output and facts.tools == 0:
+    if harness == "claude-code" and facts.json_output and facts.tools == 0:
         meta.setdefault("request_kind", "title")
         return Classification("auxiliary", harness, meta)
     if harness == "claude-code" and any(m in facts.model.lower() for m in SMALL_MODEL_MARKERS):

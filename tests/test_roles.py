@@ -69,7 +69,10 @@ def test_auxiliary_calls():
     assert classify(facts(CC, user("explore"), model="claude-haiku-4-5-20251001")).role == "auxiliary"
     counted = classify(facts(CC, user("fix it"), api="count_tokens"))
     assert counted.role == "auxiliary" and counted.meta["request_kind"] == "count_tokens"
-    assert classify(facts({}, user("x"), api="chat", tools=0, json_output=True)).role == "auxiliary"
+    # Elsewhere a schema-constrained call without tools is the agent's own (structured-output
+    # agents send nothing else): trained, not auxiliary.
+    assert classify(facts({}, user("x"), api="chat", tools=0, json_output=True)).role == "main"
+    assert classify(facts(CODEX, user("x"), api="responses", tools=0, json_output=True)).role == "main"
 
 
 def test_codex_compaction_and_continuation():
