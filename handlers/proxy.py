@@ -61,7 +61,9 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   `object_threshold_bytes` carries its token arrays in the object store under
   `calls/<execution>/<seq>` (orjson `{"prompt_ids", "completion_ids", "logprobs"}`) and
   the key in `tokens_ref`. A `call.completed` without its PubAck after `retry_timeout_s`,
-  or at shutdown, is spilled to `Config.spill_file` and published by the next proxy.
+  or at shutdown, is spilled to `Config.spill_file` and published once the bus is back
+  (every `SPILL_RETRY_S`) or by the next proxy before it serves. A proxy serves once its
+  replay of the run's events (`REPLAYED`) has caught up.
 - `call.completed.finish_reason` is the engine's (`stop` | `length`), never inferred
   from the last token; the stop token stays in `completion_ids`. Stop strings (OpenAI
   `stop`, Anthropic `stop_sequences`) go to the engine and into `sampling.stop`; when the
@@ -160,6 +162,8 @@ KEY_CACHE = 65_536
 """Valid API keys whose execution `ProxyState.execution_of` keeps (least recently used
 dropped); rejected keys are never kept, so unauthenticated requests cannot fill it."""
 
+SPILL_RETRY_S = 30.0
+"""How often a serving proxy tries to publish what it spilled (`_resend_spilled`)."""
 REPLAYED = ("cell.switched", "route.updated", "execution.started", "execution.finished")
 """Events the proxy's state is rebuilt from (`ProxyState.handle_event`)."""
 
@@ -442,6 +446,7 @@ class ProxyState:
             ex.wire = {}
             ex.finished = True
             self.router.sticky.pop(event.info.execution, None)
+            self.router.routes.pop(event.info.execution, None)
 
     def resume_seqs(self, event_ids: Iterable[str]) -> int:
         """Continue each execution's seq after the highest of its `call.completed` event ids
@@ -611,17 +616,24 @@ class ProxyState:
         log.error("proxy.call.lost", calls=len(outs), why=why, event_ids=event_ids)
 
     async def republish(self) -> int:
-        """Publish the calls an earlier proxy spilled (`Config.spill_file`), then remove the
-        file; before serving, so that `resume_seqs` sees their ids. Returns the number
-        published. An unreadable line (a write cut short) is kept in `<spill_file>.unreadable`
+        """Publish the calls spilled to `Config.spill_file` (by an earlier proxy: before
+        serving, so that `resume_seqs` sees their ids; by this one: `_resend_spilled`), then
+        remove the file. The file is first renamed to `sending_path()`, so that calls spilled
+        meanwhile start a new one; a `sending_path()` left by an attempt that failed goes
+        first. Returns the number published. An unreadable line (a write cut short) is kept in `<spill_file>.unreadable`
         and logged. Raises RuntimeError when one is still not acknowledged after
         `retry_timeout_s`: the file is then kept (what went out meanwhile goes again, as a
         duplicate), and this proxy must not serve."""
-        path = Path(self.cfg.spill_file) if self.cfg.spill_file else None
-        if path is None or self.bus is None or not path.exists():
+        if not self.cfg.spill_file or self.bus is None:
             return 0
+        path, sending = Path(self.cfg.spill_file), self.sending_path()
+        if not sending.exists():
+            try:  # new spills go to a fresh file meanwhile
+                os.replace(path, sending)
+            except FileNotFoundError:
+                return 0
         good, bad = [], []
-        for line in path.read_bytes().splitlines():
+        for line in sending.read_bytes().splitlines():
             if not line.strip():
                 continue
             try:
@@ -634,14 +646,18 @@ class ProxyState:
                 log.error("proxy.spill.unreadable", spill_file=str(path), error=repr(exc), line=line[:200])
         for event, tokens_json in good:
             if not await self._publish(Outgoing(event, tokens_json), may_have_landed=True):
-                raise RuntimeError(f"could not publish the calls spilled in {path} (call {event.call}); "
-                                   "is the bus up? the file is kept for the next start")
+                raise RuntimeError(f"could not publish the calls spilled in {sending} (call {event.call}); "
+                                   "is the bus up? the file is kept and tried again")
         if bad:
             with open(f"{path}.unreadable", "ab") as f:
                 f.write(b"".join(line + b"\n" for line in bad))
-        path.unlink()
+        sending.unlink()
         log.warning("proxy.spill.republished", calls=len(good), unreadable=len(bad), spill_file=str(path))
         return len(good)
+
+    def sending_path(self) -> Path:
+        """Where `republish` moves the spill file while it publishes its calls."""
+        return Path(f"{self.cfg.spill_file}.sending")
 
     async def _publish(self, out: Outgoing, may_have_landed: bool = False) -> bool:
         """True once stored (or known), False when still failing after retry_timeout_s.
@@ -1060,7 +1076,7 @@ async def run(cfg: Config, stop: asyncio.Event,
     bus = None
     if cfg.nats_url:
         bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="proxy", stop=stop)
-    session = runner = replay = state = None
+    session = runner = replay = state = resend = None
     thresholds = gc.get_threshold()
     tuned = False
     try:
@@ -1078,6 +1094,14 @@ async def run(cfg: Config, stop: asyncio.Event,
         await state.republish()
         if bus is not None and not await _resumed(state, bus, stop):
             return
+        if bus is not None:
+            # The run's routes, cells and finished executions are known before the first call:
+            # a finished execution's key must not be served while the replay catches up.
+            caught_up = asyncio.Event()
+            replay = asyncio.create_task(bus.replay(REPLAYED, state.handle_event, stop=stop, caught_up=caught_up))
+            if not await _caught_up(caught_up, replay, stop):
+                return
+            resend = asyncio.create_task(_resend_spilled(state, stop))
         runner, url = await start(state)
         if cfg.tune_gc:
             gc.collect()
@@ -1092,10 +1116,10 @@ async def run(cfg: Config, stop: asyncio.Event,
         log.info("proxy.started", url=url, engine_url=cfg.engine_url or None, bus=bool(bus))
         if on_started is not None:
             on_started(state, url)
-        if bus is not None:
-            replay = asyncio.create_task(bus.replay(REPLAYED, state.handle_event, stop=stop))
         await stop.wait()
     finally:
+        if resend is not None:
+            resend.cancel()
         if runner is not None:
             await runner.shutdown()
             await runner.cleanup()
@@ -1127,6 +1151,43 @@ async def _serving_proxy(session: Any, url_file: Path, run: str, timeout_s: floa
         return url if resp.status == 200 and isinstance(body, dict) and body.get("run") == run else None
     except Exception:  # noqa: BLE001 - nothing of ours serves there
         return None
+
+
+async def _caught_up(caught_up: asyncio.Event, replay: asyncio.Task, stop: asyncio.Event) -> bool:
+    """Wait until the replay has handled the history stored at its start; False when `stop`
+    comes first. Raises what the replay raised, should it end before."""
+    t0 = time.monotonic()
+    waits = {asyncio.ensure_future(caught_up.wait()), asyncio.ensure_future(stop.wait())}
+    try:
+        await asyncio.wait({*waits, replay}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+    if caught_up.is_set():
+        log.info("proxy.replay.caught_up", seconds=round(time.monotonic() - t0, 3))
+        return True
+    if replay.done() and not stop.is_set():
+        replay.result()  # its error
+        raise RuntimeError("the proxy's replay of the run's events ended before it caught up")
+    return False
+
+
+async def _resend_spilled(state: ProxyState, stop: asyncio.Event) -> None:
+    """While serving: publish what this proxy spilled once the bus takes events again
+    (`ProxyState.republish`, every SPILL_RETRY_S while a spill file exists), so that a bus
+    outage longer than `retry_timeout_s` delays calls without a restart."""
+    path = Path(state.cfg.spill_file) if state.cfg.spill_file else None
+    while path is not None and not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), SPILL_RETRY_S)
+            return
+        except asyncio.TimeoutError:
+            pass
+        if path.exists() or state.sending_path().exists():
+            try:
+                await state.republish()
+            except Exception as exc:  # noqa: BLE001 - kept on disk; tried again later and at the next start
+                log.warning("proxy.spill.republish_failed", error=repr(exc), retry_in_s=SPILL_RETRY_S)
 
 
 async def _resumed(state: ProxyState, bus: Any, stop: asyncio.Event) -> bool:

@@ -3,6 +3,7 @@ nats-server and bus; `call.completed` read back through the builder's JetStream 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 
@@ -21,6 +22,7 @@ from gyre.harness import execution_key
 from gyre.tito import CallStore
 from gyre.tokenizer import IM_END, build_tokenizer
 from handlers.engine_client import make_session
+from handlers import proxy as proxy_mod
 from handlers.proxy import Config, ProxyState, run, start
 from handlers.scripted_engine import ScriptedEngine, load_script
 from schemas import ids
@@ -529,6 +531,78 @@ async def test_calls_the_bus_cannot_take_are_spilled_and_published_by_the_next_p
         await stack.close()
         await bus.close()
         server.stop()
+
+
+async def test_spilled_calls_go_out_once_the_bus_is_back_without_a_restart(tmp_path, tok, run_id, monkeypatch):
+    """A serving proxy publishes what it spilled once JetStream takes events again: a bus
+    outage longer than retry_timeout_s delays calls, and their children are not left
+    waiting for a parent until the proxy restarts."""
+    from bus.server import NatsServer
+
+    monkeypatch.setattr(proxy_mod, "SPILL_RETRY_S", 0.1)
+    server = NatsServer.start(tmp_path / "nats")
+    port = int(server.url.rsplit(":", 1)[1])
+    bus = await Bus.connect(server.url, token=server.token, run=run_id, name="t",
+                            config=BusConfig(reconnect_wait_s=0.1, timeout_s=0.3, publish_attempts=1))
+    spill = tmp_path / "proxy-unpublished.jsonl"
+    stack, stop = Stack(tok, bus, run_id), asyncio.Event()
+    resend = None
+    try:
+        await bus.ensure_streams()
+        engine = await stack.engine(["one", "two"])
+        await stack.proxy(engine=engine, spill_file=str(spill), retry_timeout_s=0.5)
+        resend = asyncio.create_task(proxy_mod._resend_spilled(stack.state, stop))
+        server.stop()
+        client = stack.client("exr")
+        r = await client.chat.completions.create(model="m", messages=[SYSTEM, TASK])
+        for _ in range(200):
+            if spill.exists():
+                break
+            await asyncio.sleep(0.02)
+        assert spill.exists()
+        server = await asyncio.to_thread(NatsServer.start, tmp_path / "nats", port=port, token=server.token)
+        await client.chat.completions.create(model="m", messages=[SYSTEM, TASK, {"role": "assistant", "content":
+                                                                                  r.choices[0].message.content},
+                                                                  {"role": "user", "content": "go on"}])
+        events = await stack.calls(2, timeout_s=20)
+        assert [(e.seq, e.parent_call) for e in events] == [(0, None), (1, "exr:0")]
+        assert not spill.exists() and not stack.state.sending_path().exists()
+    finally:
+        stop.set()
+        if resend is not None:
+            await asyncio.wait_for(resend, 5)
+        await stack.close()
+        await bus.close()
+        server.stop()
+
+
+async def test_a_restarted_proxy_refuses_a_finished_execution_from_its_first_call(tok, nats_server, run_id, bus):
+    """The proxy serves only once its replay of the run's events has caught up: a restarted
+    proxy must not record a call of an execution that finished before it started."""
+    engine = ScriptedEngine(tok, ["one"])
+    await engine.start()
+    info = ExecutionInfo(execution="exF", task="t", group="s0-g0", step=0, harness="toy", group_size=1,
+                         step_groups=1)
+    for n in range(1000):  # a run's history before it: the replay takes a while
+        other = dataclasses.replace(info, execution=f"other{n}")
+        await bus.publish(ExecutionFinished(event_id=ids.finished(run_id, other.execution), info=other, status="ok",
+                                            workspace=""))
+    await bus.publish(ExecutionFinished(event_id=ids.finished(run_id, "exF"), info=info, status="ok", workspace=""))
+    cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
+                 engine_url=engine.url, shutdown_grace_s=5.0)
+    stop, started, urls = asyncio.Event(), asyncio.Event(), []
+    task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: (urls.append(url), started.set())))
+    try:
+        await asyncio.wait_for(started.wait(), 30)
+        async with openai.AsyncOpenAI(base_url=urls[0] + "/v1", api_key=execution_key(SECRET, "exF"),
+                                      max_retries=0) as client:
+            with pytest.raises(openai.PermissionDeniedError):
+                await client.chat.completions.create(model="m", messages=[TASK])
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+        await engine.stop()
+    assert engine.requests == []
 
 
 async def test_max_calls_holds_across_a_proxy_restart(tmp_path, tok, nats_server, run_id, bus):
