@@ -128,6 +128,8 @@ class BuilderPolicy:
             tree = self.trees.get(execution)
             if tree is None:
                 continue
+            if tree.pending:  # their parent never arrived (a call lost on its way): not trained
+                log.warning("builder.calls.orphaned", execution=execution, group=group, calls=tree.pending)
             kept = trajectories(tree, j_max=self.j_max, rng=random.Random(f"{self.seed}:{execution}"),
                                 max_staleness=self.max_staleness, trained_step=step)
             sample = Sample(execution=execution, advantage=advantages[execution], trajectories=tuple(kept))

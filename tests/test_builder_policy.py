@@ -1,5 +1,6 @@
 """Builder policy: groups finalise when all scored; steps seal; facts are idempotent."""
 import numpy as np
+import structlog.testing
 
 import schemas
 from gyre.builder import BuilderPolicy
@@ -73,3 +74,17 @@ def test_placeholder_and_excluded_leave_E():
     ms, sealed = p.add_score(_score("d", "g", None, outcome="excluded", group_size=4, step_groups=1))
     assert sealed.executions == 2 and sealed.excluded == 1
     assert set(ms[0].executions) == {"a", "b"}
+
+
+def test_a_call_whose_parent_never_arrived_is_named_when_its_group_is_finalised():
+    """A call waits in its tree for its parent; when the group is finalised without it (the
+    parent's `call.completed` was lost), the builder says so instead of dropping it unseen."""
+    p = BuilderPolicy()
+    p.add_call(_call("a", 0, [1], [2]))
+    p.add_call(_call("a", 2, [1, 2, 4], [5], parent="a:1", prefix=3))
+    p.add_call(_call("b", 0, [1], [3]))
+    with structlog.testing.capture_logs() as logs:
+        p.add_score(_score("a", "g", 1.0))
+        p.add_score(_score("b", "g", 0.0))
+    orphaned = [e for e in logs if e["event"] == "builder.calls.orphaned"]
+    assert [(e["execution"], e["calls"]) for e in orphaned] == [("a", 1)]
