@@ -445,8 +445,7 @@ class ProxyState:
             ex.store = ex.memo = None
             ex.wire = {}
             ex.finished = True
-            self.router.sticky.pop(event.info.execution, None)
-            self.router.routes.pop(event.info.execution, None)
+            self.router.forget(event.info.execution)
 
     def resume_seqs(self, event_ids: Iterable[str]) -> int:
         """Continue each execution's seq after the highest of its `call.completed` event ids

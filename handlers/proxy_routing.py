@@ -11,6 +11,7 @@ there, so the caller cancels it, aborts it upstream and retries elsewhere.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import math
 import operator
@@ -65,6 +66,9 @@ class Router:
         self.cells: dict[str, str] = {}
         self.routes: dict[str, str] = {}
         self.sticky: dict[str, str] = {}
+        self._load: collections.Counter[str] = collections.Counter()
+        """cell → executions sticky to it (`load`), kept with `sticky`: counting them on
+        every pick took 6 ms of the event loop at 20,000 live executions on 16 cells."""
         self.inflight: dict[str, set[Attempt]] = {}
         self._changed = asyncio.Event()
 
@@ -106,7 +110,26 @@ class Router:
                 del self.inflight[attempt.cell]
 
     def load(self, cell: str) -> int:
-        return sum(1 for c in self.sticky.values() if c == cell)
+        """Executions sticky to `cell`."""
+        return self._load[cell]
+
+    def _stick(self, execution: str, cell: str) -> None:
+        old = self.sticky.get(execution)
+        if old == cell:
+            return
+        if old is not None:
+            self._load[old] -= 1
+        self.sticky[execution] = cell
+        self._load[cell] += 1
+
+    def forget(self, execution: str) -> None:
+        """Drop a finished execution's sticky cell and route."""
+        old = self.sticky.pop(execution, None)
+        if old is not None:
+            self._load[old] -= 1
+            if not self._load[old]:
+                del self._load[old]
+        self.routes.pop(execution, None)
 
     def pick(self, execution: str, avoid: frozenset[str] = frozenset()) -> tuple[str, str] | None:
         """(cell, engine URL) for `execution`, or None when no engine is known.
@@ -123,7 +146,7 @@ class Router:
                     break
             if choice is None:
                 choice = min(usable, key=lambda c: (self.load(c), c))
-            self.sticky[execution] = choice
+            self._stick(execution, choice)
             return choice, self.cells[choice]
         if self.static_url:
             return self.static_cell, self.static_url

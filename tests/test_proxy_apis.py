@@ -508,6 +508,30 @@ def test_responses_function_call_arguments_given_as_an_object_keep_their_values(
     assert json.loads(call["function"]["arguments"]) == {"cmd": "ls", "n": 2}
 
 
+def test_router_spreads_new_executions_by_sticky_load_and_forgets_finished_ones():
+    """The least-loaded cell is chosen from counts kept with `sticky` (not recounted per
+    pick); moves, routes and finished executions keep them exact."""
+    import random
+
+    router = Router()
+    for n in range(4):
+        router.handle_cell_switched(CellSwitched(event_id=f"s{n}", cell=f"c{n}", seq=0, from_role="idle",
+                                                 to_role="rollout", durations={}, engine_url=f"http://e{n}"))
+    rng = random.Random(0)
+    for n in range(400):
+        router.pick(f"x{n}", avoid=frozenset({f"c{rng.randrange(4)}"}) if n % 3 == 0 else frozenset())
+        if n % 5 == 0:
+            router.forget(f"x{rng.randrange(n + 1)}")
+        if n % 7 == 0:
+            router.handle_route_updated(RouteUpdated(event_id=f"r{n}", seq=n, routes=(
+                Route(execution=f"x{rng.randrange(n + 1)}", cell=f"c{rng.randrange(4)}"),)))
+    brute = {c: sum(1 for v in router.sticky.values() if v == c) for c in router.cells}
+    assert {c: router.load(c) for c in router.cells} == brute
+    assert max(brute.values()) - min(brute.values()) <= 40  # spread, not piled on one cell
+    router.forget("x1")
+    assert "x1" not in router.sticky and "x1" not in router.routes
+
+
 def test_unique_ids():
     ids = [unique_hex() for _ in range(10_000)]
     assert len(set(ids)) == len(ids) and all(len(i) == 24 and int(i, 16) >= 0 for i in ids)
