@@ -118,7 +118,7 @@ from gyre.chat import parse_completion
 from gyre.harness import verify_key as harness_verify_key
 from gyre.roles import PROFILES, CallFacts, Classification, classify, profile_for_harness
 from gyre.tito import CallStore, Match, Pending, Prepared
-from gyre.tokenizer import fast_decoder, fast_encoder
+from gyre.tokenizer import THINK_END, fast_decoder, fast_encoder
 from handlers.engine_client import ids_json, make_session
 from handlers.proxy_anthropic import MessagesApi, parse_messages_request
 from handlers.proxy_api import (
@@ -869,7 +869,8 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
         parsed = parse_completion(text, id_prefix=api.tool_id_prefix(f"{cfg.run}:{call_id}"))
         answer = Answer(content=parsed.content, reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
                         finish=result.finish, prompt_tokens=len(prompt), completion_tokens=len(result.output_ids),
-                        rid=start.rid, created=start.created, stop_sequence=hit)
+                        rid=start.rid, created=start.created, stop_sequence=hit,
+                        reasoning_tokens=_reasoning_tokens(result.output_ids) if parsed.reasoning else 0)
         # Built before the answer goes out: an answer that cannot be recorded is never sent.
         event = state.call_event(**common, result=result, status="ok", total_s=time.monotonic() - t0,
                                  cell=result.cell)
@@ -905,6 +906,14 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
                                          code="internal_error"))
     finally:
         await reply.stop_keepalive()
+
+
+def _reasoning_tokens(output_ids: list[int]) -> int:
+    """Completion tokens up to and including the first `</think>` (0 when there is none)."""
+    try:
+        return output_ids.index(THINK_END) + 1
+    except ValueError:
+        return 0
 
 
 def _fit(req: ModelRequest, prompt_tokens: int, context: int) -> ModelRequest:

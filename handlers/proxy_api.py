@@ -121,7 +121,8 @@ class Answer:
     completion_tokens: lengths of the prompt sent and the completion sampled (stop token
     included). rid: the answer's id (`chatcmpl-…`, `resp_…`, `msg_…`). created: unix seconds.
     stop_sequence: the request's stop string the completion ended on (the text is cut
-    before it), None otherwise.
+    before it), None otherwise. reasoning_tokens: the completion's tokens up to and
+    including `</think>` (0 without reasoning): OpenAI's `reasoning_tokens` in usage.
     """
 
     content: str
@@ -133,6 +134,7 @@ class Answer:
     rid: str
     created: int
     stop_sequence: str | None = None
+    reasoning_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

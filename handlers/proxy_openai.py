@@ -100,7 +100,8 @@ class ChatApi(Api):
 
     def render(self, answer: Answer, req: ModelRequest) -> dict | list[bytes]:
         usage = {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.completion_tokens,
-                 "total_tokens": answer.prompt_tokens + answer.completion_tokens}
+                 "total_tokens": answer.prompt_tokens + answer.completion_tokens,
+                 "completion_tokens_details": {"reasoning_tokens": answer.reasoning_tokens}}
         message = answer_message(answer)
         finish = chat_finish(answer)
         head = {"id": answer.rid, "created": answer.created, "model": req.model}
@@ -315,7 +316,7 @@ class ResponsesApi(Api):
 
     def render(self, answer: Answer, req: ModelRequest) -> dict | list[bytes]:
         usage = {"input_tokens": answer.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                 "output_tokens": answer.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "output_tokens": answer.completion_tokens, "output_tokens_details": {"reasoning_tokens": answer.reasoning_tokens},
                  "total_tokens": answer.prompt_tokens + answer.completion_tokens}
         items = self.output_items(answer)
         truncated = answer.finish == "length"

@@ -145,6 +145,8 @@ async def test_responses_stream_helper_events_and_echo_extends(local, tok):  # n
     assert call.arguments == RAW_ARGS and call.call_id.startswith("call_") and call.name == "bash"
     assert final.output_text == "Let me look." and final.status == "completed"
     assert final.usage.input_tokens == len(engine.requests[0]["input_ids"])
+    think_ids = tok(THINK_CALL.partition("</think>")[0] + "</think>", add_special_tokens=False)["input_ids"]
+    assert final.usage.output_tokens_details.reasoning_tokens == len(think_ids)
     prompt0 = tok.decode(engine.requests[0]["input_ids"])
     assert prompt0.startswith("<|im_start|>system\nYou are Codex.") and '"name": "web_search"' not in prompt0
 
@@ -175,10 +177,11 @@ async def test_chat_stream_helper_parses_tool_calls(local, tok):  # noqa: F811
     client = local.client("ex4")
     tools = [{"type": "function", "function": {"name": "bash", "parameters": TOOLS_ANTHROPIC[0]["input_schema"]}}]
     async with client.chat.completions.stream(model="m", messages=[{"role": "user", "content": "go"}],
-                                              tools=tools) as s:
+                                              tools=tools, stream_options={"include_usage": True}) as s:
         final = await s.get_final_completion()
     choice = final.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    assert 0 < final.usage.completion_tokens_details.reasoning_tokens < final.usage.completion_tokens
     (tc,) = choice.message.tool_calls
     assert tc.function.arguments == RAW_ARGS and json.loads(tc.function.arguments)["note"] == "café ✓"
 
