@@ -486,8 +486,7 @@ class ProxyState:
         if ex is None:
             ex = self.executions[execution] = _Execution(store=None)
         if ex.finished:
-            raise ApiError(403, f"execution {execution!r} has finished; its key takes no more calls",
-                           "permission_error", code="execution_finished")
+            raise finished_error(execution)
         if ex.store is None:
             ex.store = CallStore(self.tokenizer, check_drift=self.cfg.check_drift)
             ex.memo = MessageMemo()
@@ -698,6 +697,12 @@ class ProxyState:
 # --------------------------------------------------------------------------- handlers
 
 
+def finished_error(execution: str) -> ApiError:
+    """The 403 for a call of an execution whose `execution.finished` was seen."""
+    return ApiError(403, f"execution {execution!r} has finished; its key takes no more calls", "permission_error",
+                    code="execution_finished")
+
+
 def authenticate(state: ProxyState, request: web.Request) -> str:
     """The execution a request's key belongs to. Raises ApiError(401)."""
     key = key_of(request)
@@ -845,6 +850,8 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
                 try:
                     result = await state.engines.generate(execution, orjson.Fragment(prompt_json), req.sampling,
                                                           call_id, attempt, len(prompt))
+                    if ex.finished:  # while it generated: its answer would land after the score
+                        raise finished_error(execution)
                     break
                 except ApiError as err:
                     # An engine's prompt-too-long names its context: learn it, and when the prompt

@@ -900,9 +900,10 @@ async def test_engine_gets_the_stores_prompt_ids_exactly(stack):
     assert set(stack.state.executions["exw"].wire) == {"exw:4", "exw:5", "exw:6"}
 
 
-async def test_a_call_answered_after_its_execution_finished_leaves_no_prompt_json(stack, run_id):
-    """`execution.finished` frees the execution's prompt JSON; a call still in flight then
-    must not put its own back (nothing would free it again)."""
+async def test_a_call_in_flight_when_its_execution_finishes_is_refused_and_not_trained(stack, run_id):
+    """A call still generating when `execution.finished` arrives (a leftover process) gets
+    the finished execution's 403 and is recorded as an `error` call (its answer would land
+    after the score); the execution's prompt JSON, freed, is not put back."""
     engine = await stack.engine(["one"], delay_s=0.3)
     await stack.proxy(engine=engine)
     client = stack.client("exl")
@@ -912,9 +913,13 @@ async def test_a_call_answered_after_its_execution_finished_leaves_no_prompt_jso
                          step_groups=1)
     await stack.state.handle_event(ExecutionFinished(event_id=ids.finished(run_id, "exl"), info=info, status="ok",
                                                      workspace=""))
-    await inflight
+    with pytest.raises(openai.PermissionDeniedError) as refused:
+        await inflight
+    assert refused.value.code == "execution_finished"
     ex = stack.state.executions["exl"]
     assert ex.store is None and ex.wire == {}
+    (event,) = await stack.calls(1)
+    assert (event.call, event.status) == ("exl:0", "error")
 
 
 async def test_a_finished_executions_key_takes_no_more_calls_in_either_api(stack, run_id):
