@@ -144,6 +144,7 @@ class Progress:
             "run": run,
             "steps": len(steps),
             "executions": len(self.finished),
+            "group_size": self.recipe.tasks.group_size,
             "executions_by_status": {s: list(self.finished.values()).count(s) for s in set(self.finished.values())},
             "excluded": len(self.excluded),
             "executions_without_calls": len(self.finished.keys() - self.calling),
@@ -189,6 +190,9 @@ def _print_summary(s: dict) -> None:
     if failed:
         print(f"note             executions that did not finish ok: {failed}; their reasons are in\n"
               f"                 runs/{s['run']}/logs/runner.log and logs/executions/")
+    elif s["steps"] and s["tokens_trained"] == 0 and s.get("group_size") == 1:
+        print("note             every group holds one execution (tasks.group_size = 1): its advantage is 0, so\n"
+              "                 GSPO had nothing to push; set tasks.group_size to 2 or more.")
     elif s["steps"] and s["tokens_trained"] == 0:
         print("note             every group had zero reward variance, so GSPO had nothing to push: a random\n"
               "                 policy scores alike on every execution of a task. `gyre run toy` grades\n"

@@ -48,3 +48,15 @@ async def test_refused_calls_and_failed_harnesses_are_counted_and_named(tmp_path
     assert "1 model calls were refused or failed" in out and "runs/r/logs/proxy.log" in out
     assert "1 of 1 harnesses exited with a non-zero code" in out
     progress.metrics.close()
+
+
+async def test_a_run_of_groups_of_one_is_told_why_nothing_was_trained(tmp_path, capsys):
+    """With one execution per group every advantage is 0: the note names the group size,
+    not the random policy."""
+    recipe = load_recipe("toy", {"tasks.group_size": 1})
+    progress = Progress(recipe, tmp_path / "metrics.jsonl")
+    summary = {**progress.summary("r", 1.0), "outcome": "done", "steps": 1, "tokens_trained": 0}
+    _print_summary(summary)
+    out = capsys.readouterr().out
+    assert "tasks.group_size = 1" in out and "random" not in out
+    progress.metrics.close()
