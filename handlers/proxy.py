@@ -600,12 +600,10 @@ class ProxyState:
                                            "tokens": orjson.Fragment(out.tokens_json) if out.tokens_json else None})
                              + b"\n" for out in outs)
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-                try:
-                    os.write(fd, lines)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                with open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as f:
+                    f.write(lines)  # all of it (os.write may write less)
+                    f.flush()
+                    os.fsync(f.fileno())
                 log.error("proxy.call.spilled", calls=len(outs), why=why, spill_file=path, event_ids=event_ids[:20],
                           hint="the run's next proxy publishes them before it serves")
                 return
@@ -613,23 +611,36 @@ class ProxyState:
                 log.error("proxy.spill.failed", spill_file=path, error=repr(exc))
         log.error("proxy.call.lost", calls=len(outs), why=why, event_ids=event_ids)
 
-    async def republish(self) -> int:
+    async def republish(self, stop: asyncio.Event | None = None) -> int:
         """Publish the calls spilled to `Config.spill_file` (by an earlier proxy: before
-        serving, so that `resume_seqs` sees their ids; by this one: `_resend_spilled`), then
-        remove the file. The file is first renamed to `sending_path()`, so that calls spilled
-        meanwhile start a new one; a `sending_path()` left by an attempt that failed goes
-        first. Returns the number published. An unreadable line (a write cut short) is kept in `<spill_file>.unreadable`
-        and logged. Raises RuntimeError when one is still not acknowledged after
-        `retry_timeout_s`: the file is then kept (what went out meanwhile goes again, as a
-        duplicate), and this proxy must not serve."""
+        serving, so that `resume_seqs` sees their ids; by this one: `_resend_spilled`), until
+        neither it nor `sending_path()` is left. The file is first renamed to
+        `sending_path()`, so that calls spilled meanwhile start a new one; a
+        `sending_path()` left by an attempt that failed goes first. Returns the number
+        published. An unreadable line (a write cut short) is kept in
+        `<spill_file>.unreadable` and logged. Raises RuntimeError when one is still not
+        acknowledged after `retry_timeout_s`: the files are then kept (what went out
+        meanwhile goes again, as a duplicate), and a starting proxy must not serve. Returns
+        early, the files kept, once `stop` is set."""
         if not self.cfg.spill_file or self.bus is None:
             return 0
+        published = 0
+        while not (stop is not None and stop.is_set()):
+            sent = await self._republish_one(stop)
+            if sent is None:
+                break
+            published += sent
+        return published
+
+    async def _republish_one(self, stop: asyncio.Event | None) -> int | None:
+        """One file's worth of `republish`: the number published, None when none was left
+        (or `stop` came)."""
         path, sending = Path(self.cfg.spill_file), self.sending_path()
         if not sending.exists():
             try:  # new spills go to a fresh file meanwhile
                 os.replace(path, sending)
             except FileNotFoundError:
-                return 0
+                return None
         good, bad = [], []
         for line in sending.read_bytes().splitlines():
             if not line.strip():
@@ -643,7 +654,9 @@ class ProxyState:
                 bad.append(line)
                 log.error("proxy.spill.unreadable", spill_file=str(path), error=repr(exc), line=line[:200])
         for event, tokens_json in good:
-            if not await self._publish(Outgoing(event, tokens_json), may_have_landed=True):
+            if not await self._publish(Outgoing(event, tokens_json), may_have_landed=True, stop=stop):
+                if stop is not None and stop.is_set():
+                    return None
                 raise RuntimeError(f"could not publish the calls spilled in {sending} (call {event.call}); "
                                    "is the bus up? the file is kept and tried again")
         if bad:
@@ -657,10 +670,10 @@ class ProxyState:
         """Where `republish` moves the spill file while it publishes its calls."""
         return Path(f"{self.cfg.spill_file}.sending")
 
-    async def _publish(self, out: Outgoing, may_have_landed: bool = False) -> bool:
-        """True once stored (or known), False when still failing after retry_timeout_s.
-        may_have_landed: an earlier attempt (a spilled call's) may be stored already, so a
-        duplicate is no other proxy's doing."""
+    async def _publish(self, out: Outgoing, may_have_landed: bool = False, stop: asyncio.Event | None = None) -> bool:
+        """True once stored (or known), False when still failing after retry_timeout_s (or
+        once `stop` is set). may_have_landed: an earlier attempt (a spilled call's) may be
+        stored already, so a duplicate is no other proxy's doing."""
         deadline = time.monotonic() + self.cfg.retry_timeout_s
         delay = self.cfg.retry_backoff_s
         event, tokens_json = out
@@ -686,6 +699,8 @@ class ProxyState:
                 return True
             except Exception as exc:  # noqa: BLE001 - keep trying within the bound; never drop silently
                 clog = log.bind(event_id=event.event_id, execution=event.execution, call=event.call)
+                if stop is not None and stop.is_set():
+                    return False
                 if time.monotonic() + delay > deadline:
                     clog.error("proxy.call.publish_failed", error=repr(exc))
                     return False
@@ -1091,7 +1106,7 @@ async def run(cfg: Config, stop: asyncio.Event,
     bus = None
     if cfg.nats_url:
         bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="proxy", stop=stop)
-    session = runner = replay = state = resend = None
+    session = runner = replay = state = resend = lock = None
     thresholds = gc.get_threshold()
     tuned = False
     try:
@@ -1103,11 +1118,13 @@ async def run(cfg: Config, stop: asyncio.Event,
 
             raise FatalError(f"a proxy of run {cfg.run} already serves at {other} ({cfg.url_file}); one proxy "
                              "per run: start this one once that one has exited")
+        if cfg.url_file:
+            lock = _run_lock(Path(cfg.url_file).with_suffix(".lock"), cfg.run)
         state = ProxyState(cfg, tokenizer, session, bus)
         # Before serving: what an earlier proxy could not publish goes out, and a restarted
         # proxy goes on after its predecessor's seqs (those included).
-        await state.republish()
-        if bus is not None and not await _resumed(state, bus, stop):
+        await _unless_stopped(state.republish(stop), stop)
+        if stop.is_set() or (bus is not None and not await _resumed(state, bus, stop)):
             return
         if bus is not None:
             # The run's routes, cells and finished executions are known before the first call:
@@ -1153,7 +1170,34 @@ async def run(cfg: Config, stop: asyncio.Event,
         if tuned:
             gc.set_threshold(*thresholds)
             gc.unfreeze()
+        if lock is not None:
+            lock.close()  # after the drain and its spill: the next proxy republishes them
         log.info("proxy.stopped")
+
+
+def _run_lock(path: Path, run: str) -> Any:
+    """Hold an exclusive lock on `path` (beside the run's url file) for this proxy's life,
+    the kernel's `flock`, released when the file is closed or the process dies. A second
+    proxy of the run is refused while the first still runs, also while it drains and
+    spills after it stopped listening (then `/health` no longer answers): it would
+    otherwise number calls before the first's spilled ones are published. Raises
+    FatalError naming the holder's pid."""
+    import fcntl
+
+    from handlers.daemon import FatalError
+
+    f = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "r+b")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = f.read().decode(errors="replace").strip() or "?"
+        f.close()
+        raise FatalError(f"a proxy of run {run} still runs (pid {holder}: serving, or finishing its calls after a "
+                         f"stop; {path}); one proxy per run: start this one once that one has exited") from None
+    f.truncate(0)
+    f.write(str(os.getpid()).encode())
+    f.flush()
+    return f
 
 
 async def _serving_proxy(session: Any, url_file: Path, run: str, timeout_s: float = 2.0) -> str | None:
@@ -1166,6 +1210,21 @@ async def _serving_proxy(session: Any, url_file: Path, run: str, timeout_s: floa
         return url if resp.status == 200 and isinstance(body, dict) and body.get("run") == run else None
     except Exception:  # noqa: BLE001 - nothing of ours serves there
         return None
+
+
+async def _unless_stopped(coro: Awaitable[Any], stop: asyncio.Event) -> None:
+    """Await `coro`, cancelled once `stop` is set (a publish may wait on a bus that is down
+    for minutes). Raises what `coro` raises."""
+    work, stopped = asyncio.ensure_future(coro), asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if not work.cancelled():
+        work.result()
 
 
 async def _caught_up(caught_up: asyncio.Event, replay: asyncio.Task, stop: asyncio.Event) -> bool:
@@ -1200,7 +1259,7 @@ async def _resend_spilled(state: ProxyState, stop: asyncio.Event) -> None:
             pass
         if path.exists() or state.sending_path().exists():
             try:
-                await state.republish()
+                await state.republish(stop)
             except Exception as exc:  # noqa: BLE001 - kept on disk; tried again later and at the next start
                 log.warning("proxy.spill.republish_failed", error=repr(exc), retry_in_s=SPILL_RETRY_S)
 

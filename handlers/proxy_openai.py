@@ -181,7 +181,8 @@ def responses_messages(body: dict) -> list[dict]:
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise ApiError(400, f"{where} must be an object", param="input")
-        kind = item.get("type") or ("message" if "role" in item else None)
+        # without a type: a message when it has a role, else a reference (only `id` is required)
+        kind = item.get("type") or ("message" if "role" in item else "item_reference" if "id" in item else None)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):

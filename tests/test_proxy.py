@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import threading
 
 import aiohttp
@@ -507,8 +508,11 @@ async def test_calls_the_bus_cannot_take_are_spilled_and_published_by_the_next_p
                         break
                     await asyncio.sleep(0.02)
                 assert len(spill.read_bytes().splitlines()) == 1
-        await stack.state.drain(0.2)  # the third is still waiting for its PubAck
-        assert len(spill.read_bytes().splitlines()) == 2
+        # A resend that failed left its file as `.sending`; the third call, still waiting for
+        # its PubAck at shutdown, starts a new spill file: the next proxy must take both.
+        spill.rename(stack.state.sending_path())
+        await stack.state.drain(0.2)
+        assert len(spill.read_bytes().splitlines()) == 1
         server = await asyncio.to_thread(NatsServer.start, tmp_path / "nats", port=port, token=server.token)
         cfg = Config(run=run_id, key_secret=SECRET, nats_url=server.url, nats_token=server.token,
                      engine_url=engine.url, spill_file=str(spill), shutdown_grace_s=5.0)
@@ -516,7 +520,7 @@ async def test_calls_the_bus_cannot_take_are_spilled_and_published_by_the_next_p
         task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: (urls.append(url), started.set())))
         try:
             await asyncio.wait_for(started.wait(), 30)
-            assert not spill.exists()
+            assert not spill.exists() and not stack.state.sending_path().exists()
             async with openai.AsyncOpenAI(base_url=urls[0] + "/v1", api_key=execution_key(SECRET, "exs"),
                                           max_retries=0) as again:
                 await again.chat.completions.create(model="m", messages=[TASK])
@@ -574,6 +578,48 @@ async def test_spilled_calls_go_out_once_the_bus_is_back_without_a_restart(tmp_p
         await stack.close()
         await bus.close()
         server.stop()
+
+
+async def test_a_starting_proxy_stops_while_the_bus_will_not_take_its_spilled_calls(tmp_path, tok, nats_server,
+                                                                                   run_id, monkeypatch):
+    """Publishing what an earlier proxy spilled may wait minutes on a bus that is down: a
+    stop meanwhile ends the start at once, and the spill file stays for the next one."""
+    spill = tmp_path / "proxy-unpublished.jsonl"
+    spill.write_bytes(b'{"event": {"not": "read yet"}, "tokens": null}\n')
+    hung = asyncio.Event()
+
+    async def hanging(self, stop):  # a publish to a bus that does not answer
+        hung.set()
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(ProxyState, "_republish_one", hanging)
+    cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
+                 spill_file=str(spill))
+    stop = asyncio.Event()
+    task = asyncio.create_task(run(cfg, stop))
+    await asyncio.wait_for(hung.wait(), 30)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert spill.exists()
+
+
+async def test_a_second_proxy_is_refused_while_the_first_still_runs_after_it_stopped_listening(tmp_path, run_id):
+    """The run lock beside proxy.json is held for the proxy's whole life, its drain and
+    spill included (when `/health` no longer answers): a second proxy is refused with the
+    holder's pid, and starts once the holder has let go."""
+    from handlers.daemon import FatalError
+
+    url_file = tmp_path / "proxy.json"
+    held = proxy_mod._run_lock(url_file.with_suffix(".lock"), run_id)
+    cfg = Config(run=run_id, key_secret=SECRET, url_file=str(url_file), shutdown_grace_s=1.0)
+    with pytest.raises(FatalError, match=f"still runs \\(pid {os.getpid()}"):
+        await asyncio.wait_for(run(cfg, asyncio.Event()), 30)
+    held.close()
+    stop, up = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: up.set()))
+    await asyncio.wait_for(up.wait(), 30)
+    stop.set()
+    await asyncio.wait_for(task, 10)
 
 
 async def test_a_restarted_proxy_refuses_a_finished_execution_from_its_first_call(tok, nats_server, run_id, bus):

@@ -202,9 +202,10 @@ async def test_state_kept_server_side_is_refused_and_any_model_can_be_retrieved(
     with pytest.raises(openai.BadRequestError) as refused:
         await client.responses.create(model="m", input=tail, conversation="conv_abc", stream=True)
     assert refused.value.param == "conversation" and "conv_abc" in refused.value.message
-    with pytest.raises(openai.BadRequestError) as refused:
-        await client.responses.create(model="m", input=[{"type": "item_reference", "id": "fc_1"}, *tail])
-    assert refused.value.param == "input" and "fc_1" in refused.value.message
+    for reference in ({"type": "item_reference", "id": "fc_1"}, {"id": "fc_1"}):  # the type is optional
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(model="m", input=[reference, *tail])
+        assert refused.value.param == "input" and "fc_1" in refused.value.message
     assert engine.requests == [] and local.store("ex5").calls == []
     assert (await client.models.retrieve("gpt-anything")).id == "gpt-anything"
     assert (await local.anthropic("ex5").models.retrieve("claude-x")).id == "claude-x"
