@@ -294,7 +294,7 @@ async def _follow(bus: Bus, progress: Progress, sup: Supervisor, timeout_s: floa
     return outcome
 
 
-async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float) -> int:
+async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float, daemons: tuple[str, ...] = DAEMONS) -> int:
     interrupted, signals = asyncio.Event(), []
     _install_interrupt(interrupted, signals)  # before anything that must be stopped exists
     (run_dir / "config.json").write_bytes(orjson.dumps(recipe.to_dict(), option=orjson.OPT_INDENT_2))
@@ -308,7 +308,8 @@ async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float) -> int
         server = NatsServer.start(run_dir / "nats")
         url, token = server.url, server.token
     try:
-        outcome = await _run_with_server(recipe, run, run_dir, timeout_s, url, token, key_secret, interrupted)
+        outcome = await _run_with_server(recipe, run, run_dir, timeout_s, url, token, key_secret, interrupted,
+                                         daemons)
     finally:
         if server is not None:
             server.stop()
@@ -318,7 +319,8 @@ async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float) -> int
 
 
 async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: float, url: str,
-                           token: str | None, key_secret: str, interrupted: asyncio.Event) -> str:
+                           token: str | None, key_secret: str, interrupted: asyncio.Event,
+                           daemons: tuple[str, ...] = DAEMONS) -> str:
     """Start the daemons, follow the run, stop them, write and print the summary; returns
     the outcome (`done`, `interrupted`, `timeout`, `daemon_failed`)."""
     from handlers.daemon import process_identity
@@ -336,6 +338,9 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
         pass
     print(f"gyre: run {run} — directory {run_dir}")
     print("gyre: follow its events from another terminal with `gyre tap`")
+    if "evaluator" not in daemons:
+        print("gyre: no built-in evaluator: the run waits for your reward service's execution.scored "
+              "(docs/reward-services.md)")
 
     t0 = time.monotonic()
     if not recipe.model.dir:
@@ -360,7 +365,7 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
             bus = await Bus.connect(url, token=token, run=run, name="gyre-run", stop=interrupted)
             await bus.ensure_streams()
         if not interrupted.is_set():
-            for name in DAEMONS:
+            for name in daemons:
                 sup.start(name, f"handlers.{name}")
             for i in range(recipe.cells.count):
                 sup.start(f"cell{i}", "handlers.cell", "--cell", f"cell{i}")
@@ -390,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE", help="override a recipe value")
     p.add_argument("--run-id", help="run id (default: <recipe name>-<UTC time>-<random>)")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds (default 3600)")
+    p.add_argument("--no-evaluator", action="store_true",
+                   help="start no built-in evaluator: an external reward service scores the executions "
+                        "(docs/reward-services.md)")
     a = p.parse_args(argv)
     try:
         recipe = load_recipe(a.recipe, _parse_overrides(a.set))
@@ -415,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(run_dir / "logs" / "run.log", "a", buffering=1) as log_file:
         configure_logging("run", file=log_file)
         try:
-            return asyncio.run(_run(recipe, run, run_dir, a.timeout))
+            daemons = tuple(d for d in DAEMONS if not (a.no_evaluator and d == "evaluator"))
+            return asyncio.run(_run(recipe, run, run_dir, a.timeout, daemons))
         except BusError as exc:  # GYRE_NATS_URL unreachable or without JetStream: one line
             print(f"gyre run: {exc}", file=sys.stderr)
             return 1

@@ -5,11 +5,14 @@ Consumes `execution.finished` of one run through its own durable consumer and pu
 Here the reward is 1.0 when `--command` exits 0 inside the preserved workspace, else 0.0.
 
     GYRE_NATS_URL=nats://127.0.0.1:PORT GYRE_NATS_TOKEN=... python reward_service_example.py RUN --command "pytest -q"
+
+It prints one line per score and exits 0 once the run's bus has gone (the run ended).
 """
-import argparse, asyncio, datetime, json, os, subprocess
+import argparse, asyncio, datetime, json, os, subprocess, sys
 
 import nats
 import nats.errors
+import nats.js.errors
 from nats.js.api import ConsumerConfig
 
 
@@ -30,15 +33,37 @@ async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("run"); p.add_argument("--command", default="test -f DONE"); p.add_argument("--timeout", type=float, default=300.0)
     a = p.parse_args()
-    nc = await nats.connect(os.environ.get("GYRE_NATS_URL", "nats://127.0.0.1:4222"), token=os.environ.get("GYRE_NATS_TOKEN"))
+    if not os.environ.get("GYRE_NATS_URL"):
+        sys.exit("set GYRE_NATS_URL (and GYRE_NATS_TOKEN) from runs/<run>/nats.json")
+    gone = asyncio.Event()
+
+    async def closed() -> None:
+        gone.set()
+
+    async def quiet(exc: Exception) -> None:  # reconnect attempts: the closed callback tells the end
+        pass
+
+    nc = await nats.connect(os.environ["GYRE_NATS_URL"], token=os.environ.get("GYRE_NATS_TOKEN"),
+                            max_reconnect_attempts=5, closed_cb=closed, error_cb=quiet)
     js = nc.jetstream()
     prefix, stream = f"gyre.v1.{a.run}", f"GYRE_{a.run.upper().replace('-', '_')}_EXECUTIONS"
-    sub = await js.pull_subscribe(f"{prefix}.execution.finished", durable="reward-example-v1", stream=stream,
-                                  config=ConsumerConfig(ack_wait=a.timeout + 60))
-    while True:
+    for _ in range(60):  # the run creates its streams a moment after it writes nats.json
+        try:
+            sub = await js.pull_subscribe(f"{prefix}.execution.finished", durable="reward-example-v1", stream=stream,
+                                          config=ConsumerConfig(ack_wait=a.timeout + 60))
+            break
+        except nats.js.errors.NotFoundError:
+            await asyncio.sleep(1)
+    else:
+        sys.exit(f"no stream {stream}: is run {a.run} started?")
+    print(f"scoring run {a.run} with {a.command!r}", flush=True)
+    while not gone.is_set():
         try:
             msgs = await sub.fetch(1, timeout=5)
         except nats.errors.TimeoutError:
+            continue
+        except nats.errors.Error:  # the connection is going: the loop ends once it has closed
+            await asyncio.sleep(1)
             continue
         for msg in msgs:
             finished = json.loads(msg.data)
@@ -46,8 +71,15 @@ async def main() -> None:
             event_id = f"{a.run}:{finished['info']['execution']}:scored:0"
             scored = {"event_id": event_id, "schema_version": 1, "info": finished["info"], "attempt": 0, **result,
                       "emitted_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
-            await js.publish(f"{prefix}.execution.scored", json.dumps(scored).encode(), headers={"Nats-Msg-Id": event_id})
-            await msg.ack()  # only after the PubAck: a crash in between re-scores, and the id deduplicates
+            try:
+                await js.publish(f"{prefix}.execution.scored", json.dumps(scored).encode(),
+                                 headers={"Nats-Msg-Id": event_id})
+                await msg.ack()  # only after the PubAck: a crash in between re-scores, and the id deduplicates
+            except nats.errors.Error as exc:  # not acked: delivered again once the bus is back
+                print(f"{finished['info']['execution']}: not published ({exc!r}); it comes back", flush=True)
+                continue
+            print(f"{finished['info']['execution']}: {result['outcome']} {result['reward']} {result['reason']}", flush=True)
+    print("the run's bus has gone: done", flush=True)
 
 
 if __name__ == "__main__":

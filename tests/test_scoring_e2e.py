@@ -226,3 +226,32 @@ async def test_example_reward_service_takes_the_evaluators_place(nats_server, ru
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         await bus.close()
+
+
+def test_gyre_run_without_its_evaluator_is_scored_by_the_example_service(tmp_path, nats_server):
+    """`gyre run --no-evaluator` starts every daemon but the evaluator; the example reward
+    service, started beside it as docs/reward-services.md says, scores every execution and
+    the run ends `done` on its scores (reward 1.0 for all: `--command true`)."""
+    runs, run = tmp_path / "runs", "noeval"
+    env = dict(os.environ, GYRE_RUNS_DIR=str(runs), GYRE_NATS_URL=nats_server.url,
+               GYRE_NATS_TOKEN=nats_server.token, HF_HUB_OFFLINE="1")
+    # started first, as a user would after the run: it waits for the run's streams
+    gyre_run = subprocess.Popen([sys.executable, "-m", "handlers.cli", "run", "toy", "--no-evaluator", "--run-id", run,
+                                 "--set", "run.steps=1", "--timeout", "300"],
+                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    service = subprocess.Popen([sys.executable, str(REPO / "ops" / "reward_service_example.py"), run,
+                                "--command", "true"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    try:
+        out, _ = gyre_run.communicate(timeout=400)
+    finally:
+        service.terminate()
+        said, _ = service.communicate(timeout=10)
+    assert gyre_run.returncode == 0, out[-3000:]
+    assert "no built-in evaluator" in out
+    assert not (runs / run / "logs" / "evaluator.log").exists()
+    summary = json.loads((runs / run / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["rewards_per_step"] == [1.0], summary
+    scored = [line for line in said.splitlines() if ": reward 1.0" in line]
+    assert len(scored) == summary["executions"], said[-2000:]
+    assert "Traceback" not in said, said[-2000:]
