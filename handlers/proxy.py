@@ -100,6 +100,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -404,6 +405,10 @@ class ProxyState:
         self._publishing = asyncio.Semaphore(cfg.max_publishes_in_flight)
         self._background: set[asyncio.Task] = set()
         self._unsent: dict[str, Outgoing] = {}
+        self._spilled = False
+        """Calls were spilled and not yet sent again (`_resend_spilled`)."""
+        self.bus_back = asyncio.Event()
+        """Set by an acknowledged publish while `_spilled`: time to send the spilled calls."""
         """event id → each `call.completed` handed to `publish` and not yet acknowledged."""
         self._branch_thread: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -585,30 +590,39 @@ class ProxyState:
         async with self._publishing:
             stored = await self._publish(out)
         del self._unsent[event_id]
+        if stored and self._spilled:
+            self.bus_back.set()
         if not stored:
             self.spill([out], "no PubAck within retry_timeout_s")
 
     def spill(self, outs: list[Outgoing], why: str) -> None:
         """Append calls that could not be published to `Config.spill_file` (one JSON line
         each: `{"event": <call.completed>, "tokens": <token arrays' JSON or null>}`, written
-        and fsynced at once); without a spill file, or when it cannot be written, log them
-        as lost."""
+        and fsynced at once, after a newline: a line an earlier write left cut short stays
+        apart, and one this write leaves is cut off again); without a spill file, or when it
+        cannot be written, log them as lost."""
         event_ids = [out.event.event_id for out in outs]
         path = self.cfg.spill_file
         if path:
-            lines = b"".join(orjson.dumps({"event": orjson.Fragment(encode(out.event)),
-                                           "tokens": orjson.Fragment(out.tokens_json) if out.tokens_json else None})
-                             + b"\n" for out in outs)
+            lines = b"\n" + b"".join(orjson.dumps({"event": orjson.Fragment(encode(out.event)),
+                                                   "tokens": orjson.Fragment(out.tokens_json) if out.tokens_json
+                                                   else None}) + b"\n" for out in outs)
+            size = None
             try:
                 with open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as f:
+                    size = f.seek(0, os.SEEK_END)
                     f.write(lines)  # all of it (os.write may write less)
                     f.flush()
                     os.fsync(f.fileno())
+                self._spilled = True  # the next acknowledged publish sends them (`bus_back`)
                 log.error("proxy.call.spilled", calls=len(outs), why=why, spill_file=path, event_ids=event_ids[:20],
-                          hint="the run's next proxy publishes them before it serves")
+                          hint="published once the bus takes events again, or by the run's next proxy")
                 return
             except OSError as exc:
                 log.error("proxy.spill.failed", spill_file=path, error=repr(exc))
+                if size is not None:
+                    with contextlib.suppress(OSError):
+                        os.truncate(path, size)
         log.error("proxy.call.lost", calls=len(outs), why=why, event_ids=event_ids)
 
     async def republish(self, stop: asyncio.Event | None = None) -> int:
@@ -1248,19 +1262,27 @@ async def _caught_up(caught_up: asyncio.Event, replay: asyncio.Task, stop: async
 
 async def _resend_spilled(state: ProxyState, stop: asyncio.Event) -> None:
     """While serving: publish what this proxy spilled once the bus takes events again
-    (`ProxyState.republish`, every SPILL_RETRY_S while a spill file exists), so that a bus
-    outage longer than `retry_timeout_s` delays calls without a restart."""
+    (`ProxyState.republish`: as soon as a publish is acknowledged after a spill, else every
+    SPILL_RETRY_S while a spill file exists), so that a bus outage longer than
+    `retry_timeout_s` delays calls without a restart, and they land before their
+    executions' scores as far as possible."""
     path = Path(state.cfg.spill_file) if state.cfg.spill_file else None
     while path is not None and not stop.is_set():
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(state.bus_back.wait())]
         try:
-            await asyncio.wait_for(stop.wait(), SPILL_RETRY_S)
+            await asyncio.wait(waits, timeout=SPILL_RETRY_S, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if stop.is_set():
             return
-        except asyncio.TimeoutError:
-            pass
+        state.bus_back.clear()
         if path.exists() or state.sending_path().exists():
+            state._spilled = False
             try:
                 await state.republish(stop)
             except Exception as exc:  # noqa: BLE001 - kept on disk; tried again later and at the next start
+                state._spilled = True
                 log.warning("proxy.spill.republish_failed", error=repr(exc), retry_in_s=SPILL_RETRY_S)
 
 
