@@ -190,6 +190,9 @@ def _print_summary(s: dict) -> None:
     if failed:
         print(f"note             executions that did not finish ok: {failed}; their reasons are in\n"
               f"                 runs/{s['run']}/logs/runner.log and logs/executions/")
+    elif s["steps"] and s["tokens_trained"] == 0 and s.get("evaluator") == "external":
+        print("note             every group had zero reward variance (rewards from your reward service), so\n"
+              "                 GSPO had nothing to push.")
     elif s["steps"] and s["tokens_trained"] == 0 and s.get("group_size") == 1:
         print("note             every group holds one execution (tasks.group_size = 1): its advantage is 0, so\n"
               "                 GSPO had nothing to push; set tasks.group_size to 2 or more.")
@@ -298,6 +301,15 @@ async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float, daemon
     interrupted, signals = asyncio.Event(), []
     _install_interrupt(interrupted, signals)  # before anything that must be stopped exists
     (run_dir / "config.json").write_bytes(orjson.dumps(recipe.to_dict(), option=orjson.OPT_INDENT_2))
+    # `runs/latest` names this run from its start: what waits for `runs/latest/nats.json`
+    # (a reward service, `gyre tap`) must not find the previous run's.
+    latest = run_dir.parent / "latest"
+    try:
+        if latest.is_symlink() or latest.exists():
+            latest.unlink()
+        latest.symlink_to(run_dir.name)
+    except OSError:
+        pass
     key_secret = secrets.token_hex(32)
     _write_private(run_dir / "key_secret", key_secret.encode())
     external = os.environ.get("GYRE_NATS_URL")
@@ -329,13 +341,6 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
     if token:
         info["token"] = token
     _write_private(run_dir / "nats.json", orjson.dumps(info))
-    latest = run_dir.parent / "latest"
-    try:
-        if latest.is_symlink() or latest.exists():
-            latest.unlink()
-        latest.symlink_to(run_dir.name)
-    except OSError:
-        pass
     print(f"gyre: run {run} — directory {run_dir}")
     print("gyre: follow its events from another terminal with `gyre tap`")
     if "evaluator" not in daemons:
@@ -383,6 +388,7 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
             await bus.close()
     summary = progress.summary(run, time.monotonic() - t0)
     summary["outcome"] = outcome
+    summary["evaluator"] = "built-in" if "evaluator" in daemons else "external"
     (run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     _print_summary(summary)
     print(f"gyre: summary written to {run_dir / 'summary.json'}")

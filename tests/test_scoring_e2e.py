@@ -29,6 +29,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -235,10 +236,17 @@ def test_gyre_run_without_its_evaluator_is_scored_by_the_example_service(tmp_pat
     runs, run = tmp_path / "runs", "noeval"
     env = dict(os.environ, GYRE_RUNS_DIR=str(runs), GYRE_NATS_URL=nats_server.url,
                GYRE_NATS_TOKEN=nats_server.token, HF_HUB_OFFLINE="1")
-    # started first, as a user would after the run: it waits for the run's streams
+    (runs / "older").mkdir(parents=True)  # a previous run that `runs/latest` named
+    (runs / "latest").symlink_to("older")
     gyre_run = subprocess.Popen([sys.executable, "-m", "handlers.cli", "run", "toy", "--no-evaluator", "--run-id", run,
                                  "--set", "run.steps=1", "--timeout", "300"],
                                 cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for _ in range(300):  # as docs/reward-services.md says: once runs/latest/nats.json exists
+        if (runs / "latest" / "nats.json").exists():
+            break
+        time.sleep(0.1)
+    assert json.loads((runs / "latest" / "nats.json").read_text())["run"] == run
+    # (the service waits for the run's streams, created a moment later)
     service = subprocess.Popen([sys.executable, str(REPO / "ops" / "reward_service_example.py"), run,
                                 "--command", "true"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
@@ -252,6 +260,7 @@ def test_gyre_run_without_its_evaluator_is_scored_by_the_example_service(tmp_pat
     assert not (runs / run / "logs" / "evaluator.log").exists()
     summary = json.loads((runs / run / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["rewards_per_step"] == [1.0], summary
+    assert summary["evaluator"] == "external" and "rewards from your reward service" in out
     scored = [line for line in said.splitlines() if ": reward 1.0" in line]
     assert len(scored) == summary["executions"], said[-2000:]
     assert "Traceback" not in said, said[-2000:]
