@@ -62,7 +62,8 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   `calls/<execution>/<seq>` (orjson `{"prompt_ids", "completion_ids", "logprobs"}`) and
   the key in `tokens_ref`. A `call.completed` without its PubAck after `retry_timeout_s`,
   or at shutdown, is spilled to `Config.spill_file` and published once the bus is back
-  (every `SPILL_RETRY_S`) or by the next proxy before it serves. A proxy serves once its
+  (on the next acknowledged publish, else every `SPILL_RETRY_S`) or by the next proxy
+  before it serves. A proxy serves once its
   replay of the run's events (`REPLAYED`) has caught up.
 - `call.completed.finish_reason` is the engine's (`stop` | `length`), never inferred
   from the last token; the stop token stays in `completion_ids`. Stop strings (OpenAI
@@ -164,7 +165,8 @@ KEY_CACHE = 65_536
 dropped); rejected keys are never kept, so unauthenticated requests cannot fill it."""
 
 SPILL_RETRY_S = 30.0
-"""How often a serving proxy tries to publish what it spilled (`_resend_spilled`)."""
+"""How often a serving proxy tries to publish what it spilled when no publish has been
+acknowledged since (`_resend_spilled`)."""
 REPLAYED = ("cell.switched", "route.updated", "execution.started", "execution.finished")
 """Events the proxy's state is rebuilt from (`ProxyState.handle_event`)."""
 
