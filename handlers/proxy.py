@@ -627,7 +627,8 @@ class ProxyState:
                         os.truncate(path, size)
         log.error("proxy.call.lost", calls=len(outs), why=why, event_ids=event_ids)
 
-    async def republish(self, stop: asyncio.Event | None = None) -> int:
+    async def republish(self, stop: asyncio.Event | None = None, known: set[str] | None = None,
+                        published: list[str] | None = None) -> int:
         """Publish the calls spilled to `Config.spill_file` (by an earlier proxy: before
         serving, so that `resume_seqs` sees their ids; by this one: `_resend_spilled`), until
         neither it nor `sending_path()` is left. The file is first renamed to
@@ -637,18 +638,19 @@ class ProxyState:
         `<spill_file>.unreadable` and logged. Raises RuntimeError when one is still not
         acknowledged after `retry_timeout_s`: the files are then kept (what went out
         meanwhile goes again, as a duplicate), and a starting proxy must not serve. Returns
-        early, the files kept, once `stop` is set."""
+        early, the files kept, once `stop` is set. known: event ids stored already, not
+        published again; published: gets the ids this call publishes."""
         if not self.cfg.spill_file or self.bus is None:
             return 0
-        published = 0
+        total = 0
         while not (stop is not None and stop.is_set()):
-            sent = await self._republish_one(stop)
+            sent = await self._republish_one(stop, known or set(), published if published is not None else [])
             if sent is None:
                 break
-            published += sent
-        return published
+            total += sent
+        return total
 
-    async def _republish_one(self, stop: asyncio.Event | None) -> int | None:
+    async def _republish_one(self, stop: asyncio.Event | None, known: set[str], published: list[str]) -> int | None:
         """One file's worth of `republish`: the number published, None when none was left
         (or `stop` came)."""
         path, sending = Path(self.cfg.spill_file), self.sending_path()
@@ -669,12 +671,14 @@ class ProxyState:
             except Exception as exc:  # noqa: BLE001 - kept aside, named in the log
                 bad.append(line)
                 log.error("proxy.spill.unreadable", spill_file=str(path), error=repr(exc), line=line[:200])
+        good = [(event, tokens_json) for event, tokens_json in good if event.event_id not in known]
         for event, tokens_json in good:
             if not await self._publish(Outgoing(event, tokens_json), may_have_landed=True, stop=stop):
                 if stop is not None and stop.is_set():
                     return None
                 raise RuntimeError(f"could not publish the calls spilled in {sending} (call {event.call}); "
                                    "is the bus up? the file is kept and tried again")
+            published.append(event.event_id)
         if bad:
             with open(f"{path}.unreadable", "ab") as f:
                 f.write(b"".join(line + b"\n" for line in bad))
@@ -1139,8 +1143,7 @@ async def run(cfg: Config, stop: asyncio.Event,
         state = ProxyState(cfg, tokenizer, session, bus)
         # Before serving: what an earlier proxy could not publish goes out, and a restarted
         # proxy goes on after its predecessor's seqs (those included).
-        await _unless_stopped(state.republish(stop), stop)
-        if stop.is_set() or (bus is not None and not await _resumed(state, bus, stop)):
+        if bus is not None and not await _resumed(state, bus, stop):
             return
         if bus is not None:
             # The run's routes, cells and finished executions are known before the first call:
@@ -1289,16 +1292,23 @@ async def _resend_spilled(state: ProxyState, stop: asyncio.Event) -> None:
 
 
 async def _resumed(state: ProxyState, bus: Any, stop: asyncio.Event) -> bool:
-    """Resume the executions' seqs from the run's stored `call.completed` ids
-    (`ProxyState.resume_seqs`); False when `stop` is set meanwhile (the proxy then never
-    serves). Raises what `Bus.stored_ids` raises: a proxy that cannot read them must not
-    serve."""
+    """Before serving: publish what an earlier proxy spilled and is not stored already
+    (`ProxyState.republish`: a spilled call whose PubAck alone was lost is not stored a
+    second time, also after JetStream's duplicate window), then resume the executions'
+    seqs from the run's stored `call.completed` ids, those included
+    (`ProxyState.resume_seqs`). False when `stop` is set meanwhile (the proxy then never
+    serves). Raises what `Bus.stored_ids` and `republish` raise: a proxy that cannot read
+    the ids or publish its predecessor's calls must not serve."""
     t0 = time.monotonic()
     stored = await bus.stored_ids("call.completed", stop=stop)
     if stored is None or stop.is_set():
         return False
-    log.info("proxy.seqs.resumed", executions=state.resume_seqs(stored), calls=len(stored),
-             seconds=round(time.monotonic() - t0, 3))
+    published: list[str] = []
+    await _unless_stopped(state.republish(stop, known=set(stored), published=published), stop)
+    if stop.is_set():
+        return False
+    log.info("proxy.seqs.resumed", executions=state.resume_seqs([*stored, *published]),
+             calls=len(stored) + len(published), seconds=round(time.monotonic() - t0, 3))
     return True
 
 

@@ -587,6 +587,35 @@ async def test_spilled_calls_go_out_once_the_bus_is_back_without_a_restart(tmp_p
         server.stop()
 
 
+async def test_a_spilled_call_stored_already_is_not_published_again(tmp_path, tok):
+    """A spilled call whose PubAck alone was lost is stored: the next proxy, which reads the
+    stored ids before it republishes, leaves it out (JetStream would store it twice after
+    its 120 s duplicate window) and numbers on after every one."""
+    def event(seq):
+        return schemas.CallCompleted(event_id=f"r:exs:call:{seq}", call=f"exs:{seq}", execution="exs", seq=seq,
+                                     parent_call=None, prefix_len=0, tokens=schemas.CallTokens(),
+                                     sampling=schemas.SamplingParams(), finish_reason="stop", versions=(), cell="c",
+                                     role="main", api="chat", status="ok", timings={}, drift=0, meta={})
+
+    class StoredBus:
+        async def stored_ids(self, name, stop=None):
+            return ["r:exs:call:0"]
+
+    spill = tmp_path / "proxy-unpublished.jsonl"
+    state = ProxyState(Config(run="r", key_secret=SECRET, spill_file=str(spill)), tok, session=None, bus=StoredBus())
+    state.spill([proxy_mod.Outgoing(event(0)), proxy_mod.Outgoing(event(1))], "test")
+    sent = []
+
+    async def publish(out, may_have_landed=False, stop=None):
+        sent.append(out.event.event_id)
+        return True
+
+    state._publish = publish
+    assert await proxy_mod._resumed(state, state.bus, asyncio.Event())
+    assert sent == ["r:exs:call:1"] and not spill.exists()
+    assert state.executions["exs"].next_seq == 2
+
+
 async def test_a_starting_proxy_stops_while_the_bus_will_not_take_its_spilled_calls(tmp_path, tok, nats_server,
                                                                                    run_id, monkeypatch):
     """Publishing what an earlier proxy spilled may wait minutes on a bus that is down: a
@@ -595,7 +624,7 @@ async def test_a_starting_proxy_stops_while_the_bus_will_not_take_its_spilled_ca
     spill.write_bytes(b'{"event": {"not": "read yet"}, "tokens": null}\n')
     hung = asyncio.Event()
 
-    async def hanging(self, stop):  # a publish to a bus that does not answer
+    async def hanging(self, *args):  # a publish to a bus that does not answer
         hung.set()
         await asyncio.sleep(3600)
 
