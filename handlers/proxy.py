@@ -85,9 +85,9 @@ Restarts: before serving, the proxy reads the ids of the run's stored `call.comp
 events (headers only) and continues each execution's seq after its highest, so event
 ids never repeat; a restarted proxy's call stores are empty, so each execution's next
 call is a new root (its full prompt in the event). One proxy serves a run: a proxy does
-not start while the proxy named in its url file answers `/health` for the same run; one
-started after the old one stopped listening but before its late publishes went out can
-reuse an id, and JetStream drops that call (logged as `proxy.call.duplicate_id`).
+not start while the proxy named in its url file answers `/health` for the same run, nor
+while the one before it still holds the run lock beside that file (`_run_lock`: until it
+has drained and spilled its late publishes, which the new one then publishes first).
 After a restart `max_calls` counts each execution's stored calls as started (its
 count_tokens calls included: the ids do not tell them apart, so the cap errs low).
 
@@ -107,7 +107,7 @@ import functools
 import gc
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Set
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -407,11 +407,11 @@ class ProxyState:
         self._publishing = asyncio.Semaphore(cfg.max_publishes_in_flight)
         self._background: set[asyncio.Task] = set()
         self._unsent: dict[str, Outgoing] = {}
+        """event id → each `call.completed` handed to `publish` and not yet acknowledged."""
         self._spilled = False
         """Calls were spilled and not yet sent again (`_resend_spilled`)."""
         self.bus_back = asyncio.Event()
         """Set by an acknowledged publish while `_spilled`: time to send the spilled calls."""
-        """event id → each `call.completed` handed to `publish` and not yet acknowledged."""
         self._branch_thread: concurrent.futures.ThreadPoolExecutor | None = None
 
     def branch_thread(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -627,38 +627,35 @@ class ProxyState:
                         os.truncate(path, size)
         log.error("proxy.call.lost", calls=len(outs), why=why, event_ids=event_ids)
 
-    async def republish(self, stop: asyncio.Event | None = None, known: set[str] | None = None,
-                        published: list[str] | None = None) -> int:
+    async def republish(self, stop: asyncio.Event | None = None, known: Set[str] = frozenset()) -> list[str]:
         """Publish the calls spilled to `Config.spill_file` (by an earlier proxy: before
         serving, so that `resume_seqs` sees their ids; by this one: `_resend_spilled`), until
         neither it nor `sending_path()` is left. The file is first renamed to
         `sending_path()`, so that calls spilled meanwhile start a new one; a
-        `sending_path()` left by an attempt that failed goes first. Returns the number
+        `sending_path()` left by an attempt that failed goes first. Returns the event ids
         published. An unreadable line (a write cut short) is kept in
         `<spill_file>.unreadable` and logged. Raises RuntimeError when one is still not
         acknowledged after `retry_timeout_s`: the files are then kept (what went out
         meanwhile goes again, as a duplicate), and a starting proxy must not serve. Returns
         early, the files kept, once `stop` is set. known: event ids stored already, not
-        published again; published: gets the ids this call publishes."""
+        published again."""
+        published: list[str] = []
         if not self.cfg.spill_file or self.bus is None:
-            return 0
-        total = 0
+            return published
         while not (stop is not None and stop.is_set()):
-            sent = await self._republish_one(stop, known or set(), published if published is not None else [])
-            if sent is None:
+            if not await self._republish_one(stop, known, published):
                 break
-            total += sent
-        return total
+        return published
 
-    async def _republish_one(self, stop: asyncio.Event | None, known: set[str], published: list[str]) -> int | None:
-        """One file's worth of `republish`: the number published, None when none was left
-        (or `stop` came)."""
+    async def _republish_one(self, stop: asyncio.Event | None, known: Set[str], published: list[str]) -> bool:
+        """One file's worth of `republish`, its event ids appended to `published`: False when
+        no file was left (or `stop` came)."""
         path, sending = Path(self.cfg.spill_file), self.sending_path()
         if not sending.exists():
             try:  # new spills go to a fresh file meanwhile
                 os.replace(path, sending)
             except FileNotFoundError:
-                return None
+                return False
         good, bad = [], []
         for line in sending.read_bytes().splitlines():
             if not line.strip():
@@ -675,7 +672,7 @@ class ProxyState:
         for event, tokens_json in good:
             if not await self._publish(Outgoing(event, tokens_json), may_have_landed=True, stop=stop):
                 if stop is not None and stop.is_set():
-                    return None
+                    return False
                 raise RuntimeError(f"could not publish the calls spilled in {sending} (call {event.call}); "
                                    "is the bus up? the file is kept and tried again")
             published.append(event.event_id)
@@ -684,7 +681,7 @@ class ProxyState:
                 f.write(b"".join(line + b"\n" for line in bad))
         sending.unlink()
         log.warning("proxy.spill.republished", calls=len(good), unreadable=len(bad), spill_file=str(path))
-        return len(good)
+        return True
 
     def sending_path(self) -> Path:
         """Where `republish` moves the spill file while it publishes its calls."""
@@ -1231,9 +1228,9 @@ async def _serving_proxy(session: Any, url_file: Path, run: str, timeout_s: floa
         return None
 
 
-async def _unless_stopped(coro: Awaitable[Any], stop: asyncio.Event) -> None:
-    """Await `coro`, cancelled once `stop` is set (a publish may wait on a bus that is down
-    for minutes). Raises what `coro` raises."""
+async def _unless_stopped(coro: Awaitable[Any], stop: asyncio.Event) -> Any:
+    """`coro`'s result, or None once `stop` is set (it is then cancelled: a publish may wait
+    on a bus that is down for minutes). Raises what `coro` raises."""
     work, stopped = asyncio.ensure_future(coro), asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -1242,8 +1239,7 @@ async def _unless_stopped(coro: Awaitable[Any], stop: asyncio.Event) -> None:
         if not work.done():
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
-    if not work.cancelled():
-        work.result()
+    return None if work.cancelled() else work.result()
 
 
 async def _caught_up(caught_up: asyncio.Event, replay: asyncio.Task, stop: asyncio.Event) -> bool:
@@ -1271,14 +1267,12 @@ async def _resend_spilled(state: ProxyState, stop: asyncio.Event) -> None:
     SPILL_RETRY_S while a spill file exists), so that a bus outage longer than
     `retry_timeout_s` delays calls without a restart, and they land before their
     executions' scores as far as possible."""
+    from bus.consumer import wait_any
+
     path = Path(state.cfg.spill_file) if state.cfg.spill_file else None
     while path is not None and not stop.is_set():
-        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(state.bus_back.wait())]
-        try:
-            await asyncio.wait(waits, timeout=SPILL_RETRY_S, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(wait_any([stop, state.bus_back]), SPILL_RETRY_S)
         if stop.is_set():
             return
         state.bus_back.clear()
@@ -1303,9 +1297,8 @@ async def _resumed(state: ProxyState, bus: Any, stop: asyncio.Event) -> bool:
     stored = await bus.stored_ids("call.completed", stop=stop)
     if stored is None or stop.is_set():
         return False
-    published: list[str] = []
-    await _unless_stopped(state.republish(stop, known=set(stored), published=published), stop)
-    if stop.is_set():
+    published = await _unless_stopped(state.republish(stop, known=set(stored)), stop)
+    if published is None or stop.is_set():
         return False
     log.info("proxy.seqs.resumed", executions=state.resume_seqs([*stored, *published]),
              calls=len(stored) + len(published), seconds=round(time.monotonic() - t0, 3))

@@ -317,7 +317,8 @@ class ResponsesApi(Api):
 
     def render(self, answer: Answer, req: ModelRequest) -> dict | list[bytes]:
         usage = {"input_tokens": answer.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                 "output_tokens": answer.completion_tokens, "output_tokens_details": {"reasoning_tokens": answer.reasoning_tokens},
+                 "output_tokens": answer.completion_tokens,
+                 "output_tokens_details": {"reasoning_tokens": answer.reasoning_tokens},
                  "total_tokens": answer.prompt_tokens + answer.completion_tokens}
         items = self.output_items(answer)
         truncated = answer.finish == "length"
