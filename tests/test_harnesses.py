@@ -22,6 +22,7 @@ whose API the proxy does not serve yet (its route is missing) is skipped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -325,6 +326,27 @@ async def test_harnesses_complete_their_task_through_the_proxy(tok, nats_server,
         await engine.stop()
 
 
+@contextlib.asynccontextmanager
+async def finished_in_context(tok, nats_server, run_id, run_dir, answer, context: int, execution: str, profile: str,
+                              max_calls: int):
+    """One execution of `profile` against a scripted engine (`answer`) that enforces a
+    `context`-token window as SGLang does, the proxy and the runner told that context; it
+    must finish `ok` with exit 0. Yields (stack, its recorded calls), then stops both."""
+    engine = ScriptedEngine(tok, callback=answer, context_length=context)
+    await engine.start()
+    stack = Stack(tok, nats_server, run_id, run_dir)
+    try:
+        await stack.start(engine.url, context_tokens=context)
+        await stack.dispatch(execution, profile, timeout_s=150.0, max_calls=max_calls)
+        await stack.wait_finished([execution], 200.0)
+        done = stack.finished[execution]
+        assert (done.status, done.exit_code) == ("ok", 0), f"{done.status} {done.exit_code}\n{stack.log(execution)}"
+        yield stack, await stack.recorded_calls(execution)
+    finally:
+        await stack.close()
+        await engine.stop()
+
+
 async def test_claude_code_compacts_when_the_proxy_says_its_prompt_is_too_long(tok, nats_server, run_id, run_dir):
     """A rollout that outgrows the policy's context: the proxy answers Anthropic's "prompt is
     too long" (context_tokens known, the engine enforcing the same context as SGLang does),
@@ -345,16 +367,8 @@ async def test_claude_code_compacts_when_the_proxy_says_its_prompt_is_too_long(t
                 return "Done: the numbers were printed."
         return tool_call("Bash", {"command": "seq 1 600", "description": "print the numbers"})
 
-    engine = ScriptedEngine(tok, callback=answer, context_length=context)
-    await engine.start()
-    stack = Stack(tok, nats_server, run_id, run_dir)
-    try:
-        await stack.start(engine.url, context_tokens=context)
-        await stack.dispatch("claude", "claude-code", timeout_s=150.0, max_calls=40)
-        await stack.wait_finished(["claude"], 200.0)
-        done = stack.finished["claude"]
-        assert (done.status, done.exit_code) == ("ok", 0), f"{done.status} {done.exit_code}\n{stack.log('claude')}"
-        calls = await stack.recorded_calls("claude")
+    async with finished_in_context(tok, nats_server, run_id, run_dir, answer, context, "claude", "claude-code",
+                                   max_calls=40) as (stack, calls):
         assert_recorded(stack, "claude", calls, statuses=("ok", "error"))
         refused = [c for c in calls if c.status == "error"]
         assert refused, [(c.seq, c.status, c.role) for c in calls]
@@ -364,9 +378,6 @@ async def test_claude_code_compacts_when_the_proxy_says_its_prompt_is_too_long(t
         assert roles[0] == "main" and roles[-1] == "main-summary" and len(roles) > roles.index("main-summary") + 1, \
             roles
         assert all(len(c.tokens.prompt_ids) + c.sampling.max_tokens <= context - 2 for c in calls if c.status == "ok")
-    finally:
-        await stack.close()
-        await engine.stop()
 
 
 async def test_codex_compacts_when_told_the_policys_context(tok, nats_server, run_id, run_dir):
@@ -385,24 +396,13 @@ async def test_codex_compacts_when_told_the_policys_context(tok, nats_server, ru
             return "Done: the numbers were printed."
         return tool_call("exec_command", {"cmd": "seq 1 200"})
 
-    engine = ScriptedEngine(tok, callback=answer, context_length=context)
-    await engine.start()
-    stack = Stack(tok, nats_server, run_id, run_dir)
-    try:
-        await stack.start(engine.url, context_tokens=context)
-        await stack.dispatch("codex", "codex", timeout_s=150.0, max_calls=10)
-        await stack.wait_finished(["codex"], 200.0)
-        done = stack.finished["codex"]
-        assert (done.status, done.exit_code) == ("ok", 0), f"{done.status} {done.exit_code}\n{stack.log('codex')}"
-        calls = await stack.recorded_calls("codex")
+    async with finished_in_context(tok, nats_server, run_id, run_dir, answer, context, "codex", "codex",
+                                   max_calls=10) as (stack, calls):
         assert_recorded(stack, "codex", calls)
         assert_no_proxy_errors(stack)
         kinds = [(c.role, c.meta.get("request_kind")) for c in calls]
         assert ("main-summary", "compaction") in kinds and kinds[0][0] == "main", kinds
         assert all(c.status == "ok" for c in calls)
-    finally:
-        await stack.close()
-        await engine.stop()
 
 
 async def test_harnesses_run_to_their_end_on_the_random_model(tok, nats_server, run_id, run_dir, tmp_path):
