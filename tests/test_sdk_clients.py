@@ -8,6 +8,7 @@ import json
 import pytest
 
 from gyre.tokenizer import IM_END
+from handlers.scripted_engine import ScriptedEngine
 from tests.test_proxy import Stack, encode, tok  # noqa: F401 - tok is a fixture
 
 THINK_CALL = ('<think>\nI should list the files first.\n</think>\n\nLet me look.\n<tool_call>\n'
@@ -264,7 +265,22 @@ async def test_a_fitting_prompt_refused_for_its_completion_cap_is_retried_capped
     again with the cap that fits, instead of telling the harness its prompt is too long."""
     import asyncio
 
-    engine = await local.engine(["ok"], context_length=200)
+    class BothInFlight(ScriptedEngine):
+        """Holds the first two requests until both have arrived, so both are sent before
+        either refusal can teach the proxy the context."""
+
+        held = 0
+        arrived = asyncio.Barrier(2)
+
+        async def generate(self, request):
+            if self.held < 2:
+                self.held += 1
+                await asyncio.wait_for(self.arrived.wait(), 10)
+            return await super().generate(request)
+
+    engine = BothInFlight(tok, ["ok"], context_length=200)
+    await engine.start()
+    local.engines.append(engine)
     await local.proxy(engine=engine, context_tokens=0, max_completion_tokens=1000)
     # Two calls in flight before the context is known: each is retried capped, not only the
     # one whose refusal taught it.
