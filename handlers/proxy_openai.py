@@ -289,10 +289,21 @@ class ResponsesApi(Api):
         return [sse({"type": "response.created", "sequence_number": 0, "response": resp}, "response.created"),
                 sse({"type": "response.in_progress", "sequence_number": 1, "response": resp}, "response.in_progress")]
 
+    @staticmethod
+    def _param(err: ApiError) -> str | None:
+        """The request field an error names; the conversation is `input` here, where the
+        shared errors (`context_exceeded`) name Chat's `messages`."""
+        return "input" if err.param == "messages" else err.param
+
+    def error_body(self, err: ApiError) -> dict:
+        body = err.body()
+        body["error"]["param"] = self._param(err)
+        return body
+
     def sse_error(self, err: ApiError, start: StreamStart | None = None) -> bytes:
         error = {"code": err.code or err.type, "message": err.message}
         if start is None:
-            return sse({"type": "error", "code": error["code"], "message": err.message, "param": err.param,
+            return sse({"type": "error", "code": error["code"], "message": err.message, "param": self._param(err),
                         "sequence_number": 0}, "error")
         resp = {"id": start.rid, "object": "response", "created_at": start.created, "status": "failed",
                 "model": start.model, "output": [], "error": error, "usage": None}

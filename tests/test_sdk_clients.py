@@ -238,7 +238,7 @@ async def test_a_prompt_beyond_the_context_gets_each_apis_prompt_too_long_error(
     assert "This model's maximum context length is 120 tokens" in chat.value.message
     with pytest.raises(openai.BadRequestError) as responses:
         await client.responses.create(model="m", input="word " * 300, stream=True)
-    assert responses.value.code == "context_length_exceeded"
+    assert responses.value.code == "context_length_exceeded" and responses.value.param == "input"
     with pytest.raises(anthropic.BadRequestError) as messages:
         await claude.messages.create(model="m", max_tokens=64000, messages=long, stream=True)
     error = messages.value.body["error"]
