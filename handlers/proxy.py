@@ -107,6 +107,7 @@ import functools
 import gc
 import os
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Set
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -127,7 +128,7 @@ from handlers.proxy_api import (
     Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, completion_room, context_exceeded,
     internal_message,
 )
-from handlers.proxy_http import Reply, error_response, key_of, read_json
+from handlers.proxy_http import Reply, error_response, key_of, read_json, serving_proxy, url_in
 from handlers.proxy_openai import ChatApi, ResponsesApi, parse_chat_request, parse_responses_request
 from handlers.proxy_routing import Attempt, Dispatcher, EngineResult, Router
 import schemas
@@ -830,7 +831,7 @@ async def serve_call(request: web.Request, api: Api,
             req = dataclasses.replace(req, model=cfg.model_name)
         roles = state.classify(ex, request.headers, req, api.name)
         if cfg.max_calls and ex.model_calls >= cfg.max_calls:
-            raise ApiError(400, f"this execution has used its {cfg.max_calls} model calls; stop here",
+            raise ApiError(400, f"this execution has reached its limit of {cfg.max_calls} model calls; stop here",
                            code="max_calls_exceeded")
         state.admit(ex)
     except ApiError as err:
@@ -1088,17 +1089,37 @@ def make_app(state: ProxyState) -> web.Application:
     return app
 
 
-async def start(state: ProxyState) -> tuple[web.AppRunner, str]:
-    """Serve `make_app(state)` on cfg.host:cfg.port; returns the runner and the base URL."""
+async def start(state: ProxyState, reuse_port_of: str = "") -> tuple[web.AppRunner, str]:
+    """Serve `make_app(state)` on cfg.host:cfg.port; returns the runner and the base URL.
+    With cfg.port 0 and `reuse_port_of` (the URL a predecessor of the run served at, from
+    its url file), that port is taken when it is free, so that harnesses started before a
+    proxy restart reach the new proxy when they retry; a free port otherwise."""
     app = make_app(state)
     app[RAW_BODIES] = True
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=state.cfg.shutdown_grace_s, auto_decompress=False)
     await runner.setup()
-    site = web.TCPSite(runner, state.cfg.host, state.cfg.port)
-    await site.start()
-    port = runner.addresses[0][1]
-    return runner, f"http://{state.cfg.host}:{port}"
+    host = state.cfg.host
+    if not state.cfg.port and (earlier := _port_of(reuse_port_of, host)):
+        site = web.TCPSite(runner, host, earlier)
+        try:
+            await site.start()
+            return runner, f"http://{host}:{earlier}"
+        except OSError as exc:  # something else listens there now
+            await site.stop()
+            log.warning("proxy.port.not_reused", port=earlier, error=str(exc))
+    await web.TCPSite(runner, host, state.cfg.port).start()
+    return runner, f"http://{host}:{runner.addresses[0][1]}"
+
+
+def _port_of(url: str, host: str) -> int:
+    """The port of `url` when it is an http URL on `host`, else 0."""
+    try:
+        parsed = urllib.parse.urlsplit(url)
+        port = parsed.port or 0
+    except ValueError:
+        return 0
+    return port if parsed.scheme == "http" and parsed.hostname == host.strip("[]") else 0
 
 
 def load_tokenizer(model_dir: str) -> Any:
@@ -1130,12 +1151,14 @@ async def run(cfg: Config, stop: asyncio.Event,
         if bus is not None:
             await bus.ensure_streams()
         session = make_session()
-        if cfg.url_file and (other := await _serving_proxy(session, Path(cfg.url_file), cfg.run)):
+        earlier_url = url_in(Path(cfg.url_file)) if cfg.url_file else ""
+        if earlier_url and (other := await serving_proxy(session, earlier_url, cfg.run)):
             from handlers.daemon import FatalError
 
             raise FatalError(f"a proxy of run {cfg.run} already serves at {other} ({cfg.url_file}); one proxy "
                              "per run: start this one once that one has exited")
         if cfg.url_file:
+            Path(cfg.url_file).parent.mkdir(parents=True, exist_ok=True)  # a proxy may start before the runner
             lock = _run_lock(Path(cfg.url_file).with_suffix(".lock"), cfg.run)
         state = ProxyState(cfg, tokenizer, session, bus)
         # Before serving: what an earlier proxy could not publish goes out, and a restarted
@@ -1150,7 +1173,7 @@ async def run(cfg: Config, stop: asyncio.Event,
             if not await _caught_up(caught_up, replay, stop):
                 return
             resend = asyncio.create_task(_resend_spilled(state, stop))
-        runner, url = await start(state)
+        runner, url = await start(state, reuse_port_of=earlier_url)
         if cfg.tune_gc:
             gc.collect()
             gc.freeze()
@@ -1214,18 +1237,6 @@ def _run_lock(path: Path, run: str) -> Any:
     f.write(str(os.getpid()).encode())
     f.flush()
     return f
-
-
-async def _serving_proxy(session: Any, url_file: Path, run: str, timeout_s: float = 2.0) -> str | None:
-    """The URL in `url_file` when a proxy of `run` answers `/health` there, else None (no
-    file, a proxy that has exited, something else on that port now)."""
-    try:
-        url = orjson.loads(url_file.read_bytes())["url"]
-        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            body = await resp.json(content_type=None)
-        return url if resp.status == 200 and isinstance(body, dict) and body.get("run") == run else None
-    except Exception:  # noqa: BLE001 - nothing of ours serves there
-        return None
 
 
 async def _unless_stopped(coro: Awaitable[Any], stop: asyncio.Event) -> Any:

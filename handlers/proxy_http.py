@@ -3,8 +3,10 @@ to a waiting harness (keep-alives, then the answer or an error in the API's shap
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import structlog
 from aiohttp import HttpVersion11, web
@@ -183,3 +185,23 @@ class Reply:
         await self.resp.write(self.api.sse_error(err, self.start_info))
         await self.resp.write_eof()
         return self.resp
+
+
+def url_in(url_file: Path) -> str:
+    """The `url` a run's url file (`proxy.json`) names; '' when there is none."""
+    try:
+        url = orjson.loads(url_file.read_bytes())["url"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return ""
+    return url if isinstance(url, str) else ""
+
+
+async def serving_proxy(session: Any, url: str, run: str, timeout_s: float = 2.0) -> str | None:
+    """`url` when a proxy of `run` answers `/health` there, else None (a proxy that has
+    exited, something else on that port now)."""
+    try:
+        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            body = await resp.json(content_type=None)
+        return url if resp.status == 200 and isinstance(body, dict) and body.get("run") == run else None
+    except Exception:  # noqa: BLE001 - nothing of ours serves there
+        return None

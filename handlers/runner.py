@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-import orjson
+import aiohttp
 import structlog
 
 import schemas
@@ -39,6 +39,7 @@ from gyre import harness as harnesses
 from gyre.sandbox import Launch, SandboxConfig, base_env, confine, own_tree, resolve_mode, unreachable_ancestor
 from gyre.tasks import Task, load_tasks, seed_workspace, task_index, write_files
 from handlers.daemon import RunContext, daemon_main
+from handlers.proxy_http import serving_proxy, url_in
 from schemas import ids
 
 log = structlog.get_logger()
@@ -58,7 +59,8 @@ class Config:
     python: interpreter of the harness environment (mini-swe-agent is `<its bin>/mini`).
     concurrency: executions running at once.
     sandbox: confinement (uid, mode, extra read-only paths).
-    proxy_wait_s: seconds to wait for proxy.json before failing the execution (retried).
+    proxy_wait_s: seconds to wait for a proxy of the run to answer before failing the
+      execution (`harness_error`).
     context_tokens: the policy's context window in tokens, passed to harnesses that take one
       (`LaunchRequest.context_tokens`); 0 = not known.
     """
@@ -222,18 +224,25 @@ class Runner:
         return confine(cmd.argv, cwd=paths.workspace, env=env, cfg=sb, writable=[paths.home], readonly=cmd.readonly)
 
     async def _proxy_url(self) -> str:
-        if self.cfg.proxy_url:
-            return self.cfg.proxy_url
+        """The proxy's base URL (`cfg.proxy_url`, or `url` in <run_dir>/proxy.json, read
+        again while waiting: a restarted proxy may have moved) once a proxy of this run
+        answers `/health` there. Raises RuntimeError after `proxy_wait_s` without one: the
+        execution is then `harness_error`, which the evaluator excludes, instead of a
+        harness that fails on a refused connection and is scored as a 0 reward; Retry
+        when the runner is stopping."""
         path = Path(self.cfg.run_dir) / "proxy.json"
         deadline = time.monotonic() + self.cfg.proxy_wait_s
-        while True:
-            try:
-                return str(orjson.loads(path.read_bytes())["url"])
-            except (OSError, ValueError, KeyError):
+        async with aiohttp.ClientSession() as session:
+            while True:
+                url = self.cfg.proxy_url or url_in(path)
+                if url and await serving_proxy(session, url, self.cfg.run):
+                    return url
                 if self.stop is not None and self.stop.is_set():  # the proxy has gone first
-                    raise Retry(1.0, "runner stopping") from None
+                    raise Retry(1.0, "runner stopping")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{path} did not appear within {self.cfg.proxy_wait_s}s: is the proxy up?")
+                    where = f"at {url}" if url else f"in {path}"
+                    raise RuntimeError(f"no proxy of run {self.cfg.run} answered {where} within "
+                                       f"{self.cfg.proxy_wait_s}s: is the proxy up?")
                 await asyncio.sleep(0.2)
 
     async def _launch(self, launch: Launch, timeout_s: float, paths: Paths, elog) -> tuple[str, int | None]:

@@ -868,12 +868,45 @@ async def test_a_second_proxy_of_a_run_refuses_to_start_while_the_first_serves(t
     await asyncio.wait_for(other, 10)
     stop_first.set()
     await asyncio.wait_for(first, 10)
+    # Restarted, the run's proxy takes its predecessor's port again: harnesses started
+    # before the restart reach it when they retry.
     stop_second, second_up = asyncio.Event(), asyncio.Event()
     second = asyncio.create_task(run(cfg, stop_second, on_started=lambda state, url: second_up.set()))
     await asyncio.wait_for(second_up.wait(), 30)
-    assert url_file.read_bytes() != written
+    assert url_file.read_bytes() == written
+    url = orjson.loads(written)["url"]
+    async with aiohttp.ClientSession() as session, session.get(url + "/health") as resp:
+        assert (await resp.json())["run"] == run_id
     stop_second.set()
     await asyncio.wait_for(second, 10)
+    # When something else listens on that port by then, a free one is taken and written.
+    squatter = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", int(url.rsplit(":", 1)[1]))
+    try:
+        stop_third, third_up = asyncio.Event(), asyncio.Event()
+        third = asyncio.create_task(run(cfg, stop_third, on_started=lambda state, url: third_up.set()))
+        await asyncio.wait_for(third_up.wait(), 30)
+        moved = orjson.loads(url_file.read_bytes())["url"]
+        assert moved != url
+        async with aiohttp.ClientSession() as session, session.get(moved + "/health") as resp:
+            assert (await resp.json())["run"] == run_id
+        stop_third.set()
+        await asyncio.wait_for(third, 10)
+    finally:
+        squatter.close()
+
+
+async def test_a_proxy_started_before_its_run_directory_exists_makes_it(tmp_path, tok, run_id):
+    """A deployment may start the proxy before the runner has made the run's directory."""
+    url_file = tmp_path / "runs" / run_id / "proxy.json"
+    cfg = Config(run=run_id, key_secret=SECRET, url_file=str(url_file), shutdown_grace_s=1.0,
+                 spill_file=str(url_file.with_name("proxy-unpublished.jsonl")))
+    stop, up = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: up.set()))
+    await asyncio.wait_for(up.wait(), 30)
+    assert orjson.loads(url_file.read_bytes())["url"].startswith("http://127.0.0.1:")
+    assert url_file.with_suffix(".lock").exists()
+    stop.set()
+    await asyncio.wait_for(task, 10)
 
 
 def test_load_script(tmp_path):

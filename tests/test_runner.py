@@ -79,8 +79,9 @@ class FakeOpenAI:
     script(execution, n) -> ("text", str) | ("tool", command) | ("hang", None).
     """
 
-    def __init__(self, script):
+    def __init__(self, script, run: str):
         self.script = script
+        self.run = run  # answered on /health, as the run's proxy does (the runner waits for it)
         self.requests: list[tuple[str, dict]] = []  # (execution, body)
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -89,6 +90,7 @@ class FakeOpenAI:
     async def start(self) -> "FakeOpenAI":
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/health", self.health)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -96,6 +98,9 @@ class FakeOpenAI:
         port = site._server.sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         return self
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "run": self.run})
 
     async def stop(self) -> None:
         self.released.set()
@@ -202,7 +207,7 @@ async def test_runner_toy_harness_over_the_bus(nats_server, run_id, run_dir):
             return "hang", None
         return "text", f"answer {n} from {execution}"
 
-    fake = await FakeOpenAI(script).start()
+    fake = await FakeOpenAI(script, run_id).start()
     cfg = Config(run=run_id, nats_url=nats_server.url, nats_token=nats_server.token, run_dir=run_dir, tasks="toy",
                  key_secret=SECRET.hex(), proxy_url=fake.url, concurrency=3)
     bus, stop, collector, tasks = await start_runner(cfg, nats_server, run_id)
@@ -274,7 +279,7 @@ async def test_mini_swe_agent_runs_confined_and_submits(nats_server, run_id, run
             return "tool", "printf 'made by mini' > made.txt && echo done"
         return "tool", "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 
-    fake = await FakeOpenAI(script).start()
+    fake = await FakeOpenAI(script, run_id).start()
     cfg = Config(run=run_id, nats_url=nats_server.url, nats_token=nats_server.token, run_dir=run_dir,
                  tasks="quickstart", key_secret=SECRET.hex(), proxy_url=fake.url, concurrency=1)
     bus, stop, collector, tasks = await start_runner(cfg, nats_server, run_id)
@@ -297,3 +302,44 @@ async def test_mini_swe_agent_runs_confined_and_submits(nats_server, run_id, run
         await asyncio.gather(*tasks)
         await bus.close()
         await fake.stop()
+
+
+async def test_an_execution_is_launched_only_once_a_proxy_of_its_run_answers(nats_server, run_id, run_dir):
+    """While the run's proxy restarts, `proxy.json` names a URL nothing answers at: the
+    runner waits (reading the file again) instead of starting a harness that fails on a
+    refused connection and is scored 0; another run's proxy does not count. With no
+    proxy of the run within `proxy_wait_s` the launch fails (`harness_error`, excluded)."""
+    import dataclasses
+
+    import orjson
+
+    from bus.server import free_port
+
+    def script(execution, n):
+        return "text", "unused"
+
+    cfg = Config(run=run_id, nats_url=nats_server.url, nats_token=nats_server.token, run_dir=run_dir, tasks="toy",
+                 key_secret=SECRET.hex(), proxy_wait_s=30.0)
+    url_file = run_dir / "proxy.json"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    url_file.write_bytes(orjson.dumps({"url": f"http://127.0.0.1:{free_port()}"}))
+    other, ours = await FakeOpenAI(script, run_id + "x").start(), await FakeOpenAI(script, run_id).start()
+    bus = await Bus.connect(nats_server.url, token=nats_server.token, run=run_id, name="test")
+    try:
+        waiting = asyncio.ensure_future(Runner(cfg, bus, task_index(load_tasks("toy")))._proxy_url())
+        await asyncio.sleep(0.6)
+        assert not waiting.done()
+        url_file.write_bytes(orjson.dumps({"url": other.url}))
+        await asyncio.sleep(0.6)
+        assert not waiting.done()
+        url_file.write_bytes(orjson.dumps({"url": ours.url}))
+        assert await asyncio.wait_for(waiting, 10) == ours.url
+
+        url_file.write_bytes(orjson.dumps({"url": other.url}))
+        impatient = Runner(dataclasses.replace(cfg, proxy_wait_s=0.5), bus, task_index(load_tasks("toy")))
+        with pytest.raises(RuntimeError, match=f"no proxy of run {run_id} answered at {other.url} within 0.5s"):
+            await asyncio.wait_for(impatient._proxy_url(), 10)
+    finally:
+        await bus.close()
+        await other.stop()
+        await ours.stop()
