@@ -1,7 +1,8 @@
 """`gyre tap [PATTERN]`: print a run's live events in a form a person can read.
 
 Finds the current run through `runs/latest/nats.json` (written by `gyre run`, token
-readable only by its owner), or `--run-dir DIR`, or `GYRE_NATS_URL` + `--run ID`.
+readable only by its owner), or `runs/ID/nats.json` with `--run ID`, or `--run-dir DIR`,
+or `GYRE_NATS_URL` + `--run ID`.
 PATTERN filters event names with NATS wildcards (`call.*`, `execution.>`); default all.
 Token arrays are shown by length, never dumped.
 """
@@ -60,7 +61,7 @@ def _short(v) -> str:
 def _locate(args) -> tuple[str, str | None, str | None, dict | None]:
     """(url, token, run, the owning `gyre run`'s identity from nats.json or None) of the run to tap."""
     if args.run_dir or not os.environ.get("GYRE_NATS_URL"):
-        run_dir = Path(args.run_dir) if args.run_dir else runs_root() / "latest"
+        run_dir = Path(args.run_dir) if args.run_dir else runs_root() / (args.run or "latest")
         info = read_nats_info(run_dir)
         if not run_owner_alive(info):
             raise RuntimeError(ended_run_message(run_dir.resolve(), info))
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gyre tap", description="Print live events of the current run.")
     p.add_argument("pattern", nargs="?", default=">", help="event names, NATS wildcards (default: all)")
     p.add_argument("--run-dir", help="run directory (default: runs/latest)")
-    p.add_argument("--run", help="run id (default: the run of the run directory)")
+    p.add_argument("--run", help="run id: runs/ID (default: runs/latest), or with GYRE_NATS_URL set that "
+                                 "server's run ID")
     p.add_argument("--all-runs", action="store_true", help="events of every run on that server")
     p.add_argument("--width", type=int, default=200, help="cut lines at this many characters")
     a = p.parse_args(argv)

@@ -114,6 +114,23 @@ def test_tap_refuses_an_ended_run_at_once(tmp_path):
     assert "run ended has ended" in proc.stderr and "summary.json" in proc.stderr, proc.stderr
 
 
+def test_tap_run_names_a_run_directory_under_the_runs_root(tmp_path):
+    """`gyre tap --run ID` (no GYRE_NATS_URL) taps runs/ID, not runs/latest's run."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    _run_dir(tmp_path, "older", "nats://127.0.0.1:1", None, gone.pid)
+    latest = _run_dir(tmp_path, "newer", "nats://127.0.0.1:1", None, gone.pid)
+    (tmp_path / "latest").symlink_to(latest)
+    env = dict(_env(), GYRE_RUNS_DIR=str(tmp_path))
+    for args, named in ((["--run", "older"], "older"), ([], "newer")):
+        proc = subprocess.run([sys.executable, "-m", "handlers.cli", "tap", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and f"run {named} has ended" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "handlers.cli", "tap", "--run", "nosuch"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "nosuch/nats.json not found" in proc.stderr, proc.stderr
+
+
 def test_tap_says_in_one_line_when_the_bus_is_unreachable():
     import socket
 
