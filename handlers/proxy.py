@@ -165,9 +165,11 @@ KEY_CACHE = 65_536
 """Valid API keys whose execution `ProxyState.execution_of` keeps (least recently used
 dropped); rejected keys are never kept, so unauthenticated requests cannot fill it."""
 
-SPILL_RETRY_S = 30.0
+SPILL_RETRY_S = 2.0
 """How often a serving proxy tries to publish what it spilled when no publish has been
-acknowledged since (`_resend_spilled`)."""
+acknowledged since (`_resend_spilled`): soon, so that a call spilled at the end of a burst
+still lands before its execution is scored (each try itself waits for the bus, retrying
+with backoff within `retry_timeout_s`)."""
 REPLAYED = ("cell.switched", "route.updated", "execution.started", "execution.finished")
 """Events the proxy's state is rebuilt from (`ProxyState.handle_event`)."""
 
@@ -409,6 +411,8 @@ class ProxyState:
         self._background: set[asyncio.Task] = set()
         self._unsent: dict[str, Outgoing] = {}
         """event id → each `call.completed` handed to `publish` and not yet acknowledged."""
+        self._republished: set[str] = set()
+        """Event ids of spilled calls this proxy has published again (`_republish_one`)."""
         self._spilled = False
         """Calls were spilled and not yet sent again (`_resend_spilled`)."""
         self.bus_back = asyncio.Event()
@@ -526,6 +530,13 @@ class ProxyState:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def publish_later(self, out: Outgoing) -> None:
+        """`publish(out)` in the background, the call counted unsent from now: a drain that
+        cancels the publish before it has started still spills it."""
+        if self.bus is not None:
+            self._unsent[out.event.event_id] = out
+        self.spawn(self.publish(out))
+
     async def drain(self, timeout_s: float) -> None:
         """Wait (≤ timeout_s) for background publishes and aborts; then cancel what is left
         and spill the calls still unacknowledged (`Config.spill_file`)."""
@@ -538,6 +549,7 @@ class ProxyState:
                 await asyncio.wait(pending, timeout=5.0)
         if self._unsent:
             self.spill(list(self._unsent.values()), "shutdown")
+            self._unsent.clear()  # the cancelled publishes' calls: spilled once
 
     # -- events
     def call_event(self, *, execution: str, seq: int, match: Match, sampling: SamplingParams,
@@ -592,7 +604,7 @@ class ProxyState:
         self._unsent[event_id] = out
         async with self._publishing:
             stored = await self._publish(out)
-        del self._unsent[event_id]
+        self._unsent.pop(event_id, None)  # (drain may have spilled it and cleared the map)
         if stored and self._spilled:
             self.bus_back.set()
         if not stored:
@@ -669,13 +681,17 @@ class ProxyState:
             except Exception as exc:  # noqa: BLE001 - kept aside, named in the log
                 bad.append(line)
                 log.error("proxy.spill.unreadable", spill_file=str(path), error=repr(exc), line=line[:200])
-        good = [(event, tokens_json) for event, tokens_json in good if event.event_id not in known]
+        good = [(event, tokens_json) for event, tokens_json in good
+                if event.event_id not in known and event.event_id not in self._republished]
         for event, tokens_json in good:
             if not await self._publish(Outgoing(event, tokens_json), may_have_landed=True, stop=stop):
                 if stop is not None and stop.is_set():
                     return False
                 raise RuntimeError(f"could not publish the calls spilled in {sending} (call {event.call}); "
                                    "is the bus up? the file is kept and tried again")
+            # The file is kept whole when a later line fails: the next try must not send this
+            # one again (long after JetStream's duplicate window, it would be stored twice).
+            self._republished.add(event.event_id)
             published.append(event.event_id)
         if bad:
             with open(f"{path}.unreadable", "ab") as f:
@@ -898,8 +914,8 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
         except ApiError as err:
             log.warning("proxy.call.failed", **ctx, status=err.status, error=err.message[:300])
             resp = await reply.fail(err)
-            state.spawn(state.publish(state.call_event(**common, result=None, status="error",
-                                                       total_s=time.monotonic() - t0, cell=attempt.cell)))
+            state.publish_later(state.call_event(**common, result=None, status="error",
+                                                 total_s=time.monotonic() - t0, cell=attempt.cell))
             return resp
         text, hit = state.decode(result.output_ids), result.stop_string
         if hit is not None and hit in req.sampling.stop and hit in text:
@@ -916,7 +932,7 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
                                  cell=result.cell)
         resp = await reply.send(api.render(answer, req))
         delivered = True
-        state.spawn(state.publish(event))
+        state.publish_later(event)
         # No await between delivery and recording: the harness's next call sees this one.
         if not auxiliary:
             store.record(match, call=call_id, seq=seq, answer=internal_message(answer),
@@ -934,17 +950,19 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
     except (asyncio.CancelledError, ConnectionResetError):
         if not delivered:
             log.info("proxy.call.client_gone", **ctx, seq=seq)
-            state.spawn(_abandon(state, attempt, common, result, t0))
+            _abandon(state, attempt, common, result, t0)
         raise
     except Exception as exc:  # noqa: BLE001 - a defect of ours: answer in the API's shape, record the call
         log.exception("proxy.call.internal_error", **ctx, error=repr(exc), delivered=delivered)
         if delivered:  # published already (only recording failed): the next call attaches as a branch
             return resp
-        state.spawn(state.publish(state.call_event(**common, result=None, status="error",
-                                                   total_s=time.monotonic() - t0, cell=attempt.cell)))
+        state.publish_later(state.call_event(**common, result=None, status="error",
+                                             total_s=time.monotonic() - t0, cell=attempt.cell))
         return await reply.fail(ApiError(500, f"internal error in the proxy: {type(exc).__name__}", "server_error",
                                          code="internal_error"))
     finally:
+        if ex.finished:  # picked after `execution.finished` forgot it: its sticky cell would count for good
+            state.router.forget(execution)
         await reply.stop_keepalive()
 
 
@@ -966,13 +984,14 @@ def _fit(req: ModelRequest, prompt_tokens: int, context: int) -> ModelRequest:
     return req
 
 
-async def _abandon(state: ProxyState, attempt: Attempt, common: dict, result: EngineResult | None,
-                   t0: float) -> None:
-    """The harness went away: abort the engine request, publish the call as `aborted`."""
-    if attempt.client is not None and attempt.rid:
-        await state.engines.abort_upstream(attempt.client, attempt.rid)
-    await state.publish(state.call_event(**common, result=result, status="aborted", total_s=time.monotonic() - t0,
+def _abandon(state: ProxyState, attempt: Attempt, common: dict, result: EngineResult | None, t0: float) -> None:
+    """The harness went away: publish the call as `aborted` (counted unsent at once: the
+    abort may wait on a hung engine past a shutdown's drain), abort the engine request in
+    the background."""
+    state.publish_later(state.call_event(**common, result=result, status="aborted", total_s=time.monotonic() - t0,
                                          cell=attempt.cell))
+    if attempt.client is not None and attempt.rid:
+        state.spawn(state.engines.abort_upstream(attempt.client, attempt.rid))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -1010,9 +1029,9 @@ async def count_tokens(request: web.Request) -> web.Response:
         return error_response(MESSAGES, _internal_error(exc, execution, "count_tokens"))
     seq = ex.next_seq
     ex.next_seq += 1
-    state.spawn(state.publish(state.call_event(
+    state.publish_later(state.call_event(
         execution=execution, seq=seq, match=match, sampling=req.sampling, result=None, status="ok",
-        total_s=time.monotonic() - t0, cell="", api="messages", role=roles.role, meta=roles.meta)))
+        total_s=time.monotonic() - t0, cell="", api="messages", role=roles.role, meta=roles.meta))
     return web.json_response({"input_tokens": len(match.prompt_ids)})
 
 

@@ -78,7 +78,9 @@ class ScriptedEngine:
     policy_version: version reported in `weight_version` and `gyre_versions`.
     delay_s: seconds each generation takes (polled for abort every 10 ms).
     context_length: the model's context in tokens, as SGLang enforces it (0 = none).
-    Attributes: `requests` (every /generate body received, in order), `aborted` (rids).
+    Attributes: `requests` (every /generate body received, in order), `aborted` (rids),
+    `gate` (None, or an asyncio.Event each generation waits for once its delay is over, still
+    abortable: a test knows a request is in flight until it sets it).
     """
 
     def __init__(self, tokenizer: Any, completions: Sequence[str] | None = None, callback: Callback | None = None,
@@ -99,6 +101,7 @@ class ScriptedEngine:
         self._next = 0
         self._fail: list[int] = []
         self._in_flight: set[str] = set()
+        self.gate: asyncio.Event | None = None
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -189,7 +192,8 @@ class ScriptedEngine:
         deadline = time.monotonic() + self.delay_s
         self._in_flight.add(rid)
         try:
-            while time.monotonic() < deadline and rid not in self.aborted:
+            while (time.monotonic() < deadline or (self.gate is not None and not self.gate.is_set())) \
+                    and rid not in self.aborted:
                 await asyncio.sleep(0.01)
         finally:
             self._in_flight.discard(rid)

@@ -30,6 +30,7 @@ from handlers.scripted_engine import ScriptedEngine, load_script
 from schemas import ids
 from schemas.cell import CellSwitched, Route, RouteUpdated
 from schemas.execution import ExecutionFinished, ExecutionInfo
+from tests.test_bus import until
 
 SECRET = b"proxy-test-secret-0123456789"
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a command",
@@ -499,6 +500,7 @@ async def test_calls_the_bus_cannot_take_are_spilled_and_published_by_the_next_p
         history = [SYSTEM, TASK]
         for _ in range(3):
             if len(history) == 4:  # the first call is stored; then the bus goes away
+                await until(lambda: not stack.state._unsent)
                 server.stop()
             r = await client.chat.completions.create(model="m", messages=history)
             history += [{"role": "assistant", "content": r.choices[0].message.content},
@@ -509,6 +511,8 @@ async def test_calls_the_bus_cannot_take_are_spilled_and_published_by_the_next_p
                         break
                     await asyncio.sleep(0.02)
                 assert len([line for line in spill.read_bytes().splitlines() if line]) == 1
+                # The third call's publish is to be still retrying at the shutdown below.
+                stack.state.cfg = dataclasses.replace(stack.state.cfg, retry_timeout_s=60.0)
         # A resend that failed left its file as `.sending`; the third call, still waiting for
         # its PubAck at shutdown, starts a new spill file: the next proxy must take both.
         spill.rename(stack.state.sending_path())
@@ -567,6 +571,8 @@ async def test_spilled_calls_go_out_once_the_bus_is_back_without_a_restart(tmp_p
                 break
             await asyncio.sleep(0.02)
         assert spill.exists()
+        # Call 1's publish waits for the bus to be back (not spilled too: it is what sends call 0).
+        stack.state.cfg = dataclasses.replace(stack.state.cfg, retry_timeout_s=60.0)
         server = await asyncio.to_thread(NatsServer.start, tmp_path / "nats", port=port, token=server.token)
         await client.chat.completions.create(model="m", messages=[SYSTEM, TASK, {"role": "assistant", "content":
                                                                                   r.choices[0].message.content},
@@ -619,24 +625,31 @@ async def test_a_spilled_call_stored_already_is_not_published_again(tmp_path, to
 async def test_a_starting_proxy_stops_while_the_bus_will_not_take_its_spilled_calls(tmp_path, tok, nats_server,
                                                                                    run_id, monkeypatch):
     """Publishing what an earlier proxy spilled may wait minutes on a bus that is down: a
-    stop meanwhile ends the start at once, and the spill file stays for the next one."""
+    stop meanwhile ends the start at once, and the spilled calls stay, whole, for the next
+    one (in the file the resend moved them to)."""
     spill = tmp_path / "proxy-unpublished.jsonl"
-    spill.write_bytes(b'{"event": {"not": "read yet"}, "tokens": null}\n')
+    cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
+                 spill_file=str(spill))
+    event = schemas.CallCompleted(event_id=ids.call(run_id, "exs", 0), call="exs:0", execution="exs", seq=0,
+                                  parent_call=None, prefix_len=0, tokens=schemas.CallTokens(),
+                                  sampling=schemas.SamplingParams(), finish_reason="stop", versions=(), cell="c",
+                                  role="main", api="chat", status="ok", timings={}, drift=0, meta={})
+    ProxyState(cfg, tok, session=None).spill([proxy_mod.Outgoing(event)], "test")
+    written = spill.read_bytes()
     hung = asyncio.Event()
 
-    async def hanging(self, *args):  # a publish to a bus that does not answer
+    async def hanging(self, *args, **kwargs):  # a publish to a bus that does not answer
         hung.set()
         await asyncio.sleep(3600)
 
-    monkeypatch.setattr(ProxyState, "_republish_one", hanging)
-    cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
-                 spill_file=str(spill))
+    monkeypatch.setattr(ProxyState, "_publish", hanging)
     stop = asyncio.Event()
     task = asyncio.create_task(run(cfg, stop))
     await asyncio.wait_for(hung.wait(), 30)
     stop.set()
     await asyncio.wait_for(task, 5)
-    assert spill.exists()
+    kept = [p for p in (spill, Path(f"{spill}.sending")) if p.exists()]
+    assert [p.read_bytes() for p in kept] == [written]
 
 
 async def test_a_second_proxy_is_refused_while_the_first_still_runs_after_it_stopped_listening(tmp_path, run_id):
@@ -1019,15 +1032,17 @@ async def test_a_call_in_flight_when_its_execution_finishes_is_refused_and_not_t
     """A call still generating when `execution.finished` arrives (a leftover process) gets
     the finished execution's 403 and is recorded as an `error` call (its answer would land
     after the score); the execution's prompt JSON, freed, is not put back."""
-    engine = await stack.engine(["one"], delay_s=0.3)
+    engine = await stack.engine(["one"])
+    engine.gate = asyncio.Event()
     await stack.proxy(engine=engine)
     client = stack.client("exl")
     inflight = asyncio.ensure_future(client.chat.completions.create(model="m", messages=[SYSTEM, TASK]))
-    await asyncio.sleep(0.1)
+    await until(lambda: engine.requests)  # generating
     info = ExecutionInfo(execution="exl", task="t", group="s0-g0", step=0, harness="toy", group_size=1,
                          step_groups=1)
     await stack.state.handle_event(ExecutionFinished(event_id=ids.finished(run_id, "exl"), info=info, status="ok",
                                                      workspace=""))
+    engine.gate.set()
     with pytest.raises(openai.PermissionDeniedError) as refused:
         await inflight
     assert refused.value.code == "execution_finished"
@@ -1222,3 +1237,61 @@ async def test_max_calls_holds_for_calls_waiting_on_the_branch_thread(stack, mon
     results = await asyncio.gather(*asks, return_exceptions=True)
     assert sorted(type(r).__name__ for r in results) == ["BadRequestError", "ChatCompletion"]
     assert len(engine.requests) == 1 and stack.state.executions["exm"].model_calls == 1
+
+
+async def test_a_call_abandoned_at_shutdown_is_spilled_while_its_upstream_abort_hangs(tmp_path, tok):
+    """A harness that goes away leaves an `aborted` call: it is counted unsent at once, so a
+    drain that gives up on a hung engine abort (and on a bus that takes nothing) still
+    spills it; before, the event was built only after the abort returned."""
+    from handlers.proxy_routing import Attempt
+    from schemas.call import SamplingParams
+
+    class SilentBus:  # takes no publish
+        async def publish(self, event, data):
+            await asyncio.sleep(3600)
+
+    spill = tmp_path / "proxy-unpublished.jsonl"
+    state = ProxyState(Config(run="r", key_secret=SECRET, spill_file=str(spill)), tok, session=None, bus=SilentBus())
+
+    async def hung_abort(client, rid):
+        await asyncio.sleep(3600)
+
+    state.engines.abort_upstream = hung_abort
+    attempt = Attempt(client=object(), rid="rid-1", cell="c")
+    match = CallStore(tok).match([{"role": "user", "content": "hi"}])
+    common = dict(execution="ex", seq=0, match=match, sampling=SamplingParams(), api="chat", role="main", meta={})
+    proxy_mod._abandon(state, attempt, common, None, 0.0)
+    await state.drain(0.2)
+    (line,) = [orjson.loads(x) for x in spill.read_bytes().splitlines() if x.strip()]
+    assert (line["event"]["call"], line["event"]["status"]) == ("ex:0", "aborted")
+    await state.drain(0.2)  # a second drain spills nothing again
+    assert len([x for x in spill.read_bytes().splitlines() if x.strip()]) == 1
+
+
+async def test_a_resend_that_fails_part_way_does_not_publish_the_sent_calls_again(tmp_path, tok):
+    """A spill file is kept whole when one of its calls still fails after retry_timeout_s;
+    the calls published before it must not go out again on the next try (long after
+    JetStream's 120 s duplicate window they would be stored twice)."""
+    def event(seq):
+        return schemas.CallCompleted(event_id=f"r:exs:call:{seq}", call=f"exs:{seq}", execution="exs", seq=seq,
+                                     parent_call=None, prefix_len=0, tokens=schemas.CallTokens(),
+                                     sampling=schemas.SamplingParams(), finish_reason="stop", versions=(), cell="c",
+                                     role="main", api="chat", status="ok", timings={}, drift=0, meta={})
+
+    spill = tmp_path / "proxy-unpublished.jsonl"
+    state = ProxyState(Config(run="r", key_secret=SECRET, spill_file=str(spill)), tok, session=None, bus=object())
+    state.spill([proxy_mod.Outgoing(event(0)), proxy_mod.Outgoing(event(1))], "test")
+    sent, fail = [], ["r:exs:call:1"]
+
+    async def publish(out, may_have_landed=False, stop=None):
+        if out.event.event_id in fail:
+            fail.remove(out.event.event_id)
+            return False
+        sent.append(out.event.event_id)
+        return True
+
+    state._publish = publish
+    with pytest.raises(RuntimeError, match="could not publish the calls spilled"):
+        await state.republish()
+    assert await state.republish() == ["r:exs:call:1"]
+    assert sent == ["r:exs:call:0", "r:exs:call:1"] and not spill.exists() and not state.sending_path().exists()
