@@ -50,9 +50,13 @@ def _parse_overrides(items: list[str]) -> dict:
 
 
 def _write_private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Write `path` (mode 0600) whole or not at all: readers poll for these files
+    (`runs/latest/nats.json`), so a half-written one must never be seen."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+    os.replace(tmp, path)
 
 
 class Progress:

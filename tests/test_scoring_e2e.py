@@ -241,20 +241,26 @@ def test_gyre_run_without_its_evaluator_is_scored_by_the_example_service(tmp_pat
     gyre_run = subprocess.Popen([sys.executable, "-m", "handlers.cli", "run", "toy", "--no-evaluator", "--run-id", run,
                                  "--set", "run.steps=1", "--timeout", "300"],
                                 cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for _ in range(300):  # as docs/reward-services.md says: once runs/latest/nats.json exists
-        if (runs / "latest" / "nats.json").exists():
-            break
-        time.sleep(0.1)
-    assert json.loads((runs / "latest" / "nats.json").read_text())["run"] == run
-    # (the service waits for the run's streams, created a moment later)
-    service = subprocess.Popen([sys.executable, str(REPO / "ops" / "reward_service_example.py"), run,
-                                "--command", "true"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+    service = None
     try:
+        for _ in range(300):  # as docs/reward-services.md says: once runs/latest/nats.json exists
+            if (runs / "latest" / "nats.json").exists():
+                break
+            time.sleep(0.1)
+        assert json.loads((runs / "latest" / "nats.json").read_text())["run"] == run  # written whole, never half
+        # (the service waits for the run's streams, created a moment later)
+        service = subprocess.Popen([sys.executable, str(REPO / "ops" / "reward_service_example.py"), run,
+                                    "--command", "true"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True)
         out, _ = gyre_run.communicate(timeout=400)
     finally:
-        service.terminate()
-        said, _ = service.communicate(timeout=10)
+        if gyre_run.poll() is None:  # timed out or failed above: leave no run behind
+            gyre_run.kill()
+            gyre_run.communicate()
+        said = ""
+        if service is not None:
+            service.terminate()
+            said, _ = service.communicate(timeout=10)
     assert gyre_run.returncode == 0, out[-3000:]
     assert "no built-in evaluator" in out
     assert not (runs / run / "logs" / "evaluator.log").exists()
