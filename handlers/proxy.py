@@ -1210,6 +1210,8 @@ async def run(cfg: Config, stop: asyncio.Event,
     finally:
         if resend is not None:
             resend.cancel()
+        if state is not None:
+            state.engines.stop()
         if runner is not None:
             await runner.shutdown()
             await runner.cleanup()

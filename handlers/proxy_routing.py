@@ -76,6 +76,10 @@ class Router:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def wake(self) -> None:
+        """Wake every call waiting for a change (`wait_changed`) without one."""
+        self._notify()
+
     def _evict(self, cell: str) -> None:
         for attempt in self.inflight.pop(cell, ()):
             attempt.evicted = True
@@ -386,6 +390,15 @@ class Dispatcher:
         self.spawn = spawn
         self.concurrency = concurrency
         self._clients: dict[str, tuple[EngineClient, asyncio.Semaphore]] = {}
+        self.stopping = False
+        """Set by `stop`: a call with no engine to go to fails instead of waiting."""
+
+    def stop(self) -> None:
+        """The proxy is stopping: calls waiting for a rollout cell fail now (503
+        `proxy_stopping`; none may come back before the process exits, and they would hold
+        the shutdown for its whole grace); requests already at an engine run on."""
+        self.stopping = True
+        self.router.wake()
 
     def _engine(self, url: str) -> tuple[EngineClient, asyncio.Semaphore]:
         c = self._clients.get(url)
@@ -415,7 +428,8 @@ class Dispatcher:
         `prompt_tokens` = P, for error messages). attempt: filled with the request in flight
         (for an abort upstream if the caller is cancelled).
 
-        Raises ApiError(503) when no engine answered within retry_timeout_s, ApiError(400|502)
+        Raises ApiError(503) when no engine answered within retry_timeout_s or none is left
+        once the proxy stops (`stop`), ApiError(400|502)
         when the engine refused the request (`proxy_api.context_exceeded` when it refused a
         prompt its context cannot hold).
         """
@@ -434,6 +448,9 @@ class Dispatcher:
                                code="engine_unavailable")
             target = self.router.pick(execution, frozenset(avoid))
             if target is None:
+                if self.stopping:
+                    raise ApiError(503, "the proxy is stopping and no rollout cell is left to serve this call",
+                                   "server_error", code="proxy_stopping")
                 await self.router.wait_changed(min(backoff, remaining))
                 backoff = min(backoff * 2, self.retry_backoff_max_s)
                 continue

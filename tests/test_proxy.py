@@ -1295,3 +1295,30 @@ async def test_a_resend_that_fails_part_way_does_not_publish_the_sent_calls_agai
         await state.republish()
     assert await state.republish() == ["r:exs:call:1"]
     assert sent == ["r:exs:call:0", "r:exs:call:1"] and not spill.exists() and not state.sending_path().exists()
+
+
+async def test_a_call_waiting_for_a_cell_when_the_proxy_stops_gets_a_503_at_once(tmp_path, tok, nats_server, run_id,
+                                                                                   bus):
+    """No rollout cell will come back for a stopping proxy (the run has ended, every cell
+    trains): a call waiting for one fails at once with 503 `proxy_stopping`, recorded as an
+    `error` call, instead of holding the shutdown for its whole grace (60 s here) and then
+    having its connection cut."""
+    url_file = tmp_path / "proxy.json"
+    cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
+                 url_file=str(url_file), shutdown_grace_s=60.0)
+    stop, up = asyncio.Event(), asyncio.Event()
+    started = {}
+    task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: (started.update(state=state, url=url),
+                                                                               up.set())))
+    await asyncio.wait_for(up.wait(), 30)
+    async with openai.AsyncOpenAI(base_url=started["url"] + "/v1", api_key=execution_key(SECRET, "exw"),
+                                  max_retries=0) as client:
+        waiting = asyncio.ensure_future(client.chat.completions.create(model="m", messages=[TASK]))
+        await until(lambda: started["state"].active == 1)  # admitted, waiting for a cell
+        stop.set()
+        with pytest.raises(openai.InternalServerError) as refused:
+            await asyncio.wait_for(waiting, 20)
+    assert refused.value.status_code == 503 and refused.value.code == "proxy_stopping"
+    await asyncio.wait_for(task, 20)  # not the 60 s grace
+    (event,) = await Stack(tok, bus, run_id).calls(1)
+    assert (event.execution, event.status, event.tokens.completion_ids) == ("exw", "error", ())
