@@ -53,9 +53,10 @@ class Config:
 
 def config_from_context(ctx: RunContext, args) -> Config:
     r = ctx.recipe
+    model_dir = ctx.checkpoint()
     return Config(run=ctx.run, nats_url=ctx.nats_url, nats_token=ctx.nats_token, cell=args.cell,
-                  model_dir=ctx.model_dir, weights_dir=ctx.run_dir / "weights",
-                  engine=EngineConfig(model_dir=str(ctx.model_dir), max_context_tokens=r.engine.max_context_tokens,
+                  model_dir=model_dir, weights_dir=ctx.run_dir / "weights",
+                  engine=EngineConfig(model_dir=str(model_dir), max_context_tokens=r.engine.max_context_tokens,
                                       max_completion_tokens=r.sampling.max_tokens, seed=r.run.seed),
                   trainer=TrainerConfig(lr=r.train.lr, weight_decay=r.train.weight_decay, grad_clip=r.train.grad_clip,
                                         eps_low=r.train.eps_low, eps_high=r.train.eps_high, seed=r.run.seed))

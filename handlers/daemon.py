@@ -59,6 +59,23 @@ class RunContext:
     def model_dir(self) -> Path:
         return Path(self.recipe.model.dir) if self.recipe.model.dir else self.run_dir / "model"
 
+    def checkpoint(self) -> Path:
+        """`model_dir` for a daemon that loads the policy (its tokenizer or weights).
+        Raises FatalError, naming the fix, when no HF checkpoint is there (no config.json):
+        with an empty `model.dir` the policy is the embedded default model, which only
+        `gyre run` writes into the run directory."""
+        d = self.model_dir
+        if (d / "config.json").is_file():
+            return d
+        m = self.recipe.model
+        if m.dir:
+            raise FatalError(f"no checkpoint in {d} (the recipe's model.dir): it has no config.json")
+        raise FatalError(f"no checkpoint in {d}: the recipe's model.dir is empty, so the policy is the embedded "
+                         "default model, which `gyre run` writes into the run directory; for a daemon started on "
+                         f"its own, write it first with `gyre init-model {d} --layers {m.layers} --hidden {m.hidden} "
+                         f"--heads {m.heads} --kv-heads {m.kv_heads} --seed {m.seed}` (the recipe's [model]), or set "
+                         "model.dir to a checkpoint")
+
 
 def read_nats_info(run_dir: Path) -> dict:
     """The run's `nats.json`: {"url", "run", "token"?}. Raises FatalError if absent."""

@@ -1341,7 +1341,7 @@ def config_from_context(ctx: Any, args: Any) -> Config:
     """The proxy of a run. Its context window is the recipe's `engine.max_context_tokens`
     when the run's cells serve it; an engine given by `--engine-url` says its own."""
     r = ctx.recipe
-    return Config(run=ctx.run, key_secret=ctx.key_secret, port=args.port, model_dir=str(ctx.model_dir),
+    return Config(run=ctx.run, key_secret=ctx.key_secret, port=args.port, model_dir=str(ctx.checkpoint()),
                   nats_url=ctx.nats_url, nats_token=ctx.nats_token, engine_url=args.engine_url or "",
                   temperature=r.sampling.temperature, top_p=r.sampling.top_p, top_k=r.sampling.top_k,
                   max_completion_tokens=r.sampling.max_tokens, max_calls=r.harness.max_calls,

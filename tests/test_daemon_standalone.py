@@ -63,6 +63,21 @@ def test_daemon_without_nats_configuration_exits_2(tmp_path):
     assert "GYRE_NATS_URL" in proc.stderr + proc.stdout
 
 
+@pytest.mark.parametrize("daemon", ["proxy", "cell"])
+def test_a_daemon_on_its_own_without_the_runs_model_names_the_command_that_writes_it(tmp_path, daemon):
+    """With `model.dir` empty only `gyre run` writes the embedded default model into the
+    run directory: a proxy or cell started on its own before it exists exits 2 with the
+    `gyre init-model` line for the recipe's sizes (it crashed with a traceback)."""
+    env = dict(os.environ, GYRE_NATS_URL="nats://127.0.0.1:1", GYRE_NATS_TOKEN="t", GYRE_KEY_SECRET="00" * 32,
+               GYRE_RUNS_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "handlers.cli", daemon, "--recipe", "toy", "--run", "r1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert f"gyre init-model {tmp_path / 'r1' / 'model'} --layers 2 --hidden 64" in out, out
+    assert "Traceback" not in out
+
+
 def test_json_log_lines_never_raise():
     """The JSON renderer (orjson) writes what the stdlib encoder wrote for odd values, and
     falls back to the stdlib encoder for what orjson refuses."""
