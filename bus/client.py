@@ -577,6 +577,7 @@ class Bus:
         """Core-NATS subscription: `await callback(subject, data)` for every message on `pattern`.
 
         pattern: a subject pattern; None = everything of this run (`gyre.v1.<run>.>`).
+        Raises ValueError for a pattern NATS refuses (spaces, empty tokens, a misplaced wildcard).
         """
         async def on_msg(msg: Any) -> None:
             try:
@@ -584,7 +585,12 @@ class Bus:
             except Exception:  # noqa: BLE001 - a tap callback must not kill the subscription
                 log.exception("bus.tap.callback_failed", subject=msg.subject)
 
-        sub = await self.nc.subscribe(pattern or subjects.run_wildcard(self.run), cb=on_msg)
+        pattern = pattern or subjects.run_wildcard(self.run)
+        try:
+            sub = await self.nc.subscribe(pattern, cb=on_msg)
+        except nats.errors.BadSubjectError:
+            raise ValueError(f"{pattern!r} is not a NATS subject pattern (dot-separated tokens without spaces; "
+                             "* stands for one token, > for the rest)") from None
         return Tap(sub)
 
 

@@ -69,6 +69,7 @@ def _bench(argv: list[str]) -> int:
 
 def _init_model(argv: list[str]) -> int:
     import argparse
+    import re
 
     from gyre.model import ModelSpec, init_model
 
@@ -80,8 +81,18 @@ def _init_model(argv: list[str]) -> int:
     p.add_argument("--kv-heads", type=int, default=2, help="key/value heads, grouped-query attention (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     a = p.parse_args(argv)
-    spec = ModelSpec(layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
-                     head_dim=a.hidden // a.heads, intermediate=3 * a.hidden, seed=a.seed)
+    from pathlib import Path
+
+    if Path(a.dir).exists() and (not Path(a.dir).is_dir() or any(Path(a.dir).iterdir())):
+        p.error(f"{a.dir} exists and is not an empty directory; choose a new one")
+    if a.heads > 0 and (a.hidden % a.heads or (a.hidden // a.heads) % 2):
+        p.error(f"--hidden must be --heads times an even head size (rotary embeddings): {a.hidden} / {a.heads}")
+    try:
+        spec = ModelSpec(layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
+                         head_dim=a.hidden // a.heads if a.heads > 0 else 0, intermediate=3 * a.hidden, seed=a.seed)
+    except ValueError as exc:
+        p.error(re.sub(r"\b(?:ModelSpec\.)?(layers|hidden|heads|kv_heads|seed)\b",
+                       lambda m: "--" + m[1].replace("_", "-"), str(exc)))
     path = init_model(a.dir, spec)
     print(f"wrote {path}")
     return 0

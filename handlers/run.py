@@ -346,7 +346,8 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
         info["token"] = token
     _write_private(run_dir / "nats.json", orjson.dumps(info))
     print(f"gyre: run {run} — directory {run_dir}")
-    print("gyre: follow its events from another terminal with `gyre tap`")
+    tap = "gyre tap" if run_dir == (Path("runs") / run).resolve() else f"gyre tap --run-dir {run_dir}"
+    print(f"gyre: follow its events from another terminal with `{tap}`")
     if "evaluator" not in daemons:
         print("gyre: no built-in evaluator: the run waits for your reward service's execution.scored "
               "(docs/reward-services.md)")
@@ -419,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_run(run)
     except ValueError as exc:
-        print(f"gyre run: --run-id: {exc}", file=sys.stderr)
+        where = "--run-id" if a.run_id else "run.name (the run id starts with it)"
+        print(f"gyre run: {where}: {exc}", file=sys.stderr)
         return 2
     run_dir = runs_root() / run
     if run_dir.exists():

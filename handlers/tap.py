@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         print(f"gyre tap: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # a pattern NATS refuses
+        print(f"gyre tap: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         pass
     return 0

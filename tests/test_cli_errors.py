@@ -58,3 +58,39 @@ def test_run_stopped_by_sigterm_exits_143_with_its_summary(tmp_path, when):
     assert summary["outcome"] == "interrupted"
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
     assert not left, f"processes of the run left behind: {left}"
+
+
+def test_a_bad_run_name_is_named_as_such(tmp_path):
+    """The default run id starts with `run.name`: a name it cannot carry is blamed, not
+    the --run-id the user never gave."""
+    env = dict(os.environ, GYRE_RUNS_DIR=str(tmp_path / "runs"))
+    proc = subprocess.run([sys.executable, "-m", "handlers.cli", "run", "toy", "--set", "run.name=my run"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "gyre run: run.name" in proc.stderr and "--run-id" not in proc.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--layers", "0"], "--layers must be a positive int"),
+    (["--hidden", "63"], "--hidden must be --heads times an even head size"),
+    (["--kv-heads", "3"], "--heads (4) must be a multiple of --kv-heads (3)"),
+    ([], "exists and is not an empty directory"),
+])
+def test_init_model_refuses_bad_sizes_and_a_used_directory_in_one_line(tmp_path, args, needle):
+    target = tmp_path / "model"
+    if not args:
+        target.mkdir()
+        (target / "mine.txt").write_text("keep me")
+    proc = subprocess.run([sys.executable, "-m", "handlers.cli", "init-model", str(target), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    left = sorted(p.name for p in target.iterdir()) if target.exists() else []
+    assert left == ([] if args else ["mine.txt"])  # nothing written, nothing overwritten
+
+
+def test_tap_refuses_a_pattern_nats_cannot_subscribe_in_one_line(nats_server):
+    env = dict(os.environ, GYRE_NATS_URL=nats_server.url, GYRE_NATS_TOKEN=nats_server.token)
+    proc = subprocess.run([sys.executable, "-m", "handlers.cli", "tap", "foo bar", "--run", "r"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "is not a NATS subject pattern" in proc.stderr and "Traceback" not in proc.stderr
