@@ -19,7 +19,8 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   `max_active_calls` calls in flight, or `max_active_calls_per_execution` for one
   execution), 400 code `max_calls_exceeded` once an execution has started `max_calls`
   model calls (non-retryable, so the harness stops), 502/503 only when the engine refused
-  the request or none was reachable within `retry_timeout_s`.
+  the request or none was reachable within `retry_timeout_s` (or, once the proxy is
+  stopping, no rollout cell is left: 503 code `proxy_stopping`).
 - Roles (gyre.roles): each call is classified with the execution's harness profile
   (learnt from `execution.started`'s harness, else `Config.harness`, else detected from
   the headers); role and session metadata go on `call.completed`. `auxiliary` calls
