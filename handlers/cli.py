@@ -1,12 +1,14 @@
 """The `gyre` command.
 
-    gyre run RECIPE [--set table.key=value ...] [--run-id ID] [--timeout S]
+    gyre run RECIPE [--set table.key=value ...] [--run-id ID] [--timeout S] [--no-evaluator]
                                                   start everything, show progress, exit 0
     gyre tap [PATTERN] [--run-dir DIR] [--run ID | --all-runs]
                                                   print live events of the current run
     gyre init-model DIR [--layers N ...]          write the embedded default model
     gyre bench NAME [--json PATH]                 a benchmark of docs/BENCHMARKS.md (proxy, trajectories)
     gyre proxy|cell|scheduler|builder|runner|evaluator --run-dir DIR   one daemon
+                                                  (gyre proxy --engine-url URL: an engine of your own while no cell rolls out)
+    gyre DAEMON --help, gyre run --help, ...      each command's options
 """
 from __future__ import annotations
 
