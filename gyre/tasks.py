@@ -411,7 +411,8 @@ def _grade_cases(task: Task, cases: list[dict], expected: int) -> Grade:
         total += max(count_tests(task.test_files[path]) - hidden[path], 1)
     if total == 0:
         raise GradeError("junit report holds no hidden test case")
-    note = f"collection error in {', '.join(sorted(broken))}" if broken else "junit"
+    note = (f"collection error in {', '.join(sorted(broken))} (the hidden tests could not import what they test: "
+            "the workspace's code is missing or broken)" if broken else "junit")
     return Grade(reward=passed / total, passed=passed, total=total, note=note)
 
 
