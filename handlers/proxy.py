@@ -279,8 +279,12 @@ class Config:
     same file publishes what it holds before it serves, then removes it (`republish`).
     '' = such a call is lost (logged as an error). A run's proxy uses
     `<run_dir>/proxy-unpublished.jsonl`."""
-    shutdown_grace_s: float = 30.0
-    """Bound on finishing in-flight calls and publishes on shutdown."""
+    shutdown_grace_s: float = 20.0
+    """The whole stop, in seconds: calls in flight get until `stop_reserve_s()` before its
+    end, then are cancelled (each published as `aborted`, its engine request aborted);
+    publishes get the rest; what is then still unacknowledged is spilled. Keep it below
+    what a supervisor waits before SIGKILL (`gyre run`: 30 s; Kubernetes: 30 s by
+    default): a call killed unspilled is lost."""
     tune_gc: bool = True
     """While serving: freeze the objects alive at startup (tokenizer, modules) out of the
     cyclic GC and collect less often (`GC_THRESHOLDS`); restored when `run` returns."""
@@ -312,6 +316,10 @@ class Config:
         for name in ("retry_timeout_s", "retry_backoff_s", "retry_backoff_max_s", "keepalive_s", "shutdown_grace_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Config.{name} must be > 0 seconds, got {getattr(self, name)}")
+
+    def stop_reserve_s(self) -> float:
+        """The end of `shutdown_grace_s` kept for publishes once calls are cancelled."""
+        return min(5.0, self.shutdown_grace_s / 4)
 
     def sampling_defaults(self) -> SamplingParams:
         """Sampling when a request sets none; max_tokens is the completion cap."""
@@ -419,6 +427,8 @@ class ProxyState:
         self.bus_back = asyncio.Event()
         """Set by an acknowledged publish while `_spilled`: time to send the spilled calls."""
         self._branch_thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self.calls: set[asyncio.Task] = set()
+        """The handler tasks of the model calls being served (`finish_calls`)."""
 
     def branch_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         """The one worker thread that renders and encodes heavy requests (`_match`), made on
@@ -538,19 +548,37 @@ class ProxyState:
             self._unsent[out.event.event_id] = out
         self.spawn(self.publish(out))
 
+    async def finish_calls(self, timeout_s: float) -> None:
+        """Wait (≤ timeout_s) for the model calls being served (no new ones come: the
+        listener is closed), then cancel the rest: each is published as `aborted` and its
+        engine request aborted (`_abandon`), in the background `drain` waits for."""
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        while self.calls and time.monotonic() < deadline:
+            await asyncio.wait(set(self.calls), timeout=deadline - time.monotonic())
+        if self.calls:
+            log.warning("proxy.stop.calls_cancelled", calls=len(self.calls))
+            cancelled = set(self.calls)
+            for task in cancelled:
+                task.cancel()
+            await asyncio.wait(cancelled, timeout=1.0)
+
     async def drain(self, timeout_s: float) -> None:
-        """Wait (≤ timeout_s) for background publishes and aborts; then cancel what is left
-        and spill the calls still unacknowledged (`Config.spill_file`)."""
+        """Wait (≤ timeout_s) for background publishes and aborts; then spill the calls still
+        unacknowledged (`Config.spill_file`) before cancelling what is left, so that a kill
+        soon after loses none."""
         if self._background:
-            _, pending = await asyncio.wait(set(self._background), timeout=timeout_s)
+            _, pending = await asyncio.wait(set(self._background), timeout=max(timeout_s, 0.0))
             if pending:
                 log.warning("proxy.drain.unfinished", tasks=len(pending), unpublished=len(self._unsent))
+                if self._unsent:
+                    self.spill(list(self._unsent.values()), "shutdown")
+                    self._unsent.clear()  # spilled once: a publish cancelled below leaves it unsent
                 for task in pending:
                     task.cancel()
-                await asyncio.wait(pending, timeout=5.0)
+                await asyncio.wait(pending, timeout=1.0)
         if self._unsent:
             self.spill(list(self._unsent.values()), "shutdown")
-            self._unsent.clear()  # the cancelled publishes' calls: spilled once
+            self._unsent.clear()
 
     # -- events
     def call_event(self, *, execution: str, seq: int, match: Match, sampling: SamplingParams,
@@ -854,10 +882,13 @@ async def serve_call(request: web.Request, api: Api,
     except ApiError as err:
         log.info("proxy.request.refused", api=api.name, status=err.status, code=err.code, error=err.message[:200])
         return error_response(api, err)
+    task = asyncio.current_task()
+    state.calls.add(task)
     try:
         return await _serve_admitted(request, state, api, req, execution, ex, roles, t0)
     finally:
         state.release(ex)
+        state.calls.discard(task)
 
 
 async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req: ModelRequest, execution: str,
@@ -1116,8 +1147,10 @@ async def start(state: ProxyState, reuse_port_of: str = "") -> tuple[web.AppRunn
     proxy restart reach the new proxy when they retry; a free port otherwise."""
     app = make_app(state)
     app[RAW_BODIES] = True
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=state.cfg.shutdown_grace_s, auto_decompress=False)
+    # Model calls are finished or cancelled before the runner's cleanup (`run`); what else
+    # is still being answered then (a count_tokens) gets this long, twice (aiohttp's two waits).
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+                           auto_decompress=False)
     await runner.setup()
     host = state.cfg.host
     if not state.cfg.port and (earlier := _port_of(reuse_port_of, host)):
@@ -1209,19 +1242,27 @@ async def run(cfg: Config, stop: asyncio.Event,
             on_started(state, url)
         await stop.wait()
     finally:
+        # One budget for the whole stop (Config.shutdown_grace_s): calls, then publishes and spills.
+        end = time.monotonic() + cfg.shutdown_grace_s
         if resend is not None:
             resend.cancel()
         if state is not None:
             state.engines.stop()
         if runner is not None:
+            for site in list(runner.sites):
+                await site.stop()  # no new connections
+            if runner.server is not None:
+                runner.server.pre_shutdown()  # nor requests: idle keep-alive connections close
+            if state is not None:
+                await state.finish_calls(end - cfg.stop_reserve_s() - time.monotonic())
             await runner.shutdown()
             await runner.cleanup()
         if state is not None:
-            await state.drain(cfg.shutdown_grace_s)
+            await state.drain(end - time.monotonic())
             state.close()
         if replay is not None:
             try:
-                await asyncio.wait_for(replay, cfg.shutdown_grace_s)
+                await asyncio.wait_for(replay, max(end - time.monotonic(), 1.0))
             except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - shutting down anyway
                 log.info("proxy.replay.stopped", error=repr(exc))
         if session is not None:

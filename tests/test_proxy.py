@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import aiohttp
@@ -1322,3 +1323,40 @@ async def test_a_call_waiting_for_a_cell_when_the_proxy_stops_gets_a_503_at_once
     await asyncio.wait_for(task, 20)  # not the 60 s grace
     (event,) = await Stack(tok, bus, run_id).calls(1)
     assert (event.execution, event.status, event.tokens.completion_ids) == ("exw", "error", ())
+
+
+async def test_a_stop_cancels_a_call_still_generating_at_the_end_of_its_grace_and_records_it(tmp_path, tok,
+                                                                                              nats_server, run_id,
+                                                                                              bus):
+    """The whole stop fits `shutdown_grace_s`: a generation that outlasts it is cancelled
+    once the publishes' reserve is reached, aborted upstream and published as `aborted`,
+    and the proxy is gone well before a supervisor's SIGKILL (aiohttp alone waited twice
+    its shutdown timeout, then the drain a third: 60 s of a 30 s budget, and the call was
+    lost to the kill)."""
+    engine = ScriptedEngine(tok, ["never"])
+    engine.gate = asyncio.Event()  # generates until aborted
+    await engine.start()
+    cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
+                 engine_url=engine.url, shutdown_grace_s=4.0, spill_file=str(tmp_path / "spill.jsonl"))
+    stop, up = asyncio.Event(), asyncio.Event()
+    started = {}
+    task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: (started.update(url=url), up.set())))
+    try:
+        await asyncio.wait_for(up.wait(), 30)
+        async with openai.AsyncOpenAI(base_url=started["url"] + "/v1", api_key=execution_key(SECRET, "exg"),
+                                      max_retries=0) as client:
+            call = asyncio.ensure_future(client.chat.completions.create(model="m", messages=[TASK]))
+            await until(lambda: engine.requests)
+            t0 = time.monotonic()
+            stop.set()
+            await asyncio.wait_for(task, 30)
+            stopped_s = time.monotonic() - t0
+            with pytest.raises(openai.APIConnectionError):
+                await call
+    finally:
+        stop.set()
+        await engine.stop()
+    assert stopped_s < cfg.shutdown_grace_s + 2.0, stopped_s
+    (event,) = await Stack(tok, bus, run_id).calls(1)
+    assert (event.execution, event.status) == ("exg", "aborted")
+    assert engine.aborted and not (tmp_path / "spill.jsonl").exists()
