@@ -138,9 +138,22 @@ def _codex_metadata(headers: Mapping[str, str]) -> dict:
     return parsed if isinstance(parsed, dict) else {}
 
 
+META_CHARS = 256
+"""Characters kept of each metadata value (session ids are UUIDs; a value comes from the
+harness's headers or body and is carried on every `call.completed`, which must fit the bus)."""
+
+
 def classify(facts: CallFacts, profile: str | None = None) -> Classification:
-    """Role and metadata of one call. profile: the execution's configured profile (one of
-    PROFILES), None = detect it from the headers. Raises ValueError on an unknown profile."""
+    """Role and metadata of one call, each metadata value cut to META_CHARS. profile: the
+    execution's configured profile (one of PROFILES), None = detect it from the headers.
+    Raises ValueError on an unknown profile."""
+    c = _classify(facts, profile)
+    if any(len(v) > META_CHARS for v in c.meta.values()):
+        c = Classification(c.role, c.harness, {k: v[:META_CHARS] for k, v in c.meta.items()})
+    return c
+
+
+def _classify(facts: CallFacts, profile: str | None) -> Classification:
     harness = profile or detect_profile(facts.headers, facts.api)
     if harness not in PROFILES:
         raise ValueError(f"unknown harness profile {harness!r}; known: {PROFILES}")

@@ -118,6 +118,7 @@ import orjson
 import structlog
 from aiohttp import web
 
+from bus.client import PayloadTooLarge
 from gyre.chat import parse_completion
 from gyre.harness import verify_key as harness_verify_key
 from gyre.roles import PROFILES, CallFacts, Classification, classify, profile_for_harness
@@ -636,8 +637,8 @@ class ProxyState:
         self._unsent.pop(event_id, None)  # (drain may have spilled it and cleared the map)
         if stored and self._spilled:
             self.bus_back.set()
-        if not stored:
-            self.spill([out], "no PubAck within retry_timeout_s")
+        if not stored:  # (too large for the bus: the resend keeps it aside, `_republish_one`)
+            self.spill([out], "no PubAck within retry_timeout_s" if stored is False else "too large for the bus")
 
     def spill(self, outs: list[Outgoing], why: str) -> None:
         """Append calls that could not be published to `Config.spill_file` (one JSON line
@@ -675,8 +676,8 @@ class ProxyState:
         neither it nor `sending_path()` is left. The file is first renamed to
         `sending_path()`, so that calls spilled meanwhile start a new one; a
         `sending_path()` left by an attempt that failed goes first. Returns the event ids
-        published. An unreadable line (a write cut short) is kept in
-        `<spill_file>.unreadable` and logged. Raises RuntimeError when one is still not
+        published. An unreadable line (a write cut short), or one that can never be
+        published (too large for the bus), is kept in `<spill_file>.unreadable` and logged. Raises RuntimeError when one is still not
         acknowledged after `retry_timeout_s`: the files are then kept (what went out
         meanwhile goes again, as a duplicate), and a starting proxy must not serve. Returns
         early, the files kept, once `stop` is set. known: event ids stored already, not
@@ -706,14 +707,18 @@ class ProxyState:
                 item = orjson.loads(line)
                 event = schemas.decode(CallCompleted.NAME, item["event"])
                 tokens = item["tokens"]
-                good.append((event, orjson.dumps(tokens) if tokens is not None else None))
+                good.append((line, event, orjson.dumps(tokens) if tokens is not None else None))
             except Exception as exc:  # noqa: BLE001 - kept aside, named in the log
                 bad.append(line)
                 log.error("proxy.spill.unreadable", spill_file=str(path), error=repr(exc), line=line[:200])
-        good = [(event, tokens_json) for event, tokens_json in good
+        good = [(line, event, tokens_json) for line, event, tokens_json in good
                 if event.event_id not in known and event.event_id not in self._republished]
-        for event, tokens_json in good:
-            if not await self._publish(Outgoing(event, tokens_json), may_have_landed=True, stop=stop):
+        for line, event, tokens_json in good:
+            stored = await self._publish(Outgoing(event, tokens_json), may_have_landed=True, stop=stop)
+            if stored is None:  # can never be published: kept aside like an unreadable line
+                bad.append(line)
+                continue
+            if not stored:
                 if stop is not None and stop.is_set():
                     return False
                 raise RuntimeError(f"could not publish the calls spilled in {sending} (call {event.call}); "
@@ -733,9 +738,11 @@ class ProxyState:
         """Where `republish` moves the spill file while it publishes its calls."""
         return Path(f"{self.cfg.spill_file}.sending")
 
-    async def _publish(self, out: Outgoing, may_have_landed: bool = False, stop: asyncio.Event | None = None) -> bool:
+    async def _publish(self, out: Outgoing, may_have_landed: bool = False,
+                       stop: asyncio.Event | None = None) -> bool | None:
         """True once stored (or known), False when still failing after retry_timeout_s (or
-        once `stop` is set). may_have_landed: an earlier attempt (a spilled call's) may be
+        once `stop` is set), None when the event can never be published (over the bus's
+        payload limit even with its tokens in the object store). may_have_landed: an earlier attempt (a spilled call's) may be
         stored already, so a duplicate is no other proxy's doing."""
         deadline = time.monotonic() + self.cfg.retry_timeout_s
         delay = self.cfg.retry_backoff_s
@@ -762,6 +769,9 @@ class ProxyState:
                 return True
             except Exception as exc:  # noqa: BLE001 - keep trying within the bound; never drop silently
                 clog = log.bind(event_id=event.event_id, execution=event.execution, call=event.call)
+                if isinstance(exc, PayloadTooLarge):  # the same bytes again would fail again
+                    clog.error("proxy.call.too_large", error=str(exc))
+                    return None
                 if stop is not None and stop.is_set():
                     return False
                 if time.monotonic() + delay > deadline:

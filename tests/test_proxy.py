@@ -1360,3 +1360,45 @@ async def test_a_stop_cancels_a_call_still_generating_at_the_end_of_its_grace_an
     (event,) = await Stack(tok, bus, run_id).calls(1)
     assert (event.execution, event.status) == ("exg", "aborted")
     assert engine.aborted and not (tmp_path / "spill.jsonl").exists()
+
+
+async def test_a_huge_session_id_in_the_body_is_cut_and_the_call_stored(stack):
+    """An Anthropic `metadata.user_id` holding a 1 MB session id went onto the call's
+    `call.completed` whole: no publish could carry it, and the spill it left stopped every
+    later proxy of the run from starting (a hostile review)."""
+    from gyre.roles import META_CHARS
+
+    engine = await stack.engine(["ok"])
+    url = await stack.proxy(engine=engine)
+    body = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}],
+            "metadata": {"user_id": json.dumps({"session_id": "A" * 1_000_000})}}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/messages", json=body,
+                             headers={"x-api-key": execution_key(SECRET, "exP")}) as r:
+            assert r.status == 200, await r.text()
+    (event,) = await stack.calls(1)
+    assert event.status == "ok" and event.meta["session_id"] == "A" * META_CHARS
+
+
+async def test_a_spilled_call_too_large_for_the_bus_is_kept_aside_and_the_others_go_out(tmp_path, tok, bus,
+                                                                                         run_id):
+    """A spilled line that can never be published (over the payload limit with its tokens
+    in the object store) is moved to `.unreadable`, not retried for `retry_timeout_s`, and
+    the calls after it are published: it used to raise, so a starting proxy never served."""
+    def event(seq, meta):
+        return schemas.CallCompleted(event_id=ids.call(run_id, "exs", seq), call=f"exs:{seq}", execution="exs",
+                                     seq=seq, parent_call=None, prefix_len=0, tokens=schemas.CallTokens(),
+                                     sampling=schemas.SamplingParams(), finish_reason="stop", versions=(), cell="c",
+                                     role="main", api="chat", status="ok", timings={}, drift=0, meta=meta)
+
+    spill = tmp_path / "proxy-unpublished.jsonl"
+    state = ProxyState(Config(run=run_id, key_secret=SECRET, spill_file=str(spill), retry_timeout_s=600.0), tok,
+                       session=None, bus=bus)
+    state.spill([proxy_mod.Outgoing(event(0, {"session_id": "A" * 1_000_000})), proxy_mod.Outgoing(event(1, {}))],
+                "test")
+    assert await asyncio.wait_for(state.republish(), 30) == [ids.call(run_id, "exs", 1)]
+    (kept,) = Path(f"{spill}.unreadable").read_bytes().splitlines()
+    assert orjson.loads(kept)["event"]["call"] == "exs:0"
+    assert not spill.exists() and not state.sending_path().exists()
+    (stored,) = await Stack(tok, bus, run_id).calls(1)
+    assert stored.call == "exs:1"

@@ -99,3 +99,18 @@ def test_configured_profile_wins_and_mini_is_always_main():
         "harness": "generic", "session_id": "b"}
     with pytest.raises(ValueError, match="unknown harness profile"):
         classify(f, "aider")
+
+
+@pytest.mark.parametrize("headers,body_meta,key", [
+    ({**CC, "x-claude-code-session-id": "s" * 5000}, {}, "session_id"),
+    ({"anthropic-version": "2023-06-01"}, {"session_id": "A" * 1_000_000}, "session_id"),
+    ({**CODEX, "x-codex-turn-metadata": json.dumps({"request_kind": "turn", "turn_id": "t" * 9000})}, {}, "turn_id"),
+])
+def test_metadata_values_are_cut_to_meta_chars(headers, body_meta, key):
+    """Metadata rides on every `call.completed`, which must fit the bus (a 1 MB session id
+    in an Anthropic body made an event no publish could carry)."""
+    from gyre.roles import META_CHARS
+
+    c = classify(facts(headers, user("hi"), api="responses" if "session-id" in headers else "messages",
+                       body_meta=body_meta))
+    assert len(c.meta[key]) == META_CHARS and all(len(v) <= META_CHARS for v in c.meta.values())
