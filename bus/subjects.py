@@ -70,10 +70,16 @@ class StreamSpec:
         return [subject(run, n) for n in self.names]
 
 
+CALLS_DUPLICATE_WINDOW_S = 1200.0
+"""The CALLS stream's duplicate window (seconds): longer than any publish of one
+`call.completed` is retried (`handlers.proxy.Config.retry_timeout_s` is checked against it)."""
+
 STREAMS: tuple[StreamSpec, ...] = (
     StreamSpec("EXECUTIONS", ("execution.started", "execution.finished", "execution.scored")),
     StreamSpec("DISPATCH", ("execution.dispatched",), work_queue=True),
-    StreamSpec("CALLS", ("call.completed",)),
+    # The proxy retries a call's publish for up to its retry_timeout_s (600 s) after an
+    # attempt whose PubAck may have been lost: a duplicate must still be recognised then.
+    StreamSpec("CALLS", ("call.completed",), duplicate_window_s=CALLS_DUPLICATE_WINDOW_S),
     StreamSpec("MICROSTEPS", ("microstep.ready",), work_queue=True),
     StreamSpec("STEPS", ("step.sealed", "step.completed", "weights.published")),
     StreamSpec("CELLS", ("cell.switch", "cell.switched", "route.updated")),

@@ -119,6 +119,7 @@ import structlog
 from aiohttp import web
 
 from bus.client import PayloadTooLarge
+from bus.subjects import CALLS_DUPLICATE_WINDOW_S
 from gyre.chat import parse_completion
 from gyre.harness import verify_key as harness_verify_key
 from gyre.roles import PROFILES, CallFacts, Classification, classify, profile_for_harness
@@ -172,6 +173,10 @@ SPILL_RETRY_S = 2.0
 acknowledged since (`_resend_spilled`): soon, so that a call spilled at the end of a burst
 still lands before its execution is scored (each try itself waits for the bus, retrying
 with backoff within `retry_timeout_s`)."""
+PUBLISH_RETRY_MAX_S = CALLS_DUPLICATE_WINDOW_S - 180.0
+"""Longest a `call.completed` publish is retried before it is spilled (`_publish`): within
+the CALLS stream's duplicate window, less a bound on one `Bus.publish`'s own attempts, so
+that a retry after an attempt whose PubAck alone was lost is still dropped as a duplicate."""
 REPLAYED = ("cell.switched", "route.updated", "execution.started", "execution.finished")
 """Events the proxy's state is rebuilt from (`ProxyState.handle_event`)."""
 
@@ -258,7 +263,8 @@ class Config:
     """Roles profile (gyre.roles.PROFILES) for executions whose harness is not known from
     `execution.started`; '' = detect it from each call's headers."""
     retry_timeout_s: float = 600.0
-    """How long a call waits and retries for an engine before failing with 503."""
+    """How long a call waits and retries for an engine before failing with 503, and a
+    `call.completed` is retried before it is spilled (at most `PUBLISH_RETRY_MAX_S`)."""
     retry_backoff_s: float = 0.25
     retry_backoff_max_s: float = 5.0
     keepalive_s: float = 15.0
@@ -744,7 +750,7 @@ class ProxyState:
         once `stop` is set), None when the event can never be published (over the bus's
         payload limit even with its tokens in the object store). may_have_landed: an earlier attempt (a spilled call's) may be
         stored already, so a duplicate is no other proxy's doing."""
-        deadline = time.monotonic() + self.cfg.retry_timeout_s
+        deadline = time.monotonic() + min(self.cfg.retry_timeout_s, PUBLISH_RETRY_MAX_S)
         delay = self.cfg.retry_backoff_s
         event, tokens_json = out
         attempted = may_have_landed  # a publish attempt that failed may have landed
@@ -1350,7 +1356,9 @@ async def _resend_spilled(state: ProxyState, stop: asyncio.Event) -> None:
     (`ProxyState.republish`: as soon as a publish is acknowledged after a spill, else every
     SPILL_RETRY_S while a spill file exists), so that a bus outage longer than
     `retry_timeout_s` delays calls without a restart, and they land before their
-    executions' scores as far as possible."""
+    executions' scores as far as possible. The run's stored call ids are read first and
+    those calls left out: a spilled call whose PubAck alone was lost may be stored already,
+    and past the duplicate window JetStream would store it again."""
     from bus.consumer import wait_any
 
     path = Path(state.cfg.spill_file) if state.cfg.spill_file else None
@@ -1363,7 +1371,10 @@ async def _resend_spilled(state: ProxyState, stop: asyncio.Event) -> None:
         if path.exists() or state.sending_path().exists():
             state._spilled = False
             try:
-                await state.republish(stop)
+                known = await state.bus.stored_ids("call.completed", stop=stop)
+                if known is None:  # stopped
+                    return
+                await state.republish(stop, known=set(known))
             except Exception as exc:  # noqa: BLE001 - kept on disk; tried again later and at the next start
                 state._spilled = True
                 log.warning("proxy.spill.republish_failed", error=repr(exc), retry_in_s=SPILL_RETRY_S)

@@ -597,7 +597,7 @@ async def test_spilled_calls_go_out_once_the_bus_is_back_without_a_restart(tmp_p
 async def test_a_spilled_call_stored_already_is_not_published_again(tmp_path, tok):
     """A spilled call whose PubAck alone was lost is stored: the next proxy, which reads the
     stored ids before it republishes, leaves it out (JetStream would store it twice after
-    its 120 s duplicate window) and numbers on after every one."""
+    its duplicate window) and numbers on after every one."""
     def event(seq):
         return schemas.CallCompleted(event_id=f"r:exs:call:{seq}", call=f"exs:{seq}", execution="exs", seq=seq,
                                      parent_call=None, prefix_len=0, tokens=schemas.CallTokens(),
@@ -1272,7 +1272,7 @@ async def test_a_call_abandoned_at_shutdown_is_spilled_while_its_upstream_abort_
 async def test_a_resend_that_fails_part_way_does_not_publish_the_sent_calls_again(tmp_path, tok):
     """A spill file is kept whole when one of its calls still fails after retry_timeout_s;
     the calls published before it must not go out again on the next try (long after
-    JetStream's 120 s duplicate window they would be stored twice)."""
+    JetStream's duplicate window they would be stored twice)."""
     def event(seq):
         return schemas.CallCompleted(event_id=f"r:exs:call:{seq}", call=f"exs:{seq}", execution="exs", seq=seq,
                                      parent_call=None, prefix_len=0, tokens=schemas.CallTokens(),
@@ -1402,3 +1402,37 @@ async def test_a_spilled_call_too_large_for_the_bus_is_kept_aside_and_the_others
     assert not spill.exists() and not state.sending_path().exists()
     (stored,) = await Stack(tok, bus, run_id).calls(1)
     assert stored.call == "exs:1"
+
+
+async def test_a_serving_proxy_resends_its_spill_without_the_calls_stored_meanwhile(tmp_path, tok, bus, run_id):
+    """A spilled call whose PubAck alone was lost is stored already; the serving proxy's
+    resend reads the run's stored ids first and leaves it out (after JetStream's duplicate
+    window, here cut to 1 s, a second copy would be stored: a hostile review found calls
+    stored three times)."""
+    from bus import subjects as bus_subjects
+
+    stream = bus_subjects.stream("CALLS").stream_name(run_id)
+    config = (await bus.js.stream_info(stream)).config
+    config.duplicate_window = 1.0
+    await bus.js.update_stream(config)
+
+    def event(seq):
+        return schemas.CallCompleted(event_id=ids.call(run_id, "exd", seq), call=f"exd:{seq}", execution="exd",
+                                     seq=seq, parent_call=None, prefix_len=0, tokens=schemas.CallTokens(),
+                                     sampling=schemas.SamplingParams(), finish_reason="stop", versions=(), cell="c",
+                                     role="main", api="chat", status="ok", timings={}, drift=0, meta={})
+
+    assert await bus.publish(event(0))  # it landed; its PubAck was lost, so the proxy spilled it
+    await asyncio.sleep(1.5)  # past the (shortened) duplicate window
+    spill = tmp_path / "proxy-unpublished.jsonl"
+    state = ProxyState(Config(run=run_id, key_secret=SECRET, spill_file=str(spill)), tok, session=None, bus=bus)
+    state.spill([proxy_mod.Outgoing(event(0)), proxy_mod.Outgoing(event(1))], "test")
+    stop = asyncio.Event()
+    resend = asyncio.create_task(proxy_mod._resend_spilled(state, stop))
+    state.bus_back.set()
+    try:
+        await until(lambda: not spill.exists() and not state.sending_path().exists())
+    finally:
+        stop.set()
+        await asyncio.wait_for(resend, 10)
+    assert sorted(await bus.stored_ids("call.completed")) == [ids.call(run_id, "exd", 0), ids.call(run_id, "exd", 1)]
