@@ -252,8 +252,28 @@ class Bus:
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
-    async def close(self) -> None:
-        """Stop consume/replay loops, wait (≤ drain_timeout_s) for handlers in hand, drain, close."""
+    async def close(self, timeout_s: float | None = None) -> None:
+        """Stop consume/replay loops, wait (≤ drain_timeout_s) for handlers in hand, drain,
+        close. timeout_s: a bound on all of it (a server that stopped answering holds the
+        drain and the final flush for seconds each); past it the connection is left to the
+        process's exit."""
+        if timeout_s is None:
+            await self._close()
+            return
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        drain = True
+        if self.nc.is_connected:
+            try:  # a server that answers no PING holds a drain for its flush's 10 s, whatever the bound
+                await self.nc.flush(timeout=max(min(timeout_s / 2, 2.0), 0.05))
+            except Exception as exc:  # noqa: BLE001 - unresponsive: close without draining
+                log.warning("bus.close.unresponsive", error=repr(exc))
+                drain = False
+        try:
+            await asyncio.wait_for(self._close(drain), max(deadline - asyncio.get_running_loop().time(), 0.05))
+        except asyncio.TimeoutError:
+            log.warning("bus.close.timeout", timeout_s=timeout_s)
+
+    async def _close(self, drain: bool = True) -> None:
         if self.nc.is_closed:
             return
         self._closing.set()
@@ -265,7 +285,7 @@ class Bus:
             if pending:
                 log.warning("bus.close.handlers_unfinished", loops=len(pending))
         try:
-            if self.nc.is_connected:
+            if drain and self.nc.is_connected:
                 try:
                     await self.nc.drain()
                     return

@@ -436,6 +436,8 @@ class ProxyState:
         self._branch_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.calls: set[asyncio.Task] = set()
         """The handler tasks of the model calls being served (`finish_calls`)."""
+        self.stop_cancelled: set[asyncio.Task] = set()
+        """Those of them the stop cancelled (`finish_calls`)."""
 
     def branch_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         """The one worker thread that renders and encodes heavy requests (`_match`), made on
@@ -565,27 +567,32 @@ class ProxyState:
         if self.calls:
             log.warning("proxy.stop.calls_cancelled", calls=len(self.calls))
             cancelled = set(self.calls)
+            self.stop_cancelled |= cancelled
             for task in cancelled:
                 task.cancel()
             await asyncio.wait(cancelled, timeout=1.0)
 
     async def drain(self, timeout_s: float) -> None:
-        """Wait (≤ timeout_s) for background publishes and aborts; then spill the calls still
-        unacknowledged (`Config.spill_file`) before cancelling what is left, so that a kill
-        soon after loses none."""
-        if self._background:
-            _, pending = await asyncio.wait(set(self._background), timeout=max(timeout_s, 0.0))
-            if pending:
-                log.warning("proxy.drain.unfinished", tasks=len(pending), unpublished=len(self._unsent))
-                if self._unsent:
-                    self.spill(list(self._unsent.values()), "shutdown")
-                    self._unsent.clear()  # spilled once: a publish cancelled below leaves it unsent
-                for task in pending:
-                    task.cancel()
-                await asyncio.wait(pending, timeout=1.0)
+        """Wait (≤ timeout_s) until every `call.completed` handed to `publish` is
+        acknowledged, spill those that are not (`Config.spill_file`), then give the other
+        background work (upstream aborts) at most a second more before cancelling it: a
+        hung engine's abort does not hold the stop, and a kill soon after loses no call."""
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        while self._unsent and self._background and time.monotonic() < deadline:
+            await asyncio.wait(set(self._background), timeout=deadline - time.monotonic(),
+                               return_when=asyncio.FIRST_COMPLETED)
         if self._unsent:
+            log.warning("proxy.drain.unfinished", unpublished=len(self._unsent))
             self.spill(list(self._unsent.values()), "shutdown")
-            self._unsent.clear()
+            self._unsent.clear()  # spilled once: a publish cancelled below leaves it unsent
+        if self._background:
+            _, pending = await asyncio.wait(set(self._background), timeout=min(1.0, max(deadline - time.monotonic(),
+                                                                                      0.1)))
+            for task in pending:
+                task.cancel()
+            if pending:
+                log.info("proxy.drain.cancelled", tasks=len(pending))
+                await asyncio.wait(pending, timeout=1.0)
 
     # -- events
     def call_event(self, *, execution: str, seq: int, match: Match, sampling: SamplingParams,
@@ -996,7 +1003,11 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
                   total_s=round(time.monotonic() - t0, 4))
         return resp
     except (asyncio.CancelledError, ConnectionResetError):
-        if not delivered:
+        if not delivered and reply.handed_over and asyncio.current_task() in state.stop_cancelled:
+            # The stop cut the wait for a slow reader to take the answer, which the transport
+            # holds and sends as it closes: the harness gets it, so it is the call's record.
+            state.publish_later(event)
+        elif not delivered:
             log.info("proxy.call.client_gone", **ctx, seq=seq)
             _abandon(state, attempt, common, result, t0)
         raise
@@ -1277,14 +1288,15 @@ async def run(cfg: Config, stop: asyncio.Event,
             await state.drain(end - time.monotonic())
             state.close()
         if replay is not None:
-            try:
-                await asyncio.wait_for(replay, max(end - time.monotonic(), 1.0))
-            except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - shutting down anyway
-                log.info("proxy.replay.stopped", error=repr(exc))
+            if not stop.is_set():
+                replay.cancel()  # a start that failed: nothing else ends it
+            await asyncio.wait({replay}, timeout=max(end - time.monotonic(), 1.0))
+            if replay.done() and not replay.cancelled() and replay.exception() is not None:
+                log.info("proxy.replay.stopped", error=repr(replay.exception()))
         if session is not None:
             await session.close()
         if bus is not None:
-            await bus.close()
+            await bus.close(timeout_s=max(end - time.monotonic(), 1.0))
         if tuned:
             gc.set_threshold(*thresholds)
             gc.unfreeze()

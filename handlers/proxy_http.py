@@ -84,6 +84,9 @@ class Reply:
         self._task: asyncio.Task | None = None
         self._opening: asyncio.Future | None = None
         self._opening_begun = False
+        self.handed_over = False
+        """`send` has handed the answer's last bytes to the transport (it may still be
+        waiting for a slow reader to take them)."""
 
     async def _prepare(self, content_type: str) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers=_waiting_headers(content_type))
@@ -164,9 +167,11 @@ class Reply:
             else:
                 resp = web.Response(body=data, content_type="application/json")
             await resp.prepare(self.request)
+            self.handed_over = True  # write_eof hands the body to the transport before it awaits
             await resp.write_eof()
             return resp
         # The last frames with the end of the body: one send, not two.
+        self.handed_over = True
         await self.resp.write_eof(data)
         return self.resp
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import math
 import operator
@@ -391,13 +392,16 @@ class Dispatcher:
         self.concurrency = concurrency
         self._clients: dict[str, tuple[EngineClient, asyncio.Semaphore]] = {}
         self.stopping = False
-        """Set by `stop`: a call with no engine to go to fails instead of waiting."""
+        """Set by `stop`: a call that would wait or retry fails instead."""
+        self._stopped = asyncio.Event()
 
     def stop(self) -> None:
-        """The proxy is stopping: calls waiting for a rollout cell fail now (503
-        `proxy_stopping`; none may come back before the process exits, and they would hold
-        the shutdown for its whole grace); requests already at an engine run on."""
+        """The proxy is stopping: calls waiting for a rollout cell, or about to retry after
+        a failed attempt, fail now (503 `proxy_stopping`: when a run ends its cells go too,
+        and such calls would hold the shutdown for its whole grace); requests already at an
+        engine run on."""
         self.stopping = True
+        self._stopped.set()
         self.router.wake()
 
     def _engine(self, url: str) -> tuple[EngineClient, asyncio.Semaphore]:
@@ -418,7 +422,8 @@ class Dispatcher:
         avoid.add(cell)
         if any(c not in avoid for c in self.router.cells):
             return backoff
-        await asyncio.sleep(min(backoff, max(remaining, 0.0)))
+        with contextlib.suppress(asyncio.TimeoutError):  # (a stop ends the wait)
+            await asyncio.wait_for(self._stopped.wait(), min(backoff, max(remaining, 0.0)))
         return min(backoff * 2, self.retry_backoff_max_s)
 
     async def generate(self, execution: str, prompt_ids: Any, sampling: SamplingParams, call_id: str,
@@ -446,10 +451,10 @@ class Dispatcher:
             if remaining <= 0:
                 raise ApiError(503, f"no engine served the call within {self.retry_timeout_s:.0f}s", "server_error",
                                code="engine_unavailable")
-            target = self.router.pick(execution, frozenset(avoid))
+            target = None if self.stopping and tries else self.router.pick(execution, frozenset(avoid))
             if target is None:
                 if self.stopping:
-                    raise ApiError(503, "the proxy is stopping and no rollout cell is left to serve this call",
+                    raise ApiError(503, "the proxy is stopping and no engine is left to serve this call",
                                    "server_error", code="proxy_stopping")
                 await self.router.wait_changed(min(backoff, remaining))
                 backoff = min(backoff * 2, self.retry_backoff_max_s)

@@ -763,7 +763,7 @@ async def test_a_proxy_stopped_while_reading_stored_ids_never_serves(tmp_path, t
     monkeypatch.setattr(Bus, "stored_ids", slow_ids)
     closed = []
     real_close = Bus.close
-    monkeypatch.setattr(Bus, "close", lambda self: (closed.append(1), real_close(self))[1])
+    monkeypatch.setattr(Bus, "close", lambda self, **kw: (closed.append(1), real_close(self, **kw))[1])
     url_file = tmp_path / "proxy.json"
     cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
                  url_file=str(url_file), shutdown_grace_s=5.0)
@@ -794,7 +794,7 @@ async def test_a_proxy_that_cannot_read_stored_ids_closes_its_bus_and_raises(tok
     monkeypatch.setattr(Bus, "stored_ids", failing_ids)
     closed = []
     real_close = Bus.close
-    monkeypatch.setattr(Bus, "close", lambda self: (closed.append(1), real_close(self))[1])
+    monkeypatch.setattr(Bus, "close", lambda self, **kw: (closed.append(1), real_close(self, **kw))[1])
     cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token)
     with pytest.raises(RuntimeError, match="nats: timeout"):
         await asyncio.wait_for(run(cfg, asyncio.Event()), 30)
@@ -1436,3 +1436,133 @@ async def test_a_serving_proxy_resends_its_spill_without_the_calls_stored_meanwh
         stop.set()
         await asyncio.wait_for(resend, 10)
     assert sorted(await bus.stored_ids("call.completed")) == [ids.call(run_id, "exd", 0), ids.call(run_id, "exd", 1)]
+
+
+async def _serving(cfg):
+    """run(cfg) in a task once it serves: (stop, task, {"state", "url"})."""
+    stop, up, started = asyncio.Event(), asyncio.Event(), {}
+    task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: (started.update(state=state, url=url),
+                                                                             up.set())))
+    await asyncio.wait_for(up.wait(), 30)
+    return stop, task, started
+
+
+async def test_an_answer_left_draining_to_a_slow_reader_at_the_stop_is_recorded_ok(tmp_path, tok, nats_server,
+                                                                                      run_id, bus):
+    """The stop cancels a call whose whole answer is in the transport, waiting for a reader
+    that takes it slowly: the transport still sends it as it closes, so the harness gets it
+    and the call is `ok` (it was recorded `aborted`, never trained: a hostile review)."""
+    import socket
+
+    big = "ok " + "=" * 3_000_000
+    engine = ScriptedEngine(tok, [big])
+    await engine.start()
+    cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
+                 engine_url=engine.url, shutdown_grace_s=4.0, max_completion_tokens=200_000)
+    stop, task, started = await _serving(cfg)
+    reader = socket.socket()
+    try:
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        reader.connect(("127.0.0.1", int(started["url"].rsplit(":", 1)[1])))
+        body = json.dumps({"model": "m", "messages": [TASK]}).encode()
+        reader.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Authorization: Bearer " + execution_key(SECRET, "exa").encode() +
+                       b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        await until(lambda: engine.requests, 30)
+        await asyncio.sleep(1.0)  # the answer is out of the engine and stuck in the socket
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        reader.settimeout(10)
+        data = b""
+        while chunk := await asyncio.to_thread(reader.recv, 1 << 20):
+            data += chunk
+    finally:
+        reader.close()
+        stop.set()
+        await engine.stop()
+    answer = orjson.loads(data.partition(b"\r\n\r\n")[2])
+    assert answer["choices"][0]["message"]["content"] == big
+    (event,) = await Stack(tok, bus, run_id).calls(1)
+    assert (event.call, event.status) == ("exa:0", "ok")
+
+
+async def test_a_stop_with_the_bus_frozen_spills_and_ends_within_its_grace(tmp_path, tok, nats_server, run_id, bus):
+    """A nats-server that answers nothing (SIGSTOP; a partition) held the stop for its
+    drain and flush timeouts (40 s of a 20 s budget): the unacknowledged call is spilled at
+    the end of the grace and the bus closed without draining."""
+    import signal
+
+    engine = ScriptedEngine(tok, ["one", "two"])
+    await engine.start()
+    spill = tmp_path / "spill.jsonl"
+    cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
+                 engine_url=engine.url, shutdown_grace_s=4.0, spill_file=str(spill))
+    stop, task, started = await _serving(cfg)
+    try:
+        async with openai.AsyncOpenAI(base_url=started["url"] + "/v1", api_key=execution_key(SECRET, "exf"),
+                                      max_retries=0) as client:
+            await client.chat.completions.create(model="m", messages=[TASK])
+            await until(lambda: not started["state"]._unsent)
+            os.kill(nats_server.process.pid, signal.SIGSTOP)
+            try:
+                await client.chat.completions.create(model="m", messages=[SYSTEM, TASK])
+                t0 = time.monotonic()
+                stop.set()
+                await asyncio.wait_for(task, 60)
+                stopped_s = time.monotonic() - t0
+            finally:
+                os.kill(nats_server.process.pid, signal.SIGCONT)
+    finally:
+        stop.set()
+        await engine.stop()
+    assert stopped_s < cfg.shutdown_grace_s + 3.0, stopped_s
+    (line,) = [orjson.loads(x) for x in spill.read_bytes().splitlines() if x.strip()]
+    assert line["event"]["call"] == "exf:1"
+
+
+async def test_a_call_retrying_a_dead_engine_when_the_proxy_stops_gets_a_503_at_once(tmp_path, tok, nats_server,
+                                                                                    run_id, bus):
+    """When a run ends its cells go with it: a call between attempts fails with 503
+    `proxy_stopping` instead of retrying until the stop's cancel (it was cut without an
+    error body after most of the grace)."""
+    from bus.server import free_port
+
+    cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
+                 engine_url=f"http://127.0.0.1:{free_port()}", shutdown_grace_s=20.0)
+    stop, task, started = await _serving(cfg)
+    try:
+        async with openai.AsyncOpenAI(base_url=started["url"] + "/v1", api_key=execution_key(SECRET, "exd"),
+                                      max_retries=0) as client:
+            call = asyncio.ensure_future(client.chat.completions.create(model="m", messages=[TASK]))
+            await until(lambda: started["state"].active == 1)
+            await asyncio.sleep(0.5)  # refused, backing off
+            stop.set()
+            with pytest.raises(openai.InternalServerError) as refused:
+                await asyncio.wait_for(call, 5)
+            await asyncio.wait_for(task, 10)
+    finally:
+        stop.set()
+    assert refused.value.code == "proxy_stopping"
+    (event,) = await Stack(tok, bus, run_id).calls(1)
+    assert event.status == "error"
+
+
+async def test_a_start_that_fails_after_the_replay_began_does_not_wait_out_the_grace(tmp_path, tok, nats_server,
+                                                                                    run_id):
+    """The replay of the run's events ends on the stop; a start that fails (its port taken)
+    has no stop, and waited the whole grace for it."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
+                     port=taken.getsockname()[1], shutdown_grace_s=60.0)
+        t0 = time.monotonic()
+        with pytest.raises(OSError):
+            await asyncio.wait_for(run(cfg, asyncio.Event()), 40)
+        failed_s = time.monotonic() - t0
+    finally:
+        taken.close()
+    assert failed_s < cfg.shutdown_grace_s / 4, failed_s  # not held for the grace
