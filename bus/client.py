@@ -254,12 +254,12 @@ class Bus:
 
     async def close(self, timeout_s: float | None = None) -> None:
         """Stop consume/replay loops, wait (≤ drain_timeout_s) for handlers in hand, drain,
-        close. timeout_s: a bound on all of it (a server that stopped answering holds the
-        drain and the final flush for seconds each); past it the connection is left to the
+        close. A server that answers no PING within min(timeout_s / 2, 2 s) is not drained
+        (nats-py's drain and final flush would wait 10 s each). timeout_s: a bound on all of
+        it, seconds (default drain_timeout_s + 10); past it the connection is left to the
         process's exit."""
         if timeout_s is None:
-            await self._close()
-            return
+            timeout_s = self.config.drain_timeout_s + 10.0
         deadline = asyncio.get_running_loop().time() + timeout_s
         drain = True
         if self.nc.is_connected:

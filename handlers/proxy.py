@@ -168,11 +168,17 @@ KEY_CACHE = 65_536
 """Valid API keys whose execution `ProxyState.execution_of` keeps (least recently used
 dropped); rejected keys are never kept, so unauthenticated requests cannot fill it."""
 
+CLOSE_RESERVE_S = 0.5
+"""The end of `Config.shutdown_grace_s` kept for closing the replay, the HTTP session and
+the bus once the drain is over (a frozen nats-server holds each close to its bound)."""
 SPILL_RETRY_S = 2.0
 """How often a serving proxy tries to publish what it spilled when no publish has been
 acknowledged since (`_resend_spilled`): soon, so that a call spilled at the end of a burst
 still lands before its execution is scored (each try itself waits for the bus, retrying
 with backoff within `retry_timeout_s`)."""
+SPILL_RETRY_MAX_S = 60.0
+"""The longest wait between tries of `_resend_spilled` while they keep failing (each reads
+the run's stored call ids, ≈ 25 s for a million)."""
 PUBLISH_RETRY_MAX_S = CALLS_DUPLICATE_WINDOW_S - 180.0
 """Longest a `call.completed` publish is retried before it is spilled (`_publish`): within
 the CALLS stream's duplicate window, less a bound on one `Bus.publish`'s own attempts, so
@@ -436,8 +442,6 @@ class ProxyState:
         self._branch_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.calls: set[asyncio.Task] = set()
         """The handler tasks of the model calls being served (`finish_calls`)."""
-        self.stop_cancelled: set[asyncio.Task] = set()
-        """Those of them the stop cancelled (`finish_calls`)."""
 
     def branch_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         """The one worker thread that renders and encodes heavy requests (`_match`), made on
@@ -567,32 +571,33 @@ class ProxyState:
         if self.calls:
             log.warning("proxy.stop.calls_cancelled", calls=len(self.calls))
             cancelled = set(self.calls)
-            self.stop_cancelled |= cancelled
             for task in cancelled:
                 task.cancel()
             await asyncio.wait(cancelled, timeout=1.0)
 
     async def drain(self, timeout_s: float) -> None:
-        """Wait (≤ timeout_s) until every `call.completed` handed to `publish` is
-        acknowledged, spill those that are not (`Config.spill_file`), then give the other
-        background work (upstream aborts) at most a second more before cancelling it: a
-        hung engine's abort does not hold the stop, and a kill soon after loses no call."""
-        deadline = time.monotonic() + max(timeout_s, 0.0)
-        while self._unsent and self._background and time.monotonic() < deadline:
-            await asyncio.wait(set(self._background), timeout=deadline - time.monotonic(),
+        """Within timeout_s: wait until every `call.completed` handed to `publish` is
+        acknowledged, spill those that are not (`Config.spill_file`) with up to a second of
+        it left, give the other background work (upstream aborts) that second, then cancel
+        it: a hung engine's abort does not hold the stop, and a kill soon after loses no
+        call."""
+        timeout_s = max(timeout_s, 0.0)
+        deadline = time.monotonic() + timeout_s
+        publishing_until = deadline - min(1.0, timeout_s / 4)
+        while self._unsent and self._background and time.monotonic() < publishing_until:
+            await asyncio.wait(set(self._background), timeout=publishing_until - time.monotonic(),
                                return_when=asyncio.FIRST_COMPLETED)
         if self._unsent:
             log.warning("proxy.drain.unfinished", unpublished=len(self._unsent))
             self.spill(list(self._unsent.values()), "shutdown")
             self._unsent.clear()  # spilled once: a publish cancelled below leaves it unsent
         if self._background:
-            _, pending = await asyncio.wait(set(self._background), timeout=min(1.0, max(deadline - time.monotonic(),
-                                                                                      0.1)))
+            _, pending = await asyncio.wait(set(self._background), timeout=max(deadline - time.monotonic(), 0.01))
             for task in pending:
                 task.cancel()
             if pending:
                 log.info("proxy.drain.cancelled", tasks=len(pending))
-                await asyncio.wait(pending, timeout=1.0)
+                await asyncio.wait(pending, timeout=0.2)
 
     # -- events
     def call_event(self, *, execution: str, seq: int, match: Match, sampling: SamplingParams,
@@ -1003,11 +1008,11 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
                   total_s=round(time.monotonic() - t0, 4))
         return resp
     except (asyncio.CancelledError, ConnectionResetError):
-        if not delivered and reply.handed_over and asyncio.current_task() in state.stop_cancelled:
-            # The stop cut the wait for a slow reader to take the answer, which the transport
-            # holds and sends as it closes: the harness gets it, so it is the call's record.
-            state.publish_later(event)
-        elif not delivered:
+        if not delivered:
+            if reply.handed_over and request.transport is not None:
+                # The answer waits in the transport for a slow reader (the stop cut the wait):
+                # cut the connection, so that the harness, like the record, has no answer.
+                request.transport.abort()
             log.info("proxy.call.client_gone", **ctx, seq=seq)
             _abandon(state, attempt, common, result, t0)
         raise
@@ -1285,18 +1290,18 @@ async def run(cfg: Config, stop: asyncio.Event,
             await runner.shutdown()
             await runner.cleanup()
         if state is not None:
-            await state.drain(end - time.monotonic())
+            await state.drain(end - CLOSE_RESERVE_S - time.monotonic())
             state.close()
         if replay is not None:
             if not stop.is_set():
                 replay.cancel()  # a start that failed: nothing else ends it
-            await asyncio.wait({replay}, timeout=max(end - time.monotonic(), 1.0))
+            await asyncio.wait({replay}, timeout=max(end - time.monotonic(), 0.05))
             if replay.done() and not replay.cancelled() and replay.exception() is not None:
                 log.info("proxy.replay.stopped", error=repr(replay.exception()))
         if session is not None:
             await session.close()
         if bus is not None:
-            await bus.close(timeout_s=max(end - time.monotonic(), 1.0))
+            await bus.close(timeout_s=max(end - time.monotonic(), 0.2))
         if tuned:
             gc.set_threshold(*thresholds)
             gc.unfreeze()
@@ -1374,9 +1379,10 @@ async def _resend_spilled(state: ProxyState, stop: asyncio.Event) -> None:
     from bus.consumer import wait_any
 
     path = Path(state.cfg.spill_file) if state.cfg.spill_file else None
+    wait_s = SPILL_RETRY_S
     while path is not None and not stop.is_set():
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(wait_any([stop, state.bus_back]), SPILL_RETRY_S)
+            await asyncio.wait_for(wait_any([stop, state.bus_back]), wait_s)
         if stop.is_set():
             return
         state.bus_back.clear()
@@ -1387,9 +1393,12 @@ async def _resend_spilled(state: ProxyState, stop: asyncio.Event) -> None:
                 if known is None:  # stopped
                     return
                 await state.republish(stop, known=set(known))
+                wait_s = SPILL_RETRY_S
             except Exception as exc:  # noqa: BLE001 - kept on disk; tried again later and at the next start
                 state._spilled = True
-                log.warning("proxy.spill.republish_failed", error=repr(exc), retry_in_s=SPILL_RETRY_S)
+                # Each try reads every stored call id of the run: back off while it keeps failing.
+                wait_s = min(wait_s * 2, SPILL_RETRY_MAX_S)
+                log.warning("proxy.spill.republish_failed", error=repr(exc), retry_in_s=wait_s)
 
 
 async def _resumed(state: ProxyState, bus: Any, stop: asyncio.Event) -> bool:

@@ -439,6 +439,29 @@ async def test_close_finishes_handler_in_hand_then_drains(nats_server, run_id):
         await other.close()
 
 
+async def test_close_against_a_frozen_server_does_not_drain_and_closes(nats_server, run_id):
+    """A server that answers nothing (SIGSTOP; a partition): close() used to spend 20 s in
+    nats-py's drain and final flush (10 s each) and leave the connection open, so a daemon
+    stopping then outlived its supervisor's grace."""
+    bus = await connect(nats_server, run_id)
+    await bus.ensure_streams()
+    await bus.ensure_consumer(spec("frozen-v1"))
+    stop = asyncio.Event()
+    task = asyncio.create_task(bus.consume("frozen-v1", lambda event: None, stop=stop, poll_s=POLL))
+    await asyncio.sleep(0.5)
+    os.kill(nats_server.process.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        await asyncio.wait_for(bus.close(), 60)
+        closed_s = time.monotonic() - t0
+    finally:
+        os.kill(nats_server.process.pid, signal.SIGCONT)
+        stop.set()
+    await asyncio.wait_for(task, 10)
+    assert bus.nc.is_closed
+    assert closed_s < 10.0, closed_s  # the PING probe's 2 s, not the drain's and flush's 10 s each
+
+
 # ---- object store, replay, tap ------------------------------------------------------------
 
 async def test_object_store_round_trip(bus):
