@@ -39,8 +39,8 @@ def summarise(subject: str, data: bytes, *, width: int = 160) -> str:
     obj.pop("schema_version", None)
     obj.pop("event_id", None)  # noise in a live view
     tokens = obj.get("tokens")
-    if isinstance(tokens, dict):
-        obj["tokens"] = {k: f"<{len(v)}>" for k, v in tokens.items() if k in _ARRAYS}
+    if isinstance(tokens, dict):  # lengths, not ids, and short enough to survive `_short`
+        obj["tokens"] = " ".join(f"{k}<{len(v)}>" for k, v in tokens.items() if k in _ARRAYS and hasattr(v, "__len__"))
     info = obj.pop("info", None)
     if isinstance(info, dict):
         obj = {"execution": info.get("execution"), "task": info.get("task"), "step": info.get("step"), **obj}
@@ -66,6 +66,8 @@ def _locate(args) -> tuple[str, str | None, str | None, dict | None]:
         if not run_owner_alive(info):
             raise RuntimeError(ended_run_message(run_dir.resolve(), info))
         return info["url"], info.get("token"), None if args.all_runs else (args.run or info["run"]), info
+    if not (args.run or args.all_runs):  # a deployment's server has no "current" run
+        raise RuntimeError("GYRE_NATS_URL is set: name the run to tap with --run ID (or --all-runs)")
     return (os.environ["GYRE_NATS_URL"], os.environ.get("GYRE_NATS_TOKEN"),
             None if args.all_runs else args.run, None)
 
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("pattern", nargs="?", default=">", help="event names, NATS wildcards (default: all)")
     p.add_argument("--run-dir", help="run directory (default: runs/latest)")
     p.add_argument("--run", help="run id: runs/ID (default: runs/latest), or with GYRE_NATS_URL set that "
-                                 "server's run ID")
+                                 "server's run ID (then required, or --all-runs)")
     p.add_argument("--all-runs", action="store_true", help="events of every run on that server")
     p.add_argument("--width", type=int, default=200, help="cut lines at this many characters")
     a = p.parse_args(argv)

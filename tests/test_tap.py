@@ -145,3 +145,23 @@ def test_tap_says_in_one_line_when_the_bus_is_unreachable():
     assert proc.returncode == 1 and took < 30, (took, proc.stderr)
     assert f"gyre tap: could not connect to nats://127.0.0.1:{port}" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_tap_against_a_deployments_server_needs_the_run_named():
+    """With GYRE_NATS_URL set there is no "current run": a bare `gyre tap` tapped every run
+    on the server while its help and the README promised the current run's events."""
+    env = dict(_env(), GYRE_NATS_URL="nats://127.0.0.1:1")
+    proc = subprocess.run([sys.executable, "-m", "handlers.cli", "tap"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--run ID (or --all-runs)" in proc.stderr, proc.stderr
+
+
+def test_a_call_events_line_gives_its_token_arrays_lengths_and_its_sampling():
+    from handlers.tap import summarise
+
+    event = {"emitted_at": "2026-12-03T14:00:00.123456Z", "call": "ex:3", "execution": "ex",
+             "tokens": {"prompt_ids": list(range(500)), "completion_ids": [1] * 48, "logprobs": [-0.5] * 48},
+             "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 256}, "finish_reason": "stop"}
+    line = summarise("gyre.v1.r.call.completed", orjson.dumps(event), width=400)
+    assert "tokens=prompt_ids<500> completion_ids<48> logprobs<48>" in line, line
+    assert '"max_tokens":256' in line and "finish_reason=stop" in line, line
