@@ -113,7 +113,6 @@ from collections.abc import Awaitable, Callable, Iterable, Set
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import aiohttp
 import orjson
 import structlog
 from aiohttp import web
@@ -168,9 +167,10 @@ KEY_CACHE = 65_536
 """Valid API keys whose execution `ProxyState.execution_of` keeps (least recently used
 dropped); rejected keys are never kept, so unauthenticated requests cannot fill it."""
 
-CLOSE_RESERVE_S = 0.5
-"""The end of `Config.shutdown_grace_s` kept for closing the replay, the HTTP session and
-the bus once the drain is over (a frozen nats-server holds each close to its bound)."""
+CLOSE_RESERVE_S = 1.5
+"""The end of `Config.shutdown_grace_s` kept, in seconds (at most a tenth of it), for closing the replay, the HTTP
+session and the bus once the drain is over (a frozen nats-server holds each close to its
+bound), and for the interpreter's exit after `run` returns (≈ 0.5 s here)."""
 SPILL_RETRY_S = 2.0
 """How often a serving proxy tries to publish what it spilled when no publish has been
 acknowledged since (`_resend_spilled`): soon, so that a call spilled at the end of a burst
@@ -295,7 +295,8 @@ class Config:
     shutdown_grace_s: float = 20.0
     """The whole stop, in seconds: calls in flight get until `stop_reserve_s()` before its
     end, then are cancelled (each published as `aborted`, its engine request aborted);
-    publishes get the rest; what is then still unacknowledged is spilled. Keep it below
+    publishes get the rest but `close_reserve_s()`; what is then still unacknowledged is
+    spilled. Keep it below
     what a supervisor waits before SIGKILL (`gyre run`: 30 s; Kubernetes: 30 s by
     default): a call killed unspilled is lost."""
     tune_gc: bool = True
@@ -330,9 +331,14 @@ class Config:
             if getattr(self, name) <= 0:
                 raise ValueError(f"Config.{name} must be > 0 seconds, got {getattr(self, name)}")
 
+    def close_reserve_s(self) -> float:
+        """The end of `shutdown_grace_s` kept for closing once publishes are over (`CLOSE_RESERVE_S`)."""
+        return min(CLOSE_RESERVE_S, self.shutdown_grace_s / 10)
+
     def stop_reserve_s(self) -> float:
-        """The end of `shutdown_grace_s` kept for publishes once calls are cancelled."""
-        return min(5.0, self.shutdown_grace_s / 4)
+        """The end of `shutdown_grace_s` kept for publishes and closing once calls are
+        cancelled: min(5 s, a quarter) for publishes, then `close_reserve_s`."""
+        return min(5.0, self.shutdown_grace_s / 4) + self.close_reserve_s()
 
     def sampling_defaults(self) -> SamplingParams:
         """Sampling when a request sets none; max_tokens is the completion cap."""
@@ -1290,7 +1296,7 @@ async def run(cfg: Config, stop: asyncio.Event,
             await runner.shutdown()
             await runner.cleanup()
         if state is not None:
-            await state.drain(end - CLOSE_RESERVE_S - time.monotonic())
+            await state.drain(end - cfg.close_reserve_s() - time.monotonic())
             state.close()
         if replay is not None:
             if not stop.is_set():

@@ -52,6 +52,10 @@ def _dumps(obj: Any) -> str:
 STREAM_OPEN_S = 0.25
 """Seconds a streamed call may wait before its response opens (a real engine's answer
 takes longer; a quick one then goes out in one write instead of two or three)."""
+FLUSH_POLL_S = 0.01
+"""How often `Reply.send` looks whether a slow reader has taken the answer's last bytes
+(seconds; only while the transport still holds some, which a reader keeping up never
+causes)."""
 SSE_TYPE = "text/event-stream; charset=utf-8"
 
 
@@ -169,11 +173,25 @@ class Reply:
             await resp.prepare(self.request)
             self.handed_over = True  # write_eof hands the body to the transport before it awaits
             await resp.write_eof()
+            await self._flushed()
             return resp
         # The last frames with the end of the body: one send, not two.
         self.handed_over = True
         await self.resp.write_eof(data)
+        await self._flushed()
         return self.resp
+
+    async def _flushed(self) -> None:
+        """Return once the transport holds none of the answer: its last bytes are then the
+        kernel's to send, also if the process exits. (write_eof returns with up to 64 KiB
+        still in the transport for a reader that takes it slowly; a stop would lose that
+        tail of an answer recorded `ok`.) Raises ConnectionResetError when the connection
+        closes first."""
+        transport = self.request.transport
+        while transport is not None and transport.get_write_buffer_size():
+            if transport.is_closing():
+                raise ConnectionResetError("the client went away before it took the whole answer")
+            await asyncio.sleep(FLUSH_POLL_S)
 
     async def fail(self, err: ApiError) -> web.StreamResponse:
         await self.stop_keepalive()

@@ -23,6 +23,7 @@ from handlers.daemon import (ended_run_message, install_signals, read_nats_info,
 from handlers.run import runs_root
 
 _ARRAYS = ("prompt_ids", "completion_ids", "logprobs")
+_FIRST = ("execution", "task", "step", "call", "status", "finish_reason", "role", "reward", "cell")
 CONNECT_TIMEOUT_S = 5.0  # a person is waiting: say the bus is unreachable soon
 
 
@@ -39,12 +40,13 @@ def summarise(subject: str, data: bytes, *, width: int = 160) -> str:
     obj.pop("schema_version", None)
     obj.pop("event_id", None)  # noise in a live view
     tokens = obj.get("tokens")
-    if isinstance(tokens, dict):  # lengths, not ids, and short enough to survive `_short`
+    if isinstance(tokens, dict):  # lengths, not ids
         obj["tokens"] = " ".join(f"{k}<{len(v)}>" for k, v in tokens.items() if k in _ARRAYS and hasattr(v, "__len__"))
     info = obj.pop("info", None)
     if isinstance(info, dict):
         obj = {"execution": info.get("execution"), "task": info.get("task"), "step": info.get("step"), **obj}
-    fields = " ".join(f"{k}={_short(v)}" for k, v in obj.items() if v not in (None, "", {}, []))
+    first = {k: obj.pop(k) for k in _FIRST if k in obj}  # what happened, before the details the width may cut
+    fields = " ".join(f"{k}={_short(v)}" for k, v in {**first, **obj}.items() if v not in (None, "", {}, []))
     line = f"{when} {name:<20} {fields}"
     return line if len(line) <= width else line[: width - 1] + "…"
 
@@ -52,9 +54,8 @@ def summarise(subject: str, data: bytes, *, width: int = 160) -> str:
 def _short(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
-    if isinstance(v, (dict, list)):
-        text = orjson.dumps(v).decode()
-        return text if len(text) <= 60 else text[:59] + "…"
+    if isinstance(v, (dict, list)):  # whole: a value cut inside reads as another value
+        return orjson.dumps(v).decode()
     return str(v)
 
 

@@ -1449,49 +1449,149 @@ async def _serving(cfg):
     return stop, task, started
 
 
-async def test_an_answer_left_with_a_slow_reader_at_the_stop_is_cut_and_recorded_aborted(tmp_path, tok, nats_server,
-                                                                                         run_id, bus):
-    """The stop cancels a call whose answer waits in the transport for a reader that takes
-    it slowly: the connection is cut and the call recorded `aborted`, so that harness and
-    record agree (recorded `ok`, the answer was lost with the process's buffers at exit:
-    a hostile review; recorded `aborted` while the transport still sent it: an earlier
-    one)."""
+def _kernel_holds(rcvbuf: int) -> int:
+    """Bytes a loopback TCP connection takes from its writer while the reader (receive
+    buffer `rcvbuf`) reads nothing: about what the kernel's two buffers hold."""
     import socket
 
-    big = "ok " + "=" * 3_000_000
-    engine = ScriptedEngine(tok, [big])
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        reader = socket.socket()
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        reader.connect(listener.getsockname())
+        writer, _ = listener.accept()
+        writer.setblocking(False)
+        held, chunk = 0, b"=" * 65536
+        with reader, writer:
+            for _ in range(3):  # until the window has closed
+                with contextlib.suppress(BlockingIOError):
+                    while True:
+                        held += writer.send(chunk)
+                time.sleep(0.2)
+        return held
+
+
+PROXY_PROCESS = """
+import asyncio, json, sys
+from handlers.daemon import run_async, install_signals
+from handlers.proxy import Config, run
+kw = json.loads(sys.argv[1])
+cfg = Config(key_secret=bytes.fromhex(kw.pop("key_secret")), **kw)
+async def main():
+    stop = asyncio.Event()
+    install_signals(stop)
+    await run(cfg, stop, on_started=lambda state, url: open(sys.argv[2], "w").write(url))
+run_async(main())
+"""
+
+
+def _request(execution: str) -> bytes:
+    body = json.dumps({"model": "m", "messages": [TASK]}).encode()
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + execution_key(SECRET, execution).encode() +
+            b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+async def test_a_harness_has_its_whole_answer_exactly_when_the_call_is_recorded_ok_after_a_stop(
+        tmp_path, tok, nats_server, run_id, bus):
+    """A proxy process stopped (SIGTERM) while a harness that reads nothing holds an answer
+    larger than the kernel's buffers: after the process exits the harness has part of it
+    and the call is `aborted` (it was recorded `ok` and its tail lost at exit: a hostile
+    review)."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    size = _kernel_holds(4096) + 300_000
+    engine = ScriptedEngine(tok, ["ok" + (" " + "=" * 64) * (size // 65)])  # (BPE is quick on short words)
     await engine.start()
-    cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
-                 engine_url=engine.url, shutdown_grace_s=4.0, max_completion_tokens=200_000)
-    stop, task, started = await _serving(cfg)
+    kw = dict(run=run_id, key_secret=SECRET.hex(), nats_url=nats_server.url, nats_token=nats_server.token,
+              engine_url=engine.url, shutdown_grace_s=6.0, max_completion_tokens=1_000_000, check_drift=False)
+    url_file = tmp_path / "url"
+    log = open(tmp_path / "proxy.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-c", PROXY_PROCESS, json.dumps(kw), str(url_file)], stdout=log,
+                            stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
     reader = socket.socket()
     data = b""
     try:
+        await until(lambda: url_file.exists() and url_file.read_text() or proc.poll() is not None, 60)
         reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        reader.connect(("127.0.0.1", int(started["url"].rsplit(":", 1)[1])))
-        body = json.dumps({"model": "m", "messages": [TASK]}).encode()
-        reader.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                       b"Authorization: Bearer " + execution_key(SECRET, "exa").encode() +
-                       b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        reader.connect(("127.0.0.1", int(url_file.read_text().rsplit(":", 1)[1])))
+        reader.sendall(_request("exa"))
         await until(lambda: engine.requests, 30)
-        await asyncio.sleep(1.0)  # the answer is out of the engine and stuck in the socket
-        stop.set()
-        await asyncio.wait_for(task, 30)
+        await asyncio.sleep(2.0)  # the answer is out of the engine, in the sockets
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(asyncio.to_thread(proc.wait), 30)
         reader.settimeout(10)
         with contextlib.suppress(ConnectionResetError):
             while chunk := await asyncio.to_thread(reader.recv, 1 << 20):
                 data += chunk
     finally:
         reader.close()
-        stop.set()
+        log.close()
+        if proc.poll() is None:
+            proc.kill()
         await engine.stop()
-    head, _, got = data.partition(b"\r\n\r\n")
+    head, _, answer = data.partition(b"\r\n\r\n")
     assert b" 200 " in head.split(b"\r\n")[0]  # the answer had begun to go out
-    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
-    assert len(got) < length  # and was cut
+    assert len(answer) < int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # and was cut
     (event,) = await Stack(tok, bus, run_id).calls(1)
     assert (event.call, event.status) == ("exa:0", "aborted")
     assert event.tokens_ref or event.tokens.completion_ids  # the sample is kept (never trained)
+
+
+async def test_a_call_is_recorded_only_once_its_transport_holds_none_of_the_answer(tmp_path, tok, nats_server,
+                                                                                  run_id, bus, monkeypatch):
+    """aiohttp's write_eof returns while the transport still holds less than its high-water
+    mark (64 KiB); a call recorded `ok` then lost that tail when a stop ended the process
+    (a hostile review). Here the mark is raised to 64 MiB, so that any answer beyond the
+    kernel's buffers leaves such a tail: the call is recorded only once the harness has
+    taken it, and a stop before that cuts it (`aborted`)."""
+    import socket
+
+    from aiohttp import web_protocol
+
+    made = web_protocol.RequestHandler.connection_made
+
+    def high_water(self, transport):
+        made(self, transport)
+        transport.set_write_buffer_limits(high=64 << 20)
+
+    monkeypatch.setattr(web_protocol.RequestHandler, "connection_made", high_water)
+    size = _kernel_holds(4096) + 300_000
+    engine = ScriptedEngine(tok, ["ok" + (" " + "=" * 64) * (size // 65)] * 2)
+    await engine.start()
+    cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
+                 engine_url=engine.url, shutdown_grace_s=4.0, max_completion_tokens=1_000_000, check_drift=False)
+    stop, task, started = await _serving(cfg)
+    port = int(started["url"].rsplit(":", 1)[1])
+    taken, cut = socket.socket(), socket.socket()
+    try:
+        for reader in (taken, cut):
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            reader.connect(("127.0.0.1", port))
+        taken.sendall(_request("exa"))
+        await until(lambda: len(engine.requests) == 1, 30)
+        await asyncio.sleep(1.5)  # the answer is out of the engine; its tail is in the transport
+        assert not await bus.stored_ids("call.completed")  # not recorded while the harness lacks it
+        taken.settimeout(10)
+        data = b""
+        while b'"finish_reason"' not in data[-400:]:
+            data += await asyncio.to_thread(taken.recv, 1 << 20)
+        await until(lambda: not started["state"]._unsent and started["state"].active == 0, 30)
+        assert len(await bus.stored_ids("call.completed")) == 1  # recorded once taken
+        cut.sendall(_request("exb"))
+        await until(lambda: len(engine.requests) == 2, 30)
+        await asyncio.sleep(1.5)
+        stop.set()
+        await asyncio.wait_for(task, 30)
+    finally:
+        taken.close()
+        cut.close()
+        stop.set()
+        await engine.stop()
+    events = {e.execution: e.status for e in await Stack(tok, bus, run_id).calls(2)}
+    assert events == {"exa": "ok", "exb": "aborted"}
 
 
 async def test_a_stop_with_the_bus_frozen_spills_and_ends_within_its_grace(tmp_path, tok, nats_server, run_id, bus):

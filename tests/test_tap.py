@@ -161,7 +161,10 @@ def test_a_call_events_line_gives_its_token_arrays_lengths_and_its_sampling():
 
     event = {"emitted_at": "2026-12-03T14:00:00.123456Z", "call": "ex:3", "execution": "ex",
              "tokens": {"prompt_ids": list(range(500)), "completion_ids": [1] * 48, "logprobs": [-0.5] * 48},
-             "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 256}, "finish_reason": "stop"}
+             "sampling": {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "max_tokens": 16384, "stop": ["END"]},
+             "meta": {"session": "s" * 300}, "status": "aborted", "finish_reason": "stop"}
     line = summarise("gyre.v1.r.call.completed", orjson.dumps(event), width=400)
     assert "tokens=prompt_ids<500> completion_ids<48> logprobs<48>" in line, line
-    assert '"max_tokens":256' in line and "finish_reason=stop" in line, line
+    assert '"max_tokens":16384,"stop":["END"]}' in line, line  # a value is never cut inside
+    short = summarise("gyre.v1.r.call.completed", orjson.dumps(event), width=100)
+    assert "call=ex:3 status=aborted finish_reason=stop" in short, short  # the outcome survives a narrow width
