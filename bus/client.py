@@ -273,7 +273,7 @@ class Bus:
         except asyncio.TimeoutError:
             log.warning("bus.close.timeout", timeout_s=timeout_s)
 
-    async def _close(self, drain: bool = True) -> None:
+    async def _close(self, drain: bool) -> None:
         if self.nc.is_closed:
             return
         self._closing.set()

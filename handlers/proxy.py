@@ -168,9 +168,10 @@ KEY_CACHE = 65_536
 dropped); rejected keys are never kept, so unauthenticated requests cannot fill it."""
 
 CLOSE_RESERVE_S = 1.5
-"""The end of `Config.shutdown_grace_s` kept, in seconds (at most a tenth of it), for closing the replay, the HTTP
-session and the bus once the drain is over (a frozen nats-server holds each close to its
-bound), and for the interpreter's exit after `run` returns (≈ 0.5 s here)."""
+"""The end of `Config.shutdown_grace_s` kept, in seconds (at most a tenth of it), for
+closing the replay, the HTTP session and the bus once the drain is over (a frozen
+nats-server holds each close to its bound), and for the interpreter's exit after `run`
+returns (≈ 0.5 s here)."""
 SPILL_RETRY_S = 2.0
 """How often a serving proxy tries to publish what it spilled when no publish has been
 acknowledged since (`_resend_spilled`): soon, so that a call spilled at the end of a burst
@@ -296,9 +297,8 @@ class Config:
     """The whole stop, in seconds: calls in flight get until `stop_reserve_s()` before its
     end, then are cancelled (each published as `aborted`, its engine request aborted);
     publishes get the rest but `close_reserve_s()`; what is then still unacknowledged is
-    spilled. Keep it below
-    what a supervisor waits before SIGKILL (`gyre run`: 30 s; Kubernetes: 30 s by
-    default): a call killed unspilled is lost."""
+    spilled. Keep it below what a supervisor waits before SIGKILL (`gyre run`: 30 s;
+    Kubernetes: 30 s by default): a call killed unspilled is lost."""
     tune_gc: bool = True
     """While serving: freeze the objects alive at startup (tokenizer, modules) out of the
     cyclic GC and collect less often (`GC_THRESHOLDS`); restored when `run` returns."""
@@ -1015,10 +1015,7 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
         return resp
     except (asyncio.CancelledError, ConnectionResetError):
         if not delivered:
-            if reply.handed_over and request.transport is not None:
-                # The answer waits in the transport for a slow reader (the stop cut the wait):
-                # cut the connection, so that the harness, like the record, has no answer.
-                request.transport.abort()
+            reply.cut()
             log.info("proxy.call.client_gone", **ctx, seq=seq)
             _abandon(state, attempt, common, result, t0)
         raise

@@ -193,6 +193,13 @@ class Reply:
                 raise ConnectionResetError("the client went away before it took the whole answer")
             await asyncio.sleep(FLUSH_POLL_S)
 
+    def cut(self) -> None:
+        """The call is given up before `send` returned: when the answer is already handed to
+        the transport (a slow reader holds it), cut the connection, so that the harness, like
+        the call's record, has no answer."""
+        if self.handed_over and self.request.transport is not None:
+            self.request.transport.abort()
+
     async def fail(self, err: ApiError) -> web.StreamResponse:
         await self.stop_keepalive()
         if self.resp is None:
