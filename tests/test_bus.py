@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -49,6 +50,21 @@ async def until(predicate, timeout_s: float = 10.0) -> None:
         if loop.time() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.02)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        with contextlib.suppress(OSError):  # a thread that just ended
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+    return bool(states) and all(state in "tT" for state in states)
+
+
+async def freeze(process) -> None:
+    """SIGSTOP `process` (a nats-server: a partition, a hung host) and return once every
+    thread of it has stopped: one still running just after the signal could answer a PING."""
+    os.kill(process.pid, signal.SIGSTOP)
+    await until(lambda: _all_threads_stopped(process.pid))
 
 
 async def connect(nats_server, run_id, name="test") -> Bus:
@@ -449,7 +465,7 @@ async def test_close_against_a_frozen_server_does_not_drain_and_closes(nats_serv
     stop = asyncio.Event()
     task = asyncio.create_task(bus.consume("frozen-v1", lambda event: None, stop=stop, poll_s=POLL))
     await asyncio.sleep(0.5)
-    os.kill(nats_server.process.pid, signal.SIGSTOP)
+    await freeze(nats_server.process)
     try:
         t0 = time.monotonic()
         await asyncio.wait_for(bus.close(), 60)

@@ -33,7 +33,7 @@ from handlers.scripted_engine import ScriptedEngine, load_script
 from schemas import ids
 from schemas.cell import CellSwitched, Route, RouteUpdated
 from schemas.execution import ExecutionFinished, ExecutionInfo
-from tests.test_bus import until
+from tests.test_bus import freeze, until
 
 SECRET = b"proxy-test-secret-0123456789"
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a command",
@@ -1611,7 +1611,7 @@ async def test_a_stop_with_the_bus_frozen_spills_and_ends_within_its_grace(tmp_p
                                       max_retries=0) as client:
             await client.chat.completions.create(model="m", messages=[TASK])
             await until(lambda: not started["state"]._unsent)
-            os.kill(nats_server.process.pid, signal.SIGSTOP)
+            await freeze(nats_server.process)
             try:
                 await client.chat.completions.create(model="m", messages=[SYSTEM, TASK])
                 t0 = time.monotonic()
