@@ -4,6 +4,7 @@ Finds the current run through `runs/latest/nats.json` (written by `gyre run`, to
 readable only by its owner), or `runs/ID/nats.json` with `--run ID`, or `--run-dir DIR`,
 or `GYRE_NATS_URL` + `--run ID`.
 PATTERN filters event names with NATS wildcards (`call.*`, `execution.>`); default all.
+A PATTERN that is a whole subject (`gyre.v1.RUN.call.*`) names its run(s) itself.
 Token arrays are shown by length, never dumped.
 """
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _locate(args) -> tuple[str, str | None, str | None, dict | None]:
         if not run_owner_alive(info):
             raise RuntimeError(ended_run_message(run_dir.resolve(), info))
         return info["url"], info.get("token"), None if args.all_runs else (args.run or info["run"]), info
-    if not (args.run or args.all_runs):  # a deployment's server has no "current" run
+    if not (args.run or args.all_runs or args.pattern.startswith(PREFIX + ".")):  # no "current" run there
         raise RuntimeError("GYRE_NATS_URL is set: name the run to tap with --run ID (or --all-runs)")
     return (os.environ["GYRE_NATS_URL"], os.environ.get("GYRE_NATS_TOKEN"),
             None if args.all_runs else args.run, None)

@@ -156,6 +156,38 @@ def test_tap_against_a_deployments_server_needs_the_run_named():
     assert proc.returncode == 2 and "--run ID (or --all-runs)" in proc.stderr, proc.stderr
 
 
+async def test_a_pattern_that_is_a_whole_subject_names_its_run_against_a_deployments_server(nats_server, run_id):
+    """`GYRE_NATS_URL=... gyre tap 'gyre.v1.RUN.cell.*'`: the subject names the run, so no
+    --run is asked for, and only that run's events are shown."""
+    env = dict(_env(), GYRE_NATS_URL=nats_server.url, GYRE_NATS_TOKEN=nats_server.token)
+    tap = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "handlers.cli", "tap", f"gyre.v1.{run_id}.cell.*", cwd=ROOT, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    ours = await Bus.connect(nats_server.url, token=nats_server.token, run=run_id, name="test-tap")
+    other = await Bus.connect(nats_server.url, token=nats_server.token, run=f"{run_id}-other", name="test-tap")
+    try:
+        await ours.ensure_streams()
+        await other.ensure_streams()
+        line, deadline = b"", time.monotonic() + 60
+        while not line and time.monotonic() < deadline and tap.returncode is None:
+            for bus, cell in ((other, "cell-other"), (ours, "cell-ours")):
+                await bus.publish(schemas.CellSwitch(event_id=f"{bus.run}:sw:{time.monotonic()}", cell=cell, seq=1,
+                                                     from_role="idle", to_role="rollout", reason="tap test"))
+            try:
+                line = await asyncio.wait_for(tap.stdout.readline(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+        assert "cell=cell-ours" in line.decode(), (line, tap.returncode)
+    finally:
+        await ours.close()
+        await other.close()
+        if tap.returncode is None:
+            tap.terminate()
+        _, err = await asyncio.wait_for(tap.communicate(), 30)
+    assert b"--run" not in err, err
+    assert b"cell-other" not in _, _
+
+
 def test_a_call_events_line_gives_its_token_arrays_lengths_and_its_sampling():
     from handlers.tap import summarise
 
