@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 import nats
 import nats.errors
@@ -368,11 +368,13 @@ class Bus:
 
     # ---- publishing ---------------------------------------------------------------------
 
-    async def publish(self, event: schemas.Event, data: bytes | None = None) -> bool:
+    async def publish(self, event: schemas.Event, data: bytes | None = None,
+                      headers: Mapping[str, str] | None = None) -> bool:
         """Publish `event`; True if stored, False if the server already had its event_id
         before this call (a duplicate answering a retry after an attempt that may have
         landed, a PubAck timeout or a stale connection, counts as stored). data:
-        `schemas.encode(event)` when the caller already has it (encoded once).
+        `schemas.encode(event)` when the caller already has it (encoded once). headers:
+        more message headers beside `Nats-Msg-Id` (read back by `stored_ids`).
 
         Raises PayloadTooLarge (encoded > MAX_EVENT_BYTES), PublishError after
         config.publish_attempts transient failures, nats errors for anything else.
@@ -384,7 +386,8 @@ class Bus:
             raise PayloadTooLarge(
                 f"{name} {event.event_id}: encoded event is {len(data)} bytes, over {MAX_EVENT_BYTES}; "
                 "put large arrays in the object store (bus.put_object) and carry the key")
-        ack, landed = await self._publish(subjects.subject(self.run, name), data, {"Nats-Msg-Id": event.event_id})
+        ack, landed = await self._publish(subjects.subject(self.run, name), data,
+                                          {**(headers or {}), "Nats-Msg-Id": event.event_id})
         if ack.duplicate:
             log.debug("bus.publish.duplicate", event_id=event.event_id, subject=name, ours=landed)
         return not ack.duplicate or landed
@@ -570,9 +573,10 @@ class Bus:
             stopped.cancel()
 
     async def stored_ids(self, name: str, *, stop: asyncio.Event | None = None,
-                         batch: int = 1024) -> list[str] | None:
+                         batch: int = 1024) -> dict[str, dict[str, str]] | None:
         """The event ids (`Nats-Msg-Id`) of the events of `name` stored when called, oldest
-        first; None once `stop` is set. Both it and a cancellation are checked between
+        first, each with its message headers (`publish`'s headers, `Nats-Msg-Id` among
+        them); None once `stop` is set. Both it and a cancellation are checked between
         batches too (nats-py's fetch can swallow a cancellation on Python 3.11). Read
         with a headers-only ephemeral consumer: payloads stay on the server (a
         `call.completed` with inline tokens costs ~150 bytes here, not its ~10-250 KB).
@@ -584,7 +588,7 @@ class Bus:
                                  inactive_threshold=30.0, mem_storage=True)
         info = await self.js.add_consumer(stream, cfg)
         sub = await self.js.pull_subscribe_bind(consumer=info.name, stream=stream)
-        out: list[str] = []
+        out: dict[str, dict[str, str]] = {}
         try:
             pending = info.num_pending
             task = asyncio.current_task()
@@ -594,7 +598,7 @@ class Bus:
                 if stop is not None and stop.is_set():
                     return None
                 msgs = await sub.fetch(min(batch, pending), timeout=self.config.timeout_s)
-                out.extend(m.headers["Nats-Msg-Id"] for m in msgs if m.headers and "Nats-Msg-Id" in m.headers)
+                out.update((m.headers["Nats-Msg-Id"], m.headers) for m in msgs if m.headers and "Nats-Msg-Id" in m.headers)
                 pending = msgs[-1].metadata.num_pending
         finally:
             await self._drop_ephemeral(sub, stream, info.name)

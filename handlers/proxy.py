@@ -89,8 +89,9 @@ call is a new root (its full prompt in the event). One proxy serves a run: a pro
 not start while the proxy named in its url file answers `/health` for the same run, nor
 while the one before it still holds the run lock beside that file (`_run_lock`: until it
 has drained and spilled its late publishes, which the new one then publishes first).
-After a restart `max_calls` counts each execution's stored calls as started (its
-count_tokens calls included: the ids do not tell them apart, so the cap errs low).
+After a restart `max_calls` counts each execution's stored calls as started, but for its
+count_tokens calls (their `call.completed` carries the header `Gyre-Request-Kind:
+count_tokens`; an event stored before that header existed counts as a model call).
 
 Known limits: Anthropic `thinking: disabled` does
 not switch the template's thinking off; `tool_choice` and `parallel_tool_calls` are not
@@ -109,7 +110,7 @@ import gc
 import os
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Iterable, Set
+from collections.abc import Awaitable, Callable, Mapping, Set
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -206,6 +207,20 @@ def _tokens_json(prompt_ids: Any, completion_ids: Any, logprobs: Any) -> bytes:
     sequence or a 1-D numpy array."""
     return orjson.dumps({"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs},
                         option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+REQUEST_KIND_HEADER = "Gyre-Request-Kind"
+"""The message header on a count_tokens call's `call.completed` (`call_headers`)."""
+
+
+def call_headers(event: CallCompleted) -> dict[str, str]:
+    """The headers `event` is published with beside its `Nats-Msg-Id`: `Gyre-Request-Kind:
+    count_tokens` for a token count (an `auxiliary` call whose meta `request_kind` is
+    `count_tokens`), which a restarted proxy does not count against `max_calls`
+    (`ProxyState.resume_seqs`, reading headers only); none for every other call."""
+    if event.role == "auxiliary" and event.meta.get("request_kind") == "count_tokens":
+        return {REQUEST_KIND_HEADER: "count_tokens"}
+    return {}
 
 
 class Outgoing(NamedTuple):
@@ -489,25 +504,28 @@ class ProxyState:
             ex.finished = True
             self.router.forget(event.info.execution)
 
-    def resume_seqs(self, event_ids: Iterable[str]) -> int:
+    def resume_seqs(self, stored: Mapping[str, Mapping[str, str]]) -> int:
         """Continue each execution's seq after the highest of its `call.completed` event ids
         (`<run>:<execution>:call:<seq>`) stored by an earlier proxy of this run, so a
         restarted proxy's events never reuse an id (JetStream would drop them as duplicates
-        within its window; after it, two calls would share a call id). Returns the number
-        of executions resumed. Ids of other runs or shapes are ignored. Each resumed
-        execution's started model calls (`max_calls`) count as next_seq: the ids do not tell
-        count_tokens calls apart, so the cap errs low rather than letting a runaway harness
-        start over."""
+        within its window; after it, two calls would share a call id). stored: event id →
+        its headers (`Bus.stored_ids`). Returns the number of executions resumed. Ids of
+        other runs or shapes are ignored. Each resumed execution's started model calls
+        (`max_calls`) count as next_seq less its count_tokens calls (`call_headers`), so a
+        runaway harness does not start over and a counting one loses no call."""
         head = f"{self.cfg.run}:"
-        resumed = set()
-        for event_id in event_ids:
+        resumed: dict[str, int] = {}  # execution -> its count_tokens calls
+        for event_id, headers in stored.items():
             execution, sep, seq = event_id.removeprefix(head).rpartition(":call:")
             if not event_id.startswith(head) or not sep or not (seq.isascii() and seq.isdigit()):
                 continue
             ex = self.executions.setdefault(execution, _Execution(store=None))
             ex.next_seq = max(ex.next_seq, int(seq) + 1)
-            ex.model_calls = max(ex.model_calls, ex.next_seq)
-            resumed.add(execution)
+            counted = headers.get(REQUEST_KIND_HEADER) == "count_tokens"
+            resumed[execution] = resumed.get(execution, 0) + counted
+        for execution, counted in resumed.items():
+            ex = self.executions[execution]
+            ex.model_calls = max(ex.model_calls, ex.next_seq - counted)
         return len(resumed)
 
     def learn_context(self, err: ApiError) -> None:
@@ -694,7 +712,8 @@ class ProxyState:
                         os.truncate(path, size)
         log.error("proxy.call.lost", calls=len(outs), why=why, event_ids=event_ids)
 
-    async def republish(self, stop: asyncio.Event | None = None, known: Set[str] = frozenset()) -> list[str]:
+    async def republish(self, stop: asyncio.Event | None = None,
+                        known: Set[str] = frozenset()) -> dict[str, dict[str, str]]:
         """Publish the calls spilled to `Config.spill_file` (by an earlier proxy: before
         serving, so that `resume_seqs` sees their ids; by this one: `_resend_spilled`), until
         neither it nor `sending_path()` is left. The file is first renamed to
@@ -705,8 +724,8 @@ class ProxyState:
         acknowledged after `retry_timeout_s`: the files are then kept (what went out
         meanwhile goes again, as a duplicate), and a starting proxy must not serve. Returns
         early, the files kept, once `stop` is set. known: event ids stored already, not
-        published again."""
-        published: list[str] = []
+        published again. Returns each published event id with its headers (`call_headers`)."""
+        published: dict[str, dict[str, str]] = {}
         if not self.cfg.spill_file or self.bus is None:
             return published
         while not (stop is not None and stop.is_set()):
@@ -714,7 +733,8 @@ class ProxyState:
                 break
         return published
 
-    async def _republish_one(self, stop: asyncio.Event | None, known: Set[str], published: list[str]) -> bool:
+    async def _republish_one(self, stop: asyncio.Event | None, known: Set[str],
+                             published: dict[str, dict[str, str]]) -> bool:
         """One file's worth of `republish`, its event ids appended to `published`: False when
         no file was left (or `stop` came)."""
         path, sending = Path(self.cfg.spill_file), self.sending_path()
@@ -750,7 +770,7 @@ class ProxyState:
             # The file is kept whole when a later line fails: the next try must not send this
             # one again (long after JetStream's duplicate window, it would be stored twice).
             self._republished.add(event.event_id)
-            published.append(event.event_id)
+            published[event.event_id] = call_headers(event)
         if bad:
             with open(f"{path}.unreadable", "ab") as f:
                 f.write(b"".join(line + b"\n" for line in bad))
@@ -785,7 +805,7 @@ class ProxyState:
                     await self.bus.put_object(event.tokens_ref, tokens_json)
                     log.debug("proxy.call.tokens_stored", event_id=event.event_id, tokens_ref=event.tokens_ref)
                 again, attempted = attempted, True
-                if not await self.bus.publish(event, data) and not again:
+                if not await self.bus.publish(event, data, call_headers(event)) and not again:
                     # Not our own earlier attempt landing: another proxy of this run used the id,
                     # and JetStream dropped this call.
                     log.error("proxy.call.duplicate_id", event_id=event.event_id, execution=event.execution,
@@ -1422,7 +1442,7 @@ async def _resumed(state: ProxyState, bus: Any, stop: asyncio.Event) -> bool:
     published = await _unless_stopped(state.republish(stop, known=set(stored)), stop)
     if published is None or stop.is_set():
         return False
-    log.info("proxy.seqs.resumed", executions=state.resume_seqs([*stored, *published]),
+    log.info("proxy.seqs.resumed", executions=state.resume_seqs({**stored, **published}),
              calls=len(stored) + len(published), seconds=round(time.monotonic() - t0, 3))
     return True
 

@@ -241,8 +241,11 @@ async def test_stored_ids_lists_an_events_ids_in_order_with_headers_only(bus, ru
         await bus.publish(ev)
     await bus.publish(schemas.CellSwitched(event_id=f"{run_id}:cell:c0:switched:0", cell="c0", seq=0,
                                            from_role="idle", to_role="rollout", durations={}))
-    assert await bus.stored_ids("cell.switch", batch=2) == [ev.event_id for ev in events]
-    assert await bus.stored_ids("call.completed") == []
+    await bus.publish(switch(run_id, 5), headers={"Gyre-Request-Kind": "count_tokens"})
+    stored = await bus.stored_ids("cell.switch", batch=2)
+    assert list(stored) == [ev.event_id for ev in events] + [switch(run_id, 5).event_id]
+    assert [h.get("Gyre-Request-Kind") for h in stored.values()] == [None] * 5 + ["count_tokens"]
+    assert await bus.stored_ids("call.completed") == {}
     with pytest.raises(ValueError, match="work queue"):
         await bus.stored_ids("execution.dispatched")
     info = await bus.js.stream_info(cells_stream(run_id))

@@ -652,7 +652,7 @@ async def test_a_spilled_call_stored_already_is_not_published_again(tmp_path, to
 
     class StoredBus:
         async def stored_ids(self, name, stop=None):
-            return ["r:exs:call:0"]
+            return {"r:exs:call:0": {"Nats-Msg-Id": "r:exs:call:0"}}
 
     spill = tmp_path / "proxy-unpublished.jsonl"
     state = ProxyState(Config(run="r", key_secret=SECRET, spill_file=str(spill)), tok, session=None, bus=StoredBus())
@@ -748,8 +748,9 @@ async def test_a_restarted_proxy_refuses_a_finished_execution_from_its_first_cal
 
 
 async def test_max_calls_holds_across_a_proxy_restart(tmp_path, tok, nats_server, run_id, bus):
-    """A restarted proxy must not give a runaway execution a fresh `max_calls` allowance."""
-    engine = ScriptedEngine(tok, ["one", "two", "three"])
+    """A restarted proxy must not give a runaway execution a fresh `max_calls` allowance,
+    nor count an execution's token counts (stored calls too) against it."""
+    engine = ScriptedEngine(tok, ["one", "two", "three", "four", "five"])
     await engine.start()
     cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
                  engine_url=engine.url, shutdown_grace_s=5.0, max_calls=2)
@@ -760,8 +761,13 @@ async def test_max_calls_holds_across_a_proxy_restart(tmp_path, tok, nats_server
         try:
             await asyncio.wait_for(started.wait(), 30)
             for execution in calls:
-                async with openai.AsyncOpenAI(base_url=urls[0] + "/v1", api_key=execution_key(SECRET, execution),
-                                              max_retries=0) as client:
+                key = execution_key(SECRET, execution.removesuffix("/count"))
+                if execution.endswith("/count"):
+                    async with anthropic.AsyncAnthropic(base_url=urls[0], api_key=key, max_retries=0) as ac:
+                        await ac.messages.count_tokens(model="m", messages=[TASK])
+                        out.append("counted")
+                    continue
+                async with openai.AsyncOpenAI(base_url=urls[0] + "/v1", api_key=key, max_retries=0) as client:
                     try:
                         await client.chat.completions.create(model="m", messages=[TASK])
                         out.append("ok")
@@ -773,8 +779,8 @@ async def test_max_calls_holds_across_a_proxy_restart(tmp_path, tok, nats_server
         return out
 
     try:
-        assert await serve(["exA", "exA"]) == ["ok", "ok"]
-        assert await serve(["exA", "exB"]) == ["max_calls_exceeded", "ok"]
+        assert await serve(["exA", "exA", "exC/count", "exC", "exC/count"]) == ["ok", "ok", "counted", "ok", "counted"]
+        assert await serve(["exA", "exB", "exC", "exC"]) == ["max_calls_exceeded", "ok", "ok", "max_calls_exceeded"]
     finally:
         await engine.stop()
 
@@ -1340,7 +1346,7 @@ async def test_a_resend_that_fails_part_way_does_not_publish_the_sent_calls_agai
     state._publish = publish
     with pytest.raises(RuntimeError, match="could not publish the calls spilled"):
         await state.republish()
-    assert await state.republish() == ["r:exs:call:1"]
+    assert list(await state.republish()) == ["r:exs:call:1"]
     assert sent == ["r:exs:call:0", "r:exs:call:1"] and not spill.exists() and not state.sending_path().exists()
 
 
@@ -1442,7 +1448,7 @@ async def test_a_spilled_call_too_large_for_the_bus_is_kept_aside_and_the_others
                        session=None, bus=bus)
     state.spill([proxy_mod.Outgoing(event(0, {"session_id": "A" * 1_000_000})), proxy_mod.Outgoing(event(1, {}))],
                 "test")
-    assert await asyncio.wait_for(state.republish(), 30) == [ids.call(run_id, "exs", 1)]
+    assert list(await asyncio.wait_for(state.republish(), 30)) == [ids.call(run_id, "exs", 1)]
     (kept,) = Path(f"{spill}.unreadable").read_bytes().splitlines()
     assert orjson.loads(kept)["event"]["call"] == "exs:0"
     assert not spill.exists() and not state.sending_path().exists()
