@@ -547,53 +547,71 @@ async def test_calls_the_bus_cannot_take_are_spilled_and_published_by_the_next_p
         server.stop()
 
 
+class _Outage:
+    """A proxy (spilling to `spill`, its spill resend running) on a bus whose nats-server
+    the test stops (`server.stop()`) and brings back on the same port and store
+    (`restart`); the resend tries on its own only every 120 s."""
+
+    def __init__(self, tmp_path, tok, run_id, monkeypatch) -> None:
+        monkeypatch.setattr(proxy_mod, "SPILL_RETRY_S", 120.0)  # not by the periodic retry
+        self.tmp_path, self.tok, self.run_id = tmp_path, tok, run_id
+        self.spill = tmp_path / "proxy-unpublished.jsonl"
+        self.stop = asyncio.Event()
+
+    async def __aenter__(self) -> "_Outage":
+        from bus.server import NatsServer
+
+        self.server = NatsServer.start(self.tmp_path / "nats")
+        self.bus = await Bus.connect(self.server.url, token=self.server.token, run=self.run_id, name="t",
+                                     config=BusConfig(reconnect_wait_s=0.1, timeout_s=0.3, publish_attempts=1))
+        self.stack, self.resend = Stack(self.tok, self.bus, self.run_id), None
+        await self.bus.ensure_streams()
+        return self
+
+    async def serve(self, script: list[str]) -> None:
+        engine = await self.stack.engine(script)
+        await self.stack.proxy(engine=engine, spill_file=str(self.spill), retry_timeout_s=0.5)
+        self.resend = asyncio.create_task(proxy_mod._resend_spilled(self.stack.state, self.stop))
+
+    async def restart(self) -> None:
+        from bus.server import NatsServer
+
+        port = int(self.server.url.rsplit(":", 1)[1])
+        self.server = await asyncio.to_thread(NatsServer.start, self.tmp_path / "nats", port=port,
+                                              token=self.server.token)
+
+    async def sent(self) -> None:
+        """Until the spill files are gone (published)."""
+        await until(lambda: not self.spill.exists() and not self.stack.state.sending_path().exists(), 10)
+
+    async def __aexit__(self, *exc) -> None:
+        self.stop.set()
+        if self.resend is not None:
+            await asyncio.wait_for(self.resend, 5)
+        await self.stack.close()
+        await self.bus.close()
+        self.server.stop()
+
+
 async def test_spilled_calls_go_out_once_the_bus_is_back_without_a_restart(tmp_path, tok, run_id, monkeypatch):
     """A serving proxy publishes what it spilled as soon as JetStream takes events again (its
     next acknowledged publish): a bus outage longer than retry_timeout_s delays calls, and
     their children are not left waiting for a parent until the proxy restarts."""
-    from bus.server import NatsServer
-
-    monkeypatch.setattr(proxy_mod, "SPILL_RETRY_S", 120.0)  # not by the periodic retry
-    server = NatsServer.start(tmp_path / "nats")
-    port = int(server.url.rsplit(":", 1)[1])
-    bus = await Bus.connect(server.url, token=server.token, run=run_id, name="t",
-                            config=BusConfig(reconnect_wait_s=0.1, timeout_s=0.3, publish_attempts=1))
-    spill = tmp_path / "proxy-unpublished.jsonl"
-    stack, stop = Stack(tok, bus, run_id), asyncio.Event()
-    resend = None
-    try:
-        await bus.ensure_streams()
-        engine = await stack.engine(["one", "two"])
-        await stack.proxy(engine=engine, spill_file=str(spill), retry_timeout_s=0.5)
-        resend = asyncio.create_task(proxy_mod._resend_spilled(stack.state, stop))
-        server.stop()
-        client = stack.client("exr")
+    async with _Outage(tmp_path, tok, run_id, monkeypatch) as o:
+        await o.serve(["one", "two"])
+        o.server.stop()
+        client = o.stack.client("exr")
         r = await client.chat.completions.create(model="m", messages=[SYSTEM, TASK])
-        for _ in range(200):
-            if spill.exists():
-                break
-            await asyncio.sleep(0.02)
-        assert spill.exists()
+        await until(o.spill.exists, 4)
         # Call 1's publish waits for the bus to be back (not spilled too: it is what sends call 0).
-        stack.state.cfg = dataclasses.replace(stack.state.cfg, retry_timeout_s=60.0)
-        server = await asyncio.to_thread(NatsServer.start, tmp_path / "nats", port=port, token=server.token)
+        o.stack.state.cfg = dataclasses.replace(o.stack.state.cfg, retry_timeout_s=60.0)
+        await o.restart()
         await client.chat.completions.create(model="m", messages=[SYSTEM, TASK, {"role": "assistant", "content":
                                                                                   r.choices[0].message.content},
                                                                   {"role": "user", "content": "go on"}])
-        events = await stack.calls(2, timeout_s=20)
+        events = await o.stack.calls(2, timeout_s=20)
         assert [(e.seq, e.parent_call) for e in events] == [(0, None), (1, "exr:0")]
-        for _ in range(200):  # (the bus client may deliver its own buffered copy of call 0 first)
-            if not spill.exists() and not stack.state.sending_path().exists():
-                break
-            await asyncio.sleep(0.05)
-        assert not spill.exists() and not stack.state.sending_path().exists()
-    finally:
-        stop.set()
-        if resend is not None:
-            await asyncio.wait_for(resend, 5)
-        await stack.close()
-        await bus.close()
-        server.stop()
+        await o.sent()  # (the bus client may deliver its own buffered copy of call 0 first)
 
 
 async def test_spilled_calls_go_out_when_the_bus_reconnects_with_no_call_after_the_outage(tmp_path, tok, run_id,
@@ -601,43 +619,15 @@ async def test_spilled_calls_go_out_when_the_bus_reconnects_with_no_call_after_t
     """The outage ends and no harness calls again (they all wait on an answer already given):
     the reconnect itself sends the spilled call, not the next periodic try (here 120 s away,
     up to SPILL_RETRY_MAX_S once the tries failed), so it lands before its execution's score."""
-    from bus.server import NatsServer
-
-    monkeypatch.setattr(proxy_mod, "SPILL_RETRY_S", 120.0)  # not by the periodic retry
-    server = NatsServer.start(tmp_path / "nats")
-    port = int(server.url.rsplit(":", 1)[1])
-    bus = await Bus.connect(server.url, token=server.token, run=run_id, name="t",
-                            config=BusConfig(reconnect_wait_s=0.1, timeout_s=0.3, publish_attempts=1))
-    spill = tmp_path / "proxy-unpublished.jsonl"
-    stack, stop = Stack(tok, bus, run_id), asyncio.Event()
-    resend = None
-    try:
-        await bus.ensure_streams()
-        engine = await stack.engine(["one"])
-        await stack.proxy(engine=engine, spill_file=str(spill), retry_timeout_s=0.5)
-        resend = asyncio.create_task(proxy_mod._resend_spilled(stack.state, stop))
-        server.stop()
-        await stack.client("exq").chat.completions.create(model="m", messages=[SYSTEM, TASK])
-        for _ in range(200):
-            if spill.exists():
-                break
-            await asyncio.sleep(0.02)
-        assert spill.exists()
-        server = await asyncio.to_thread(NatsServer.start, tmp_path / "nats", port=port, token=server.token)
-        events = await stack.calls(1, timeout_s=20)
+    async with _Outage(tmp_path, tok, run_id, monkeypatch) as o:
+        await o.serve(["one"])
+        o.server.stop()
+        await o.stack.client("exq").chat.completions.create(model="m", messages=[SYSTEM, TASK])
+        await until(o.spill.exists, 4)
+        await o.restart()
+        events = await o.stack.calls(1, timeout_s=20)
         assert [(e.seq, e.status) for e in events] == [(0, "ok")]
-        for _ in range(200):
-            if not spill.exists() and not stack.state.sending_path().exists():
-                break
-            await asyncio.sleep(0.05)
-        assert not spill.exists() and not stack.state.sending_path().exists()
-    finally:
-        stop.set()
-        if resend is not None:
-            await asyncio.wait_for(resend, 5)
-        await stack.close()
-        await bus.close()
-        server.stop()
+        await o.sent()
 
 
 async def test_a_spilled_call_stored_already_is_not_published_again(tmp_path, tok):
