@@ -399,6 +399,27 @@ def test_a_large_call_event_writes_its_tokens_from_the_arrays(tok):
     assert event.tokens.prompt_ids == tuple(match.prompt_ids.tolist()) and event.tokens.logprobs == (-0.25, -1.5e-05)
 
 
+async def _serving(cfg):
+    """run(cfg) in a task once it serves: (stop, task, {"state", "url"})."""
+    stop, up, started = asyncio.Event(), asyncio.Event(), {}
+    task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: (started.update(state=state, url=url),
+                                                                             up.set())))
+    await asyncio.wait_for(up.wait(), 30)
+    return stop, task, started
+
+
+@contextlib.asynccontextmanager
+async def _served(cfg):
+    """run(cfg) while the block runs, from once it serves: yields {"state", "url"}; stopped
+    (and awaited, ≤ 20 s) after the block."""
+    stop, task, started = await _serving(cfg)
+    try:
+        yield started
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+
+
 async def test_run_serves_until_stopped(tmp_path, tok, nats_server, run_id, bus):
     engine = ScriptedEngine(tok, ["hi there"])
     await engine.start()
@@ -454,19 +475,11 @@ async def test_a_restarted_proxy_goes_on_after_its_predecessors_seqs(tmp_path, t
                  engine_url=engine.url, shutdown_grace_s=5.0)
 
     async def serve(calls: list[tuple[str, list[dict]]]) -> None:
-        stop = asyncio.Event()
-        started = asyncio.Event()
-        urls = []
-        task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: (urls.append(url), started.set())))
-        try:
-            await asyncio.wait_for(started.wait(), 30)
+        async with _served(cfg) as started:
             for execution, messages in calls:
-                async with openai.AsyncOpenAI(base_url=urls[0] + "/v1", api_key=execution_key(SECRET, execution),
-                                              max_retries=0) as client:
+                async with openai.AsyncOpenAI(base_url=started["url"] + "/v1",
+                                              api_key=execution_key(SECRET, execution), max_retries=0) as client:
                     await client.chat.completions.create(model="m", messages=messages)
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 20)
 
     try:
         await serve([("exA", [TASK]), ("exA", [TASK, {"role": "assistant", "content": "one"},
@@ -525,18 +538,12 @@ async def test_calls_the_bus_cannot_take_are_spilled_and_published_by_the_next_p
         server = await asyncio.to_thread(NatsServer.start, tmp_path / "nats", port=port, token=server.token)
         cfg = Config(run=run_id, key_secret=SECRET, nats_url=server.url, nats_token=server.token,
                      engine_url=engine.url, spill_file=str(spill), shutdown_grace_s=5.0)
-        stop, started, urls = asyncio.Event(), asyncio.Event(), []
-        task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: (urls.append(url), started.set())))
-        try:
-            await asyncio.wait_for(started.wait(), 30)
+        async with _served(cfg) as started:
             assert not spill.exists() and not stack.state.sending_path().exists()
             assert Path(f"{spill}.unreadable").read_bytes() == b'{"event": {"call": "cut sh\n'
-            async with openai.AsyncOpenAI(base_url=urls[0] + "/v1", api_key=execution_key(SECRET, "exs"),
+            async with openai.AsyncOpenAI(base_url=started["url"] + "/v1", api_key=execution_key(SECRET, "exs"),
                                           max_retries=0) as again:
                 await again.chat.completions.create(model="m", messages=[TASK])
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 20)
         events = await stack.calls(4)
         assert [(e.seq, e.status) for e in events] == [(0, "ok"), (1, "ok"), (2, "ok"), (3, "ok")]
         assert [tok.decode(e.tokens.completion_ids[:-1]) for e in events] == ["one", "two", "three", "four"]
@@ -722,17 +729,13 @@ async def test_a_restarted_proxy_refuses_a_finished_execution_from_its_first_cal
     await bus.publish(ExecutionFinished(event_id=ids.finished(run_id, "exF"), info=info, status="ok", workspace=""))
     cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
                  engine_url=engine.url, shutdown_grace_s=5.0)
-    stop, started, urls = asyncio.Event(), asyncio.Event(), []
-    task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: (urls.append(url), started.set())))
     try:
-        await asyncio.wait_for(started.wait(), 30)
-        async with openai.AsyncOpenAI(base_url=urls[0] + "/v1", api_key=execution_key(SECRET, "exF"),
-                                      max_retries=0) as client:
-            with pytest.raises(openai.PermissionDeniedError):
-                await client.chat.completions.create(model="m", messages=[TASK])
+        async with _served(cfg) as started:
+            async with openai.AsyncOpenAI(base_url=started["url"] + "/v1", api_key=execution_key(SECRET, "exF"),
+                                          max_retries=0) as client:
+                with pytest.raises(openai.PermissionDeniedError):
+                    await client.chat.completions.create(model="m", messages=[TASK])
     finally:
-        stop.set()
-        await asyncio.wait_for(task, 20)
         await engine.stop()
     assert engine.requests == []
 
@@ -746,26 +749,21 @@ async def test_max_calls_holds_across_a_proxy_restart(tmp_path, tok, nats_server
                  engine_url=engine.url, shutdown_grace_s=5.0, max_calls=2)
 
     async def serve(calls: list[str]) -> list[str]:
-        stop, started, urls, out = asyncio.Event(), asyncio.Event(), [], []
-        task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: (urls.append(url), started.set())))
-        try:
-            await asyncio.wait_for(started.wait(), 30)
+        out = []
+        async with _served(cfg) as started:
             for execution in calls:
                 key = execution_key(SECRET, execution.removesuffix("/count"))
                 if execution.endswith("/count"):
-                    async with anthropic.AsyncAnthropic(base_url=urls[0], api_key=key, max_retries=0) as ac:
+                    async with anthropic.AsyncAnthropic(base_url=started["url"], api_key=key, max_retries=0) as ac:
                         await ac.messages.count_tokens(model="m", messages=[TASK])
                         out.append("counted")
                     continue
-                async with openai.AsyncOpenAI(base_url=urls[0] + "/v1", api_key=key, max_retries=0) as client:
+                async with openai.AsyncOpenAI(base_url=started["url"] + "/v1", api_key=key, max_retries=0) as client:
                     try:
                         await client.chat.completions.create(model="m", messages=[TASK])
                         out.append("ok")
                     except openai.BadRequestError as exc:
                         out.append(exc.body["code"] if isinstance(exc.body, dict) else str(exc.body))
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 20)
         return out
 
     try:
@@ -1349,11 +1347,7 @@ async def test_a_call_waiting_for_a_cell_when_the_proxy_stops_gets_a_503_at_once
     url_file = tmp_path / "proxy.json"
     cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
                  url_file=str(url_file), shutdown_grace_s=60.0)
-    stop, up = asyncio.Event(), asyncio.Event()
-    started = {}
-    task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: (started.update(state=state, url=url),
-                                                                               up.set())))
-    await asyncio.wait_for(up.wait(), 30)
+    stop, task, started = await _serving(cfg)
     async with openai.AsyncOpenAI(base_url=started["url"] + "/v1", api_key=execution_key(SECRET, "exw"),
                                   max_retries=0) as client:
         waiting = asyncio.ensure_future(client.chat.completions.create(model="m", messages=[TASK]))
@@ -1478,15 +1472,6 @@ async def test_a_serving_proxy_resends_its_spill_without_the_calls_stored_meanwh
         stop.set()
         await asyncio.wait_for(resend, 10)
     assert sorted(await bus.stored_ids("call.completed")) == [ids.call(run_id, "exd", 0), ids.call(run_id, "exd", 1)]
-
-
-async def _serving(cfg):
-    """run(cfg) in a task once it serves: (stop, task, {"state", "url"})."""
-    stop, up, started = asyncio.Event(), asyncio.Event(), {}
-    task = asyncio.create_task(run(cfg, stop, on_started=lambda state, url: (started.update(state=state, url=url),
-                                                                             up.set())))
-    await asyncio.wait_for(up.wait(), 30)
-    return stop, task, started
 
 
 def _kernel_holds(rcvbuf: int) -> int:
