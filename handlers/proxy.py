@@ -1167,7 +1167,17 @@ def _api_of(request: web.Request) -> Api:
     return MESSAGES if anthropic else CHAT
 
 
+MODEL_PATHS = frozenset(prefix + path for prefix in ("/v1", "") for path in (
+    "/chat/completions", "/responses", "/messages", "/messages/count_tokens"))
+
+
 async def not_found(request: web.Request) -> web.Response:
+    """404 `unknown_url` in the caller's shape; a model path asked with another method than
+    POST is 405 with `Allow: POST` (RFC 9110 §15.5.6)."""
+    if request.path in MODEL_PATHS:
+        return error_response(_api_of(request), ApiError(
+            405, f"{request.method} is not allowed on {request.path}; use POST", code="method_not_allowed",
+            headers={"Allow": "POST"}))
     return error_response(_api_of(request), ApiError(404, f"unknown endpoint {request.method} {request.path}",
                                                      "not_found_error", code="unknown_url"))
 

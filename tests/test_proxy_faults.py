@@ -274,6 +274,13 @@ async def test_unknown_paths_and_models_answer_in_the_callers_shape(stack):  # n
         for method in ("GET", "HEAD"):
             async with http.request(method, stack.url + "/") as r:
                 assert r.status == 200
+        for path, anthropic_shape in (("/v1/chat/completions", False), ("/responses", False), ("/v1/messages", True),
+                                      ("/v1/messages/count_tokens", True)):
+            async with http.get(stack.url + path) as r:  # a model path with the wrong method
+                body = await r.json()
+                assert r.status == 405 and r.headers["Allow"] == "POST", path
+                assert (body.get("type") == "error") == anthropic_shape, body
+                assert body["error"]["type"] == "invalid_request_error", body
 
 
 async def test_a_defect_of_ours_is_a_500_in_the_api_shape_and_the_call_is_on_the_bus(stack, monkeypatch):  # noqa: F811
