@@ -57,7 +57,8 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   the call only after its answer was delivered; `call.completed` (id
   `<run>:<execution>:call:<seq>`) is published in the background after delivery or a
   definitive failure, status `ok`, `aborted` (the client went away: the upstream request
-  is aborted) or `error`. count_tokens is published as an `auxiliary` call with the
+  is aborted; or it took none of its answer for `deliver_timeout_s`, 120 s, and its
+  connection was cut) or `error`. count_tokens is published as an `auxiliary` call with the
   counted prompt, no completion, finish `stop`. An event whose encoding exceeds
   `object_threshold_bytes` carries its token arrays in the object store under
   `calls/<execution>/<seq>` (orjson `{"prompt_ids", "completion_ids", "logprobs"}`) and
@@ -291,6 +292,11 @@ class Config:
     retry_backoff_max_s: float = 5.0
     keepalive_s: float = 15.0
     """Seconds between keep-alives to a waiting harness."""
+    deliver_timeout_s: float = 120.0
+    """How long a harness may take to read its whole answer once it is sent. One that reads
+    nothing longer (a stalled client with an answer larger than the sockets hold) has its
+    connection cut, and the call is recorded `aborted` (never trained) instead of holding
+    its handler, and its execution's slot, until the proxy stops."""
     object_threshold_bytes: int = 256 * 1024
     """Encoded call.completed above this moves its token arrays to the object store."""
     max_publishes_in_flight: int = 512
@@ -342,7 +348,8 @@ class Config:
                 raise ValueError(f"Config.{name} must be >= 0 (0 = no cap), got {getattr(self, name)}")
         if self.harness and self.harness not in PROFILES:
             raise ValueError(f"Config.harness must be '' or one of {PROFILES}, got {self.harness!r}")
-        for name in ("retry_timeout_s", "retry_backoff_s", "retry_backoff_max_s", "keepalive_s", "shutdown_grace_s"):
+        for name in ("retry_timeout_s", "retry_backoff_s", "retry_backoff_max_s", "keepalive_s", "deliver_timeout_s",
+                     "shutdown_grace_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Config.{name} must be > 0 seconds, got {getattr(self, name)}")
 
@@ -969,7 +976,7 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
     ctx = {"execution": execution, "call": call_id, "api": api.name, "role": roles.role}  # log context
     common = dict(execution=execution, seq=seq, match=match, sampling=req.sampling, api=api.name, role=roles.role,
                   meta=roles.meta)
-    reply = Reply(request, api, req.stream, cfg.keepalive_s)
+    reply = Reply(request, api, req.stream, cfg.keepalive_s, cfg.deliver_timeout_s)
     attempt = Attempt()
     result: EngineResult | None = None
     delivered = False

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable
 
 import aiohttp
 import orjson
@@ -76,11 +76,13 @@ class Reply:
     an error after that cuts the connection (`fail`).
     """
 
-    def __init__(self, request: web.Request, api: Api, stream: bool, keepalive_s: float):
+    def __init__(self, request: web.Request, api: Api, stream: bool, keepalive_s: float,
+                 deliver_timeout_s: float = 120.0):
         self.request = request
         self.api = api
         self.stream = stream
         self.keepalive_s = keepalive_s
+        self.deliver_timeout_s = deliver_timeout_s
         self.resp: web.StreamResponse | None = None
         self.start_info: StreamStart | None = None
         self._preamble = b""
@@ -162,7 +164,11 @@ class Reply:
 
     async def send(self, body: dict | list[bytes]) -> web.StreamResponse:
         """Deliver the answer (a body object, or the stream's remaining frames, written at
-        once) and end it."""
+        once) and end it; return once the transport holds none of it (`_flushed`).
+        Raises ConnectionResetError when the connection closes first, or when the harness
+        has not taken the whole answer within `deliver_timeout_s` of its hand-over (a
+        reader that stopped reading): the connection is then cut, so that the harness, like
+        the call's record (`aborted`), has no answer."""
         await self.stop_keepalive()
         data = b"".join(body) if self.stream else orjson.dumps(body)
         if self.resp is None:  # not opened yet: headers, preamble and answer in one write
@@ -172,14 +178,27 @@ class Reply:
                 resp = web.Response(body=data, content_type="application/json")
             await resp.prepare(self.request)
             self.handed_over = True  # write_eof hands the body to the transport before it awaits
-            await resp.write_eof()
-            await self._flushed()
+            await self._delivered(resp.write_eof())
             return resp
         # The last frames with the end of the body: one send, not two.
         self.handed_over = True
-        await self.resp.write_eof(data)
-        await self._flushed()
+        await self._delivered(self.resp.write_eof(data))
         return self.resp
+
+    async def _delivered(self, eof: Awaitable[None]) -> None:
+        """Await `eof` (write_eof: it waits for the transport to drain below its high-water
+        mark) and `_flushed`, together within `deliver_timeout_s`."""
+        try:
+            async with asyncio.timeout(self.deliver_timeout_s):
+                await eof
+                await self._flushed()
+        except TimeoutError:
+            log.warning("proxy.reply.unread", timeout_s=self.deliver_timeout_s,
+                        unsent_bytes=self.request.transport.get_write_buffer_size()
+                        if self.request.transport is not None else 0)
+            self.cut()
+            raise ConnectionResetError(
+                f"the client did not take the whole answer within {self.deliver_timeout_s} s") from None
 
     async def _flushed(self) -> None:
         """Return once the transport holds none of the answer: its last bytes are then the

@@ -1619,6 +1619,47 @@ async def test_a_call_is_recorded_only_once_its_transport_holds_none_of_the_answ
     assert events == {"exa": "ok", "exb": "aborted"}
 
 
+async def test_a_harness_that_stops_reading_its_answer_is_cut_after_deliver_timeout_s(tmp_path, tok, nats_server,
+                                                                                       run_id, bus):
+    """A harness that reads nothing of an answer larger than the sockets hold held its
+    handler (and its execution's slot) until the proxy stopped. After `deliver_timeout_s`
+    the connection is cut and the call recorded `aborted`, with the proxy still serving:
+    the same execution's next call is answered."""
+    import socket
+
+    size = _kernel_holds(4096) + 300_000
+    engine = ScriptedEngine(tok, ["ok" + (" " + "=" * 64) * (size // 65), "next"])
+    await engine.start()
+    cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
+                 engine_url=engine.url, max_completion_tokens=1_000_000, check_drift=False, deliver_timeout_s=2.0,
+                 max_active_calls_per_execution=1)
+    reader = socket.socket()
+    async with _served(cfg) as started:
+        state = started["state"]
+        try:
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            reader.connect(("127.0.0.1", int(started["url"].rsplit(":", 1)[1])))
+            reader.sendall(_request("exs"))
+            await until(lambda: engine.requests, 30)
+            await until(lambda: state.active == 0, 30)  # handler done: cut, not waiting for the stop
+            (event,) = await Stack(tok, bus, run_id).calls(1)
+            assert (event.call, event.status) == ("exs:0", "aborted")
+            reader.settimeout(10)
+            data = b""
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := await asyncio.to_thread(reader.recv, 1 << 20):
+                    data += chunk
+            head, _, answer = data.partition(b"\r\n\r\n")
+            assert len(answer) < int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # cut short
+            async with openai.AsyncOpenAI(base_url=started["url"] + "/v1", api_key=execution_key(SECRET, "exs"),
+                                          max_retries=0) as client:
+                again = await client.chat.completions.create(model="m", messages=[TASK])
+            assert again.choices[0].message.content == "next"
+        finally:
+            reader.close()
+            await engine.stop()
+
+
 async def test_a_stop_with_the_bus_frozen_spills_and_ends_within_its_grace(tmp_path, tok, nats_server, run_id, bus):
     """A nats-server that answers nothing (SIGSTOP; a partition) held the stop for its
     drain and flush timeouts (40 s of a 20 s budget): the unacknowledged call is spilled at
