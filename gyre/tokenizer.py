@@ -457,6 +457,32 @@ def fast_decoder(tokenizer):
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def token_bytes(tokenizer):
+    """`of(ids) -> list[bytes]`: each id's own bytes (a token may hold part of a UTF-8
+    character, which no per-token decode can show): byte-level BPE's token strings mapped
+    back through `_bytes_to_unicode`, added tokens (`<|im_end|>`, `<think>`) as their UTF-8
+    text; for a tokenizer of another kind, the UTF-8 of each id decoded alone. ids: a
+    sequence of ints. Serves OpenAI's `logprobs.content[].bytes`."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    added = {i: t.content.encode() for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+        return lambda ids: [tokenizer.decode([i], skip_special_tokens=False).encode() for i in ids]
+    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+
+    def of(ids):
+        out = []
+        for i, piece in zip(ids, tokenizer.convert_ids_to_tokens(list(ids))):
+            if i in added:
+                out.append(added[i])
+            elif piece is not None and all(c in byte_of for c in piece):
+                out.append(bytes(byte_of[c] for c in piece))
+            else:
+                out.append(tokenizer.decode([i], skip_special_tokens=False).encode())
+        return out
+
+    return of
+
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000
 """Bounds on a request's stop strings (OpenAI allows 4): they ride in every `call.completed`."""

@@ -125,7 +125,7 @@ from gyre.chat import parse_completion
 from gyre.harness import verify_key as harness_verify_key
 from gyre.roles import PROFILES, CallFacts, Classification, classify, profile_for_harness
 from gyre.tito import CallStore, Match, Pending, Prepared
-from gyre.tokenizer import THINK_END, fast_decoder, fast_encoder
+from gyre.tokenizer import THINK_END, fast_decoder, fast_encoder, token_bytes
 from handlers.engine_client import ids_json, make_session
 from handlers.proxy_anthropic import MessagesApi, parse_messages_request
 from handlers.proxy_api import (
@@ -445,6 +445,7 @@ class ProxyState:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.decode = fast_decoder(tokenizer)
+        self.token_bytes = token_bytes(tokenizer)
         self.session = session
         self.bus = bus
         self._valid_key = functools.lru_cache(maxsize=KEY_CACHE)(functools.partial(_valid_key, verify_key, cfg.key_secret))
@@ -1019,7 +1020,9 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
         answer = Answer(content=parsed.content, reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
                         finish=result.finish, prompt_tokens=len(prompt), completion_tokens=len(result.output_ids),
                         rid=start.rid, created=start.created, stop_sequence=hit,
-                        reasoning_tokens=_reasoning_tokens(result.output_ids) if parsed.reasoning else 0)
+                        reasoning_tokens=_reasoning_tokens(result.output_ids) if parsed.reasoning else 0,
+                        token_logprobs=tuple(zip(state.token_bytes(result.output_ids), result.logprobs))
+                        if req.options.get("logprobs") else None)
         # Built before the answer goes out: an answer that cannot be recorded is never sent.
         event = state.call_event(**common, result=result, status="ok", total_s=time.monotonic() - t0,
                                  cell=result.cell)

@@ -123,6 +123,10 @@ class Answer:
     stop_sequence: the request's stop string the completion ended on (the text is cut
     before it), None otherwise. reasoning_tokens: the completion's tokens up to and
     including `</think>` (0 without reasoning): OpenAI's `reasoning_tokens` in usage.
+    token_logprobs: when the request asked for log-probs (Chat Completions `logprobs`),
+    (C,) pairs (the token's bytes, its behaviour log-prob: natural log, of
+    log_softmax(logits / T) at the call's temperature, as recorded), one per sampled
+    token, stop token included; None otherwise.
     """
 
     content: str
@@ -135,6 +139,7 @@ class Answer:
     created: int
     stop_sequence: str | None = None
     reasoning_tokens: int = 0
+    token_logprobs: tuple[tuple[bytes, float], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -3,7 +3,11 @@
 Chat Completions (`POST /v1/chat/completions`): `messages` in chat form (passed to TITO
 as they are), `tools`, `stream`, `stream_options.include_usage`, `max_completion_tokens`
 / `max_tokens`, `temperature`/`top_p`/`top_k`, `stop` (a string or a list: the answer
-ends before the one the completion stopped on); `n` > 1 refused; other fields ignored.
+ends before the one the completion stopped on), `logprobs` (every sampled token's
+behaviour log-prob, as `call.completed` records it: `choices[].logprobs.content`, with the
+token's text and bytes, `top_logprobs` empty; streamed, on the finish chunk); `n` > 1 and
+`top_logprobs` > 0 refused (the engine returns the sampled token's log-prob only); other
+fields ignored.
 Streams: a role chunk, reasoning (`reasoning_content`) and content deltas, tool-call
 deltas (index, id, type, name, then argument fragments), one finish chunk (`tool_calls` |
 `stop` | `length`), a usage chunk when asked, `data: [DONE]`.
@@ -60,6 +64,12 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
         raise ApiError(400, "'tools' must be a list", param="tools")
     if body.get("n") not in (None, 1):
         raise ApiError(400, "only n = 1 is supported", param="n")
+    top = body.get("top_logprobs")
+    if top is not None and (type(top) is not int or not 0 <= top <= 20):
+        raise ApiError(400, f"'top_logprobs' must be an integer from 0 to 20, got {top!r}"[:200], param="top_logprobs")
+    if top:
+        raise ApiError(400, "top_logprobs > 0 is not served: the engine returns only the sampled token's log-prob; "
+                            "ask with logprobs: true and top_logprobs 0", param="top_logprobs")
     sampling = parse_sampling(body, defaults, ("max_completion_tokens", "max_tokens"), "stop")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -70,7 +80,7 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
     model = body.get("model") if isinstance(body.get("model"), str) else ""
     return ModelRequest(api="chat", messages=messages, tools=tools or None, stream=flag(body, "stream"),
                         sampling=sampling, model=model, json_output=json_output,
-                        options={"include_usage": include_usage})
+                        options={"include_usage": include_usage, "logprobs": flag(body, "logprobs")})
 
 
 def answer_message(answer: Answer) -> dict:
@@ -80,6 +90,15 @@ def answer_message(answer: Answer) -> dict:
     if not answer.content and answer.tool_calls:
         msg["content"] = None
     return msg
+
+
+def chat_logprobs(answer: Answer) -> dict | None:
+    """`choices[].logprobs` (None unless asked): one entry per sampled token, its text (bytes
+    that are not whole UTF-8 characters as `\\x..` escapes) and bytes, `top_logprobs` empty."""
+    if answer.token_logprobs is None:
+        return None
+    return {"content": [{"token": raw.decode("utf-8", "backslashreplace"), "logprob": lp, "bytes": list(raw),
+                         "top_logprobs": []} for raw, lp in answer.token_logprobs], "refusal": None}
 
 
 def chat_finish(answer: Answer) -> str:
@@ -104,16 +123,17 @@ class ChatApi(Api):
                  "completion_tokens_details": {"reasoning_tokens": answer.reasoning_tokens}}
         message = answer_message(answer)
         finish = chat_finish(answer)
+        logprobs = chat_logprobs(answer)
         head = {"id": answer.rid, "created": answer.created, "model": req.model}
         if not req.stream:
             return {**head, "object": "chat.completion",
-                    "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+                    "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
                     "usage": usage}
         include_usage = req.options.get("include_usage", False)
 
-        def chunk(delta: dict, finish_reason: str | None = None) -> bytes:
+        def chunk(delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> bytes:
             out = {**head, "object": "chat.completion.chunk",
-                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
             if include_usage:
                 out["usage"] = None
             return sse(out)
@@ -127,7 +147,7 @@ class ChatApi(Api):
                                                  "function": {"name": fn["name"], "arguments": ""}}]}))
             frames += [chunk({"tool_calls": [{"index": i, "function": {"arguments": p}}]})
                        for p in pieces(fn["arguments"])]
-        frames.append(chunk({}, finish))
+        frames.append(chunk({}, finish, logprobs))
         if include_usage:
             frames.append(sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage}))
         frames.append(b"data: [DONE]\n\n")

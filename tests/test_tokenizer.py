@@ -259,3 +259,17 @@ def test_stop_string_helpers():
         first = next(n for n in range(1, len(ids) + 1) if stop in decode(ids[:n]))
         hits = [n for n in range(1, len(ids) + 1) if stop_hit(decode, ids[:n], (stop,), window)]
         assert hits[0] == first, stop
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=30),
+                          st.sampled_from(_MARKERS)), max_size=8))
+def test_token_bytes_join_to_the_text_and_are_the_tiktoken_token_bytes(parts):
+    """Each id's bytes (OpenAI `logprobs.content[].bytes`) are tiktoken's bytes of that
+    token, added tokens as their text, and together they are the text's UTF-8."""
+    tok, text = qtok.build_tokenizer(), "".join(parts)
+    ids = tok.encode(text)
+    got = qtok.token_bytes(tok)(ids)
+    enc = qtok._tiktoken_encoding()
+    assert got == [enc.decode_single_token_bytes(i) for i in ids]
+    assert b"".join(got) == tok.decode(ids, skip_special_tokens=False).encode()
