@@ -463,10 +463,13 @@ def token_bytes(tokenizer):
     back through `_bytes_to_unicode`, added tokens (`<|im_end|>`, `<think>`) as their UTF-8
     text; for a tokenizer of another kind, the UTF-8 of each id decoded alone. ids: a
     sequence of ints. Serves OpenAI's `logprobs.content[].bytes`."""
+    def alone(i: int) -> bytes:
+        return tokenizer.decode([i], skip_special_tokens=False).encode()
+
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    added = {i: t.content.encode() for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
     if backend is None or type(backend.decoder).__name__ != "ByteLevel":
-        return lambda ids: [tokenizer.decode([i], skip_special_tokens=False).encode() for i in ids]
+        return lambda ids: [alone(i) for i in ids]
+    added = {i: t.content.encode() for i, t in tokenizer.added_tokens_decoder.items()}
     byte_of = {c: b for b, c in _bytes_to_unicode().items()}
 
     def of(ids):
@@ -477,7 +480,7 @@ def token_bytes(tokenizer):
             elif piece is not None and all(c in byte_of for c in piece):
                 out.append(bytes(byte_of[c] for c in piece))
             else:
-                out.append(tokenizer.decode([i], skip_special_tokens=False).encode())
+                out.append(alone(i))
         return out
 
     return of

@@ -76,8 +76,7 @@ class Reply:
     an error after that cuts the connection (`fail`).
     """
 
-    def __init__(self, request: web.Request, api: Api, stream: bool, keepalive_s: float,
-                 deliver_timeout_s: float = 120.0):
+    def __init__(self, request: web.Request, api: Api, stream: bool, keepalive_s: float, deliver_timeout_s: float):
         self.request = request
         self.api = api
         self.stream = stream

@@ -410,7 +410,7 @@ async def test_a_failure_as_the_response_was_to_open_is_an_http_error(stream):
     handler resumes with a failure: nothing went out yet, so the caller gets an HTTP error
     in its API's shape, not a cut body or an SSE error."""
     async def handler(request):
-        reply = Reply(request, CHAT, stream, keepalive_s=0.05)
+        reply = Reply(request, CHAT, stream, keepalive_s=0.05, deliver_timeout_s=30.0)
         await reply.start(StreamStart(rid="r", created=0, model="m", prompt_tokens=1), [])
         await asyncio.sleep(0.01)
         reply._timer.cancel()  # what the loop does when the timer fires just before this resumes
@@ -427,7 +427,7 @@ async def test_a_cancellation_while_keepalives_stop_is_not_lost():
     seen = {}
 
     async def handler(request):
-        reply = Reply(request, CHAT, True, keepalive_s=0.05)
+        reply = Reply(request, CHAT, True, keepalive_s=0.05, deliver_timeout_s=30.0)
         await reply.start(StreamStart(rid="r", created=0, model="m", prompt_tokens=1), [])
         await asyncio.sleep(0.2)  # opened, keep-alives running
         asyncio.get_running_loop().call_soon(asyncio.current_task().cancel)
