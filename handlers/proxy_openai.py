@@ -22,7 +22,9 @@ chat messages: `message` items (roles user/assistant/system/developer → system
 `temperature`, `top_p`. The proxy stores no responses or conversations: a request naming
 `previous_response_id` or `conversation` is refused (400, `previous_response_not_found`
 as the hosted API answers an unknown id), and so is an `item_reference` input item,
-rather than answered without the history it stands for. `text.format` (a JSON schema),
+rather than answered without the history it stands for; so is a request for log-probs
+(`include: ["message.output_text.logprobs"]`, `top_logprobs` > 0: the parts' `logprobs`
+are always `[]`, which would read as an answer of no tokens). `text.format` (a JSON schema),
 `reasoning.effort`, `tool_choice` and `background` are accepted and not acted on. Answers: output items `reasoning` (summary text), `message`
 (one `output_text` part) and `function_call` (ids `fc_…`, call ids `call_…`); a stream is
 `response.created`, `response.in_progress`, per item `response.output_item.added`,
@@ -268,6 +270,15 @@ def parse_responses_request(body: Any, defaults: SamplingParams, memo: Any = Non
                                 "conversations; send the whole conversation as input (store: false, as Codex CLI does)",
                            code="previous_response_not_found" if field == "previous_response_id" else None,
                            param=field)
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list) and all(isinstance(x, str) for x in include)):
+        raise ApiError(400, "'include' must be a list of strings", param="include")
+    asked = "include" if "message.output_text.logprobs" in (include or ()) else "top_logprobs" if body.get(
+        "top_logprobs") not in (None, 0) else None
+    if asked:  # answered with `logprobs: []`, it would read as an answer of no tokens
+        raise ApiError(400, "log-probs are not served on Responses (an answer's tokens are not split between its "
+                            "output items); Chat Completions answers logprobs: true with every sampled token's",
+                       param=asked)
     messages = responses_messages(body)
     tools = responses_tools(body.get("tools"))
     sampling = parse_sampling(body, defaults, ("max_output_tokens",))

@@ -59,3 +59,24 @@ async def test_chat_logprobs_not_served_are_a_400_in_openai_shape(tok, body, par
     finally:
         await stack.close()
     assert err.value.body["param"] == param and not engine.requests
+
+
+@pytest.mark.parametrize("body,param", [({"include": ["reasoning.encrypted_content", "message.output_text.logprobs"]},
+                                         "include"),
+                                        ({"top_logprobs": 3}, "top_logprobs"),
+                                        ({"include": "message.output_text.logprobs"}, "include")])
+async def test_responses_logprobs_are_a_400_not_an_empty_list(tok, body, param):  # noqa: F811
+    stack = Stack(tok, None, "lp-resp-400")
+    try:
+        engine = await stack.engine(["x", "y"])
+        await stack.proxy(engine=engine)
+        client = stack.client("ex-lp")
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.responses.create(model="m", input="hi", extra_body=body)
+        # what Codex CLI sends is answered
+        ok = await client.responses.create(model="m", input="hi", include=["reasoning.encrypted_content"],
+                                           store=False)
+    finally:
+        await stack.close()
+    assert err.value.body["param"] == param and len(engine.requests) == 1
+    assert ok.output_text == "x"
