@@ -293,10 +293,12 @@ class Config:
     keepalive_s: float = 15.0
     """Seconds between keep-alives to a waiting harness."""
     deliver_timeout_s: float = 120.0
-    """How long a harness may take to read its whole answer once it is sent. One that reads
-    nothing longer (a stalled client with an answer larger than the sockets hold) has its
+    """How long a harness may go without taking any of its answer once it is sent (checked
+    every quarter of it, so the cut comes 1–1.25 × this after its last read). One that
+    stops reading (a stalled client with an answer larger than the sockets hold) has its
     connection cut, and the call is recorded `aborted` (never trained) instead of holding
-    its handler, and its execution's slot, until the proxy stops."""
+    its handler, and its execution's slot, until the proxy stops; one that reads slowly but
+    steadily is never cut."""
     object_threshold_bytes: int = 256 * 1024
     """Encoded call.completed above this moves its token arrays to the object store."""
     max_publishes_in_flight: int = 512

@@ -3,6 +3,9 @@ to a waiting harness (keep-alives, then the answer or an error in the API's shap
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import struct
+import termios
 from pathlib import Path
 from typing import Any, Awaitable
 
@@ -57,6 +60,8 @@ FLUSH_POLL_S = 0.01
 (seconds; only while the transport still holds some, which a reader keeping up never
 causes)."""
 SSE_TYPE = "text/event-stream; charset=utf-8"
+TIOCOUTQ = getattr(termios, "TIOCOUTQ", None)
+"""The ioctl that reads a socket's send-queue length (Linux); None where there is none."""
 
 
 def _waiting_headers(content_type: str) -> dict[str, str]:
@@ -165,9 +170,9 @@ class Reply:
         """Deliver the answer (a body object, or the stream's remaining frames, written at
         once) and end it; return once the transport holds none of it (`_flushed`).
         Raises ConnectionResetError when the connection closes first, or when the harness
-        has not taken the whole answer within `deliver_timeout_s` of its hand-over (a
-        reader that stopped reading): the connection is then cut, so that the harness, like
-        the call's record (`aborted`), has no answer."""
+        took none of the answer for `deliver_timeout_s` while some was still unsent (a
+        reader that stopped reading; `_Stall`): the connection is then cut, so that the
+        harness, like the call's record (`aborted`), has no answer."""
         await self.stop_keepalive()
         data = b"".join(body) if self.stream else orjson.dumps(body)
         if self.resp is None:  # not opened yet: headers, preamble and answer in one write
@@ -186,18 +191,30 @@ class Reply:
 
     async def _delivered(self, eof: Awaitable[None]) -> None:
         """Await `eof` (write_eof: it waits for the transport to drain below its high-water
-        mark) and `_flushed`, together within `deliver_timeout_s`."""
+        mark) and `_flushed`, while the harness keeps taking the answer: cut once the
+        transport's unsent bytes have not shrunk for `deliver_timeout_s` (`_Stall`)."""
+        transport = self.request.transport
+        ended = False
         try:
-            async with asyncio.timeout(self.deliver_timeout_s):
-                await eof
-                await self._flushed()
+            async with asyncio.timeout(None) as deadline:
+                stall = _Stall(transport, deadline, self.deliver_timeout_s)
+                try:
+                    await eof
+                    ended = True
+                    await self._flushed()
+                    return
+                finally:
+                    stall.stop()
         except TimeoutError:
-            log.warning("proxy.reply.unread", timeout_s=self.deliver_timeout_s,
-                        unsent_bytes=self.request.transport.get_write_buffer_size()
-                        if self.request.transport is not None else 0)
-            self.cut()
-            raise ConnectionResetError(
-                f"the client did not take the whole answer within {self.deliver_timeout_s} s") from None
+            # the last bytes left in the loop pass between the stall's look and the expiry
+            if ended and transport is not None and not transport.is_closing() \
+                    and not transport.get_write_buffer_size():
+                return
+        log.warning("proxy.reply.unread", timeout_s=self.deliver_timeout_s,
+                    unsent_bytes=transport.get_write_buffer_size() if transport is not None else 0)
+        self.cut()
+        raise ConnectionResetError(
+            f"the client took none of the answer for {self.deliver_timeout_s} s") from None
 
     async def _flushed(self) -> None:
         """Return once the transport holds none of the answer: its last bytes are then the
@@ -233,6 +250,59 @@ class Reply:
         await self.resp.write(self.api.sse_error(err, self.start_info))
         await self.resp.write_eof()
         return self.resp
+
+
+class _Stall:
+    """Watches an answer's unsent bytes after its hand-over: every quarter of limit_s it
+    samples what the transport holds plus what the socket's send queue holds (Linux
+    `TIOCOUTQ`: the kernel lets the transport write again only once half its queue has
+    drained, so a steady reader's progress shows there first), and once that has not shrunk
+    for limit_s while the transport still holds some (a reader that stopped; one that
+    reads slowly but steadily is never cut), it expires `deadline` (an `asyncio.timeout`):
+    the awaiting coroutine gets TimeoutError within 1.25 × limit_s of the reader's last
+    progress. An answer wholly handed to the kernel is delivered, whenever the timer looks."""
+
+    def __init__(self, transport: asyncio.Transport | None, deadline: asyncio.Timeout, limit_s: float):
+        self.transport = transport
+        self.deadline = deadline
+        self.limit_s = limit_s
+        self.loop = asyncio.get_running_loop()
+        self.fd: int | None = None  # the socket's, looked up at the first sample
+        self.unsent: int | None = None  # the last sample; None before the first
+        self.progress_at = self.loop.time()
+        self.timer: asyncio.TimerHandle | None = self.loop.call_later(limit_s / 4, self._look)
+
+    def _queued(self) -> int:
+        """Bytes in the socket's send queue (sent but not acknowledged, or not sent); 0
+        where the platform does not tell."""
+        if self.fd is None:
+            sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+            self.fd = sock.fileno() if sock is not None and TIOCOUTQ is not None else -1
+        if self.fd < 0:
+            return 0
+        try:
+            return struct.unpack("i", fcntl.ioctl(self.fd, TIOCOUTQ, b"\0\0\0\0"))[0]
+        except OSError:
+            self.fd = -1
+            return 0
+
+    def _look(self) -> None:
+        held = self.transport.get_write_buffer_size() if self.transport is not None else 0
+        unsent = held + self._queued()
+        now = self.loop.time()
+        if self.unsent is not None and unsent < self.unsent:
+            self.progress_at = now
+        self.unsent = unsent
+        if held and now - self.progress_at >= self.limit_s:
+            self.timer = None
+            self.deadline.reschedule(now)
+        else:
+            self.timer = self.loop.call_later(self.limit_s / 4, self._look)
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 def url_in(url_file: Path) -> str:

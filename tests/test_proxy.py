@@ -1660,6 +1660,46 @@ async def test_a_harness_that_stops_reading_its_answer_is_cut_after_deliver_time
             await engine.stop()
 
 
+async def test_a_harness_that_reads_slowly_but_steadily_is_not_cut_by_deliver_timeout_s(tmp_path, tok, nats_server,
+                                                                                         run_id, bus):
+    """`deliver_timeout_s` bounds a reader's pause, not its whole read: a harness that takes
+    what its socket holds every 50 ms, of an answer that needs seconds, gets all of it,
+    recorded `ok`, with the timeout at 0.75 s (a hostile review found it cut after 1.5 s: the
+    timeout was a deadline on the whole delivery, and the transport's unsent bytes do not
+    shrink while the kernel's send queue drains)."""
+    import socket
+
+    size = _kernel_holds(65536) + 600_000
+    engine = ScriptedEngine(tok, ["ok" + (" " + "=" * 64) * (size // 65)])
+    await engine.start()
+    cfg = Config(run=run_id, key_secret=SECRET, nats_url=nats_server.url, nats_token=nats_server.token,
+                 engine_url=engine.url, max_completion_tokens=1_000_000, check_drift=False, deliver_timeout_s=0.75)
+    reader = socket.socket()
+    async with _served(cfg) as started:
+        try:
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            reader.connect(("127.0.0.1", int(started["url"].rsplit(":", 1)[1])))
+            reader.sendall(_request("exr"))
+            reader.settimeout(10)
+            data, began, want = b"", time.monotonic(), None
+            while want is None or len(data) < want:
+                chunk = await asyncio.to_thread(reader.recv, 1 << 16)
+                assert chunk, f"cut after {len(data)} bytes"
+                data += chunk
+                if want is None and b"\r\n\r\n" in data:
+                    head, _, _ = data.partition(b"\r\n\r\n")
+                    want = len(head) + 4 + int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+                await asyncio.sleep(0.05)
+            took = time.monotonic() - began
+            (event,) = await Stack(tok, bus, run_id).calls(1)
+        finally:
+            reader.close()
+            await engine.stop()
+    assert took > 2 * cfg.deliver_timeout_s  # the read outlasted the timeout, as a whole
+    assert event.status == "ok"
+    assert orjson.loads(data.partition(b"\r\n\r\n")[2])["choices"][0]["message"]["content"].startswith("ok =")
+
+
 async def test_a_stop_with_the_bus_frozen_spills_and_ends_within_its_grace(tmp_path, tok, nats_server, run_id, bus):
     """A nats-server that answers nothing (SIGSTOP; a partition) held the stop for its
     drain and flush timeouts (40 s of a 20 s budget): the unacknowledged call is spilled at
