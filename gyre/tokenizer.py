@@ -457,30 +457,73 @@ def fast_decoder(tokenizer):
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def _decoder_steps(tokenizer) -> list[dict]:
+    """The fast tokenizer's decoder as its JSON steps (a `Sequence` flattened); [] when
+    there is none or it cannot be read."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    try:
+        state = json.loads(decoder.__getstate__())
+    except (AttributeError, TypeError, ValueError):
+        return []
+    return (state.get("decoders") or []) if state.get("type") == "Sequence" else [state]
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 def token_bytes(tokenizer):
     """`of(ids) -> list[bytes]`: each id's own bytes (a token may hold part of a UTF-8
-    character, which no per-token decode can show): byte-level BPE's token strings mapped
-    back through `_bytes_to_unicode`, added tokens (`<|im_end|>`, `<think>`) as their UTF-8
-    text; for a tokenizer of another kind, the UTF-8 of each id decoded alone. ids: a
-    sequence of ints. Serves OpenAI's `logprobs.content[].bytes`."""
-    def alone(i: int) -> bytes:
-        return tokenizer.decode([i], skip_special_tokens=False).encode()
+    character, which no per-token decode can show), from its vocabulary piece as the
+    tokenizer's decoder reads it: byte-level BPE (Qwen, GPT) through `_bytes_to_unicode`;
+    SentencePiece-style (Llama, Mistral, Gemma: `Metaspace`, or `Replace` of "▁" with
+    `ByteFallback`) with "▁" as a space and `<0xNN>` as that byte (a word's leading space
+    is kept, which the decoder strips at the sequence's start); added tokens
+    (`<|im_end|>`, `<think>`) as their UTF-8 text; for a decoder of another kind
+    (WordPiece, …), the UTF-8 of each id decoded alone. ids: a sequence of ints; each id's
+    bytes are computed once (a table of at most the vocabulary). Serves OpenAI's
+    `logprobs.content[].bytes`."""
+    @functools.cache
+    def setup():  # at the first call: a proxy state made without a tokenizer never asks
+        added = {i: t.content.encode() for i, t in tokenizer.added_tokens_decoder.items()}
+        steps = _decoder_steps(tokenizer)
+        kinds = {step.get("type") for step in steps}
+        spaces = [step["replacement"] for step in steps if step.get("type") == "Metaspace"] + [
+            step["pattern"]["String"] for step in steps if step.get("type") == "Replace"
+            and isinstance(step.get("pattern"), dict) and "String" in step["pattern"] and step.get("content") == " "]
+        byte_of = {c: b for b, c in _bytes_to_unicode().items()}
 
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
-        return lambda ids: [alone(i) for i in ids]
-    added = {i: t.content.encode() for i, t in tokenizer.added_tokens_decoder.items()}
-    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+        def piece_bytes(piece: str) -> bytes | None:
+            if "ByteLevel" in kinds:
+                return bytes(byte_of[c] for c in piece) if all(c in byte_of for c in piece) else None
+            if spaces:
+                for mark in spaces:
+                    piece = piece.replace(mark, " ")
+                return piece.encode()
+            return None
+
+        def one(i: int) -> bytes:
+            piece = tokenizer.convert_ids_to_tokens(i)
+            if "ByteFallback" in kinds and isinstance(piece, str) and (m := _BYTE_PIECE.fullmatch(piece)):
+                return bytes((int(m.group(1), 16),))  # also where the byte pieces are listed as added tokens
+            if i in added:
+                return added[i]
+            got = piece_bytes(piece) if isinstance(piece, str) else None
+            return got if got is not None else tokenizer.decode([i], skip_special_tokens=False).encode()
+
+        return one, len(tokenizer)
+
+    table: dict[int, bytes] = {}
 
     def of(ids):
+        one, size = setup()
         out = []
-        for i, piece in zip(ids, tokenizer.convert_ids_to_tokens(list(ids))):
-            if i in added:
-                out.append(added[i])
-            elif piece is not None and all(c in byte_of for c in piece):
-                out.append(bytes(byte_of[c] for c in piece))
-            else:
-                out.append(alone(i))
+        for i in ids:
+            got = table.get(i)
+            if got is None:
+                got = one(int(i))
+                if 0 <= i < size:
+                    table[i] = got
+            out.append(got)
         return out
 
     return of

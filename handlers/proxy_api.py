@@ -124,9 +124,10 @@ class Answer:
     before it), None otherwise. reasoning_tokens: the completion's tokens up to and
     including `</think>` (0 without reasoning): OpenAI's `reasoning_tokens` in usage.
     token_logprobs: when the request asked for log-probs (Chat Completions `logprobs`),
-    (C,) pairs (the token's bytes, its behaviour log-prob: natural log, of
-    log_softmax(logits / T) at the call's temperature, as recorded), one per sampled
-    token, stop token included; None otherwise.
+    (C,) pairs (the token's bytes, its behaviour log-prob as recorded: natural log, under
+    the engine's sampling distribution at the call's temperature, T = 1 for greedy
+    decoding at temperature 0; `gyre.engine`), one per sampled token, stop token
+    included; None otherwise.
     """
 
     content: str

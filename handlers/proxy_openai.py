@@ -5,7 +5,8 @@ as they are), `tools`, `stream`, `stream_options.include_usage`, `max_completion
 / `max_tokens`, `temperature`/`top_p`/`top_k`, `stop` (a string or a list: the answer
 ends before the one the completion stopped on), `logprobs` (every sampled token's
 behaviour log-prob, as `call.completed` records it: `choices[].logprobs.content`, with the
-token's text and bytes, `top_logprobs` empty; streamed, on the finish chunk); `n` > 1 and
+token's text and bytes, `top_logprobs` empty; all the completion's tokens, thinking and
+tool-call markup included, not only the content's; streamed, on the finish chunk); `n` > 1 and
 `top_logprobs` > 0 refused (the engine returns the sampled token's log-prob only); other
 fields ignored.
 Streams: a role chunk, reasoning (`reasoning_content`) and content deltas, tool-call
@@ -39,6 +40,8 @@ from __future__ import annotations
 
 import json
 from typing import Any
+
+import orjson
 
 from gyre.chat import call_id_prefix
 from handlers.proxy_api import (
@@ -94,13 +97,33 @@ def answer_message(answer: Answer) -> dict:
     return msg
 
 
+_ENTRY_HEADS: dict[bytes, bytes] = {}
+"""A token's bytes → its log-prob entry's JSON up to the log-prob (at most one per id of
+the vocabulary): the entries of a long answer are joined, not built as objects."""
+
+
+def _entry_head(raw: bytes) -> bytes:
+    head = _ENTRY_HEADS.get(raw)
+    if head is None:
+        head = orjson.dumps({"token": raw.decode("utf-8", "backslashreplace"), "bytes": list(raw),
+                             "top_logprobs": []})[:-1] + b',"logprob":'
+        if len(_ENTRY_HEADS) < 1 << 18:
+            _ENTRY_HEADS[raw] = head
+    return head
+
+
 def chat_logprobs(answer: Answer) -> dict | None:
-    """`choices[].logprobs` (None unless asked): one entry per sampled token, its text (bytes
-    that are not whole UTF-8 characters as `\\x..` escapes) and bytes, `top_logprobs` empty."""
+    """`choices[].logprobs` (None unless asked): `content`, one entry per sampled token (all
+    of them: thinking, tool-call markup and the stop token included, not only the message
+    content's), its text (bytes that are not whole UTF-8 characters as `\\x..` escapes),
+    bytes and behaviour log-prob, `top_logprobs` empty. `content` is an `orjson.Fragment`
+    (the JSON array, ≈ 80 bytes a token), written as it is by `orjson.dumps`."""
     if answer.token_logprobs is None:
         return None
-    return {"content": [{"token": raw.decode("utf-8", "backslashreplace"), "logprob": lp, "bytes": list(raw),
-                         "top_logprobs": []} for raw, lp in answer.token_logprobs], "refusal": None}
+    pairs = answer.token_logprobs
+    values = orjson.dumps([lp for _, lp in pairs])[1:-1].split(b",") if pairs else []
+    body = b"},".join(_entry_head(raw) + value for (raw, _), value in zip(pairs, values))
+    return {"content": orjson.Fragment(b"[" + body + b"}]" if pairs else b"[]"), "refusal": None}
 
 
 def chat_finish(answer: Answer) -> str:

@@ -273,3 +273,47 @@ def test_token_bytes_join_to_the_text_and_are_the_tiktoken_token_bytes(parts):
     enc = qtok._tiktoken_encoding()
     assert got == [enc.decode_single_token_bytes(i) for i in ids]
     assert b"".join(got) == tok.decode(ids, skip_special_tokens=False).encode()
+
+
+def _sentencepiece_style(metaspace: bool):
+    """A small Llama-style tokenizer made here (BPE with byte fallback, the `<0xNN>` pieces
+    in its vocabulary; "▁" for spaces by a `Replace` or by `Metaspace`), as a checkpoint of
+    another family would bring."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "</s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    merges = []
+    for c in "▁abcdefghijklmnopqrstuvwxyz":
+        vocab[c] = len(vocab)
+    for word in ("▁hello", "▁world", "▁cat"):
+        for n in range(2, len(word) + 1):
+            merges.append((word[:n - 1], word[n - 1]))
+            vocab.setdefault(word[:n], len(vocab))
+    t = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True))
+    if metaspace:
+        t.pre_tokenizer = pre_tokenizers.Metaspace()
+        t.decoder = decoders.Metaspace()
+    else:
+        t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                       decoders.Strip(" ", 1, 0)])
+    t.add_special_tokens(["<s>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("metaspace", [False, True])
+def test_token_bytes_of_a_sentencepiece_style_tokenizer_keep_spaces_and_fallback_bytes(metaspace):
+    """A word's "▁" is its leading space and a `<0xNN>` piece that byte (a hostile review:
+    decoded alone, they gave b"" and U+FFFD), so the bytes join to the text."""
+    tok = _sentencepiece_style(metaspace)
+    text = "hello world 🦩 cat"
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = tok.convert_ids_to_tokens(ids)
+    assert "<0xF0>" in pieces  # the flamingo is byte fallback
+    got = qtok.token_bytes(tok)(ids)
+    assert b"".join(got).lstrip(b" ") == tok.decode(ids).encode()  # what the tokenizer's decoder makes of them
+    assert got[:2] == [b" hello", b" world"]
+    if not metaspace:  # with ByteFallback in its decoder
+        assert b"".join(got).lstrip(b" ") == text.encode() and got[pieces.index("<0xF0>")] == b"\xf0"
+    assert qtok.token_bytes(tok)(ids + [tok.convert_tokens_to_ids("</s>")])[-1] == b"</s>"
