@@ -121,9 +121,11 @@ def chat_logprobs(answer: Answer) -> dict | None:
     if answer.token_logprobs is None:
         return None
     pairs = answer.token_logprobs
-    values = orjson.dumps([lp for _, lp in pairs])[1:-1].split(b",") if pairs else []
+    if not pairs:
+        return {"content": [], "refusal": None}
+    values = orjson.dumps([lp for _, lp in pairs])[1:-1].split(b",")
     body = b"},".join(_entry_head(raw) + value for (raw, _), value in zip(pairs, values))
-    return {"content": orjson.Fragment(b"[" + body + b"}]" if pairs else b"[]"), "refusal": None}
+    return {"content": orjson.Fragment(b"[" + body + b"}]"), "refusal": None}
 
 
 def chat_finish(answer: Answer) -> str:
@@ -296,8 +298,8 @@ def parse_responses_request(body: Any, defaults: SamplingParams, memo: Any = Non
     include = body.get("include")
     if include is not None and not (isinstance(include, list) and all(isinstance(x, str) for x in include)):
         raise ApiError(400, "'include' must be a list of strings", param="include")
-    asked = "include" if "message.output_text.logprobs" in (include or ()) else "top_logprobs" if body.get(
-        "top_logprobs") not in (None, 0) else None
+    asked = ("include" if "message.output_text.logprobs" in (include or ())
+             else "top_logprobs" if body.get("top_logprobs") not in (None, 0) else None)
     if asked:  # answered with `logprobs: []`, it would read as an answer of no tokens
         raise ApiError(400, "log-probs are not served on Responses (an answer's tokens are not split between its "
                             "output items); Chat Completions answers logprobs: true with every sampled token's",
