@@ -43,7 +43,8 @@ Per variant:
 
 Floor (`floor`): the same latency pair with a bare aiohttp pass-through in the proxy's
 place (an aiohttp server that forwards the pre-tokenised `/generate` body to the engine
-with an aiohttp client session configured as the proxy's, and returns the engine's
+with an aiohttp client session (`make_session`; kept as it was when the proxy's
+`/generate` leg moved to `handlers.engine_http`, so floors stay comparable), and returns the engine's
 bytes): what one more HTTP hop and a third Python process cost on this machine before
 gyre does any work. Measured `reps` times, pass-through and direct alternating;
 `added_latency_ms_*` as for a variant.
@@ -415,8 +416,10 @@ def serve_engine(url_file: str, completion_ids: list[int], seed: int = 0) -> Non
 
 def serve_passthrough(url_file: str, engine_url: str) -> None:
     """The floor: an aiohttp server whose `/generate` forwards the body to the engine's
-    with an aiohttp client (the proxy's engine session, `make_session`) and answers the
-    engine's bytes."""
+    with an aiohttp client (`make_session`, the proxy's session for its other engine
+    requests; the proxy's `/generate` leg is leaner, `handlers.engine_http`: the floor is
+    kept as it was, a gauge of the machine's speed comparable across versions) and answers
+    the engine's bytes."""
     from aiohttp import web
 
     from handlers.engine_client import make_session

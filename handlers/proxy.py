@@ -483,7 +483,9 @@ class ProxyState:
         return self._branch_thread
 
     def close(self) -> None:
-        """Stop the branch thread (work it has not started is dropped); after `drain`."""
+        """Stop the branch thread (work it has not started is dropped) and drop the engines'
+        idle connections; after `drain`."""
+        self.engines.close()
         if self._branch_thread is not None:
             self._branch_thread.shutdown(wait=False, cancel_futures=True)
 

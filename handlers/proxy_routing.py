@@ -404,6 +404,11 @@ class Dispatcher:
         self._stopped.set()
         self.router.wake()
 
+    def close(self) -> None:
+        """Drop the engines' idle `/generate` connections (after the calls ended)."""
+        for client, _ in self._clients.values():
+            client.close()
+
     def _engine(self, url: str) -> tuple[EngineClient, asyncio.Semaphore]:
         c = self._clients.get(url)
         if c is None:

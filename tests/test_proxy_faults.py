@@ -348,16 +348,19 @@ async def test_a_timed_out_attempt_gets_a_fresh_wait_and_calls_queued_behind_it_
 
 
 async def test_a_connect_timeout_is_retried_until_the_deadline_not_counted_as_a_hung_engine(stack, monkeypatch):  # noqa: F811
-    import aiohttp as _aiohttp
-
-    from handlers import engine_client
+    from handlers import engine_client, engine_http
     calls = []
 
-    async def refuse(self, method, path, body=None, timeout=None):
-        calls.append(path)
-        raise engine_client.EngineUnavailable("connect timeout") from _aiohttp.ConnectionTimeoutError("slow connect")
+    async def slow_connect(self):
+        calls.append("/generate")
+        raise TimeoutError("slow connect")
 
-    monkeypatch.setattr(engine_client.EngineClient, "_request", refuse)
+    async def other(self, method, path, body=None, timeout=None):
+        calls.append(path)
+        raise engine_client.EngineUnavailable("connect timeout") from TimeoutError("slow connect")
+
+    monkeypatch.setattr(engine_http.EngineConnections, "_connect", slow_connect)
+    monkeypatch.setattr(engine_client.EngineClient, "_request", other)
     await stack.proxy(engine=None, retry_timeout_s=1.0, retry_backoff_s=0.05)
     await stack.state.handle_event(switched("c0", "rollout", "http://127.0.0.1:9"))
     t0 = asyncio.get_running_loop().time()

@@ -1,0 +1,184 @@
+"""Keep-alive HTTP/1.1 connections to one engine, for its hot endpoint (`/generate`).
+
+Every model call of every harness goes proxy → engine once, so this request is gyre's
+hottest internal one. aiohttp's client spends ≈ 210 Python calls on it (URL, headers,
+request and response objects, timers, payload writers): 0.3–0.5 ms of CPU a request on
+the project's 2-core VM when calls arrive a few milliseconds apart (the proxy bench's
+latency run), against 0.13–0.16 ms for one `transport.write` and a parse with `httptools`
+(llhttp, the parser uvicorn uses) — measured in the same process, interleaved
+(docs/proxy-performance.md, "The engine request"). The proxy's budget for all it adds to a
+call is 1 ms (BENCHMARKS.md), so the `/generate` leg uses this pool; every other engine
+endpoint stays on the aiohttp session (`engine_client.EngineClient`).
+
+What it speaks: `POST` with a `Content-Length` body; a response framed by
+`Content-Length` or chunked encoding (httptools parses both; no compression is asked
+for, so none is sent). One request per connection at a time; an idle connection is kept
+for reuse for at most `idle_s` seconds (below uvicorn's 5-s keep-alive, SGLang's server)
+and dropped when the engine closes it or answers `Connection: close`.
+
+Errors (`post`): ConnectionError (refused, reset, closed before the whole response,
+malformed response) and asyncio.TimeoutError (`timeout_s` or `connect_s` ran out). A
+request sent on a reused idle connection that the engine closed before answering a byte
+is sent once more on a new connection (the engine never read it: an idle close races
+the reuse). Cancelling `post`, or its timeout, aborts the connection, so the engine sees
+the client go and aborts the generation (SGLang and gyre's engine do).
+"""
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+import urllib.parse
+
+import httptools
+
+IDLE_S = 4.0
+"""Seconds an idle connection is kept for reuse (uvicorn closes idle ones after 5 s)."""
+
+
+class _Connection(asyncio.Protocol):
+    """One connection; `request` sends a whole request and returns (status, body)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.waiter: asyncio.Future | None = None
+        self.chunks: list[bytes] = []
+        self.received = False  # a byte of the current response arrived
+        self.keep_alive = False
+        self.closed = False
+        self.idle_since = 0.0
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self.waiter is None or self.waiter.done():  # unasked bytes (a 408 on an idle connection)
+            self.abort()
+            return
+        self.received = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(ConnectionError(f"malformed HTTP response from the engine: {exc}"))
+            self.abort()
+        except httptools.HttpParserUpgrade:
+            self._fail(ConnectionError("the engine answered with a protocol upgrade"))
+            self.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._fail(ConnectionResetError("the engine closed the connection before its whole answer")
+                   if exc is None else exc)
+
+    # httptools callbacks
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        self.keep_alive = self.parser.should_keep_alive()
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result((self.parser.get_status_code(), b"".join(self.chunks)))
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(exc)
+
+    def abort(self) -> None:
+        """Close at once, unsent bytes dropped (a request given up: the engine sees it go)."""
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close(self) -> None:
+        """Close once what was written is sent (a connection done with)."""
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    async def request(self, data: bytes) -> tuple[int, bytes]:
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.chunks = []
+        self.received = False
+        self.transport.write(data)  # type: ignore[union-attr]
+        try:
+            return await self.waiter
+        finally:
+            self.waiter = None
+
+
+class EngineConnections:
+    """A pool of keep-alive connections to the engine at `base_url` ("http://host:port",
+    optionally with a path prefix; https is served with the default SSL context).
+    connect_s: seconds a new connection may take. idle_s: seconds an idle connection is
+    kept. Use from one event loop; `close` drops the idle connections."""
+
+    def __init__(self, base_url: str, connect_s: float = 10.0, idle_s: float = IDLE_S) -> None:
+        parts = urllib.parse.urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"engine URL must be http(s)://host[:port][/prefix], got {base_url!r}")
+        self.host = parts.hostname
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self.prefix = parts.path.rstrip("/")
+        self.authority = parts.netloc.rpartition("@")[2].encode("ascii")
+        self.connect_s = connect_s
+        self.idle_s = idle_s
+        self._idle: list[_Connection] = []  # most recently used last
+
+    def _head(self, path: str, length: int) -> bytes:
+        return (b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                % ((self.prefix + path).encode("ascii"), self.authority, length))
+
+    def _take_idle(self) -> _Connection | None:
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed and now - conn.idle_since < self.idle_s:
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(self.connect_s):
+            _, conn = await loop.create_connection(_Connection, self.host, self.port, ssl=self.ssl)
+        return conn
+
+    async def post(self, path: str, body: bytes, timeout_s: float | None = None) -> tuple[int, bytes]:
+        """POST `body` (JSON bytes) to `path`; returns (HTTP status, response body bytes).
+        timeout_s: seconds the whole request may take (None: unbounded). Raises
+        ConnectionError or asyncio.TimeoutError (module docstring)."""
+        data = self._head(path, len(body)) + body
+        async with asyncio.timeout(timeout_s):
+            conn = self._take_idle()
+            if conn is not None:
+                try:
+                    return self._done(conn, await conn.request(data))
+                except ConnectionError:
+                    conn.abort()
+                    if conn.received:
+                        raise
+                except BaseException:
+                    conn.abort()
+                    raise
+            conn = await self._connect()
+            try:
+                return self._done(conn, await conn.request(data))
+            except BaseException:
+                conn.abort()
+                raise
+
+    def _done(self, conn: _Connection, result: tuple[int, bytes]) -> tuple[int, bytes]:
+        if conn.keep_alive and not conn.closed:
+            conn.idle_since = time.monotonic()
+            self._idle.append(conn)
+        else:
+            conn.close()
+        return result
+
+    def close(self) -> None:
+        """Drop the idle connections (one in use is closed when its request ends or is cancelled)."""
+        while self._idle:
+            self._idle.pop().close()
