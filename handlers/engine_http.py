@@ -171,11 +171,15 @@ class EngineConnections:
                 raise
 
     def _done(self, conn: _Connection, result: tuple[int, bytes]) -> tuple[int, bytes]:
+        now = time.monotonic()
         if conn.keep_alive and not conn.closed:
-            conn.idle_since = time.monotonic()
+            conn.idle_since = now
             self._idle.append(conn)
         else:
             conn.close()
+        # The least recently used first: once a burst is over its connections go.
+        while self._idle and (self._idle[0].closed or now - self._idle[0].idle_since >= self.idle_s):
+            self._idle.pop(0).close()
         return result
 
     def close(self) -> None:

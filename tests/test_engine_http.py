@@ -123,6 +123,13 @@ async def test_an_idle_connection_is_dropped_after_idle_s():
         await asyncio.sleep(0.1)
         later = orjson.loads((await pool.post("/generate", b"{}"))[1])["peer"]
         assert first == again != later
+        # A burst's extra connections are closed once idle_s has passed, not kept for good.
+        await asyncio.gather(*(pool.post("/generate", b"{}") for _ in range(4)))
+        assert len(pool._idle) == 4
+        for _ in range(8):  # one call at a time keeps reusing the newest connection
+            await asyncio.sleep(0.015)
+            await pool.post("/generate", b"{}")
+        assert len(pool._idle) == 1
         pool.close()
 
 
