@@ -78,8 +78,9 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.keep_alive = self.parser.should_keep_alive()
+        body, self.chunks = b"".join(self.chunks), []  # an idle connection holds no old answer
         if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result((self.parser.get_status_code(), b"".join(self.chunks)))
+            self.waiter.set_result((self.parser.get_status_code(), body))
 
     def _fail(self, exc: BaseException) -> None:
         if self.waiter is not None and not self.waiter.done():
@@ -112,17 +113,25 @@ class EngineConnections:
     """A pool of keep-alive connections to the engine at `base_url` ("http://host:port",
     optionally with a path prefix; https is served with the default SSL context).
     connect_s: seconds a new connection may take. idle_s: seconds an idle connection is
-    kept. Use from one event loop; `close` drops the idle connections."""
+    kept. Use from one event loop; `close` drops the idle connections. A URL this pool
+    cannot reach (no http(s) scheme or host, a bad port) fails each `post` with
+    ConnectionError, as a refused connection does: the caller avoids that engine, as it
+    did when aiohttp refused such a URL."""
 
     def __init__(self, base_url: str, connect_s: float = 10.0, idle_s: float = IDLE_S) -> None:
-        parts = urllib.parse.urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"engine URL must be http(s)://host[:port][/prefix], got {base_url!r}")
-        self.host = parts.hostname
-        self.port = parts.port or (443 if parts.scheme == "https" else 80)
-        self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
-        self.prefix = parts.path.rstrip("/")
-        self.authority = parts.netloc.rpartition("@")[2].encode("ascii")
+        self.invalid = ""
+        try:
+            parts = urllib.parse.urlsplit(base_url)
+            self.port = parts.port or (443 if parts.scheme == "https" else 80)
+            self.authority = parts.netloc.rpartition("@")[2].encode("ascii")
+            self.prefix = parts.path.rstrip("/")
+            self.prefix.encode("ascii")  # written into the request line
+        except (ValueError, UnicodeError) as exc:
+            parts, self.invalid = None, f"engine URL {base_url!r} is not usable: {exc}"
+        if parts is not None and (parts.scheme not in ("http", "https") or not parts.hostname):
+            self.invalid = f"engine URL must be http(s)://host[:port][/prefix], got {base_url!r}"
+        self.host = parts.hostname if parts is not None else ""
+        self.ssl = ssl.create_default_context() if parts is not None and parts.scheme == "https" else None
         self.connect_s = connect_s
         self.idle_s = idle_s
         self._idle: list[_Connection] = []  # most recently used last
@@ -150,6 +159,8 @@ class EngineConnections:
         """POST `body` (JSON bytes) to `path`; returns (HTTP status, response body bytes).
         timeout_s: seconds the whole request may take (None: unbounded). Raises
         ConnectionError or asyncio.TimeoutError (module docstring)."""
+        if self.invalid:
+            raise ConnectionError(self.invalid)
         data = self._head(path, len(body)) + body
         async with asyncio.timeout(timeout_s):
             conn = self._take_idle()

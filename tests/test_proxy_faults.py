@@ -444,3 +444,14 @@ async def test_a_cancellation_while_keepalives_stop_is_not_lost():
 
     await _serve_one(handler)
     assert seen == {"outcome": "cancelled"}
+
+
+async def test_a_cell_whose_url_the_proxy_cannot_use_is_avoided_and_the_call_served_elsewhere(stack):  # noqa: F811
+    good = await stack.engine(["from good"])
+    await stack.proxy(engine=None, retry_timeout_s=3.0)
+    await stack.state.handle_event(switched("bad", "rollout", good.url.removeprefix("http://")))  # no scheme
+    await stack.state.handle_event(switched("good", "rollout", good.url, seq=1))
+    client = stack.client("ex-b")
+    for i in range(4):
+        answer = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"q{i}"}])
+        assert answer.choices[0].message.content == "from good"
