@@ -11,21 +11,24 @@ call is 1 ms (BENCHMARKS.md), so the `/generate` leg uses this pool; every other
 endpoint stays on the aiohttp session (`engine_client.EngineClient`).
 
 What it speaks: `POST` with a `Content-Length` body; a response framed by
-`Content-Length` or chunked encoding (httptools parses both; no compression is asked
-for, so none is sent). One request per connection at a time; an idle connection is kept
-for reuse for at most `idle_s` seconds (below uvicorn's 5-s keep-alive, SGLang's server)
-and dropped when the engine closes it or answers `Connection: close`.
+`Content-Length`, chunked encoding, or the connection's close (httptools parses them; no
+compression is asked for, so none is sent); interim 1xx responses are skipped. One request
+per connection at a time; an idle connection is kept for reuse for at most `idle_s`
+seconds (below uvicorn's 5-s keep-alive, SGLang's server) and dropped when the engine
+closes it, answers `Connection: close`, or sends bytes beyond its answer.
 
 Errors (`post`): ConnectionError (refused, reset, closed before the whole response,
-malformed response) and asyncio.TimeoutError (`timeout_s` or `connect_s` ran out). A
-request sent on a reused idle connection that the engine closed before answering a byte
-is sent once more on a new connection (the engine never read it: an idle close races
-the reuse). Cancelling `post`, or its timeout, aborts the connection, so the engine sees
-the client go and aborts the generation (SGLang and gyre's engine do).
+malformed response, an unusable URL) and asyncio.TimeoutError (`timeout_s` or `connect_s`
+ran out). A request is never sent twice: when the engine closes a reused idle connection
+just as the request goes out, that is a ConnectionError like any other (the caller,
+`proxy_routing.Dispatcher`, retries under a new request id), since the engine may have
+read it. Cancelling `post`, or its timeout, aborts the connection, so the engine sees the
+client go and aborts the generation (SGLang and gyre's engine do).
 """
 from __future__ import annotations
 
 import asyncio
+import base64
 import ssl
 import time
 import urllib.parse
@@ -44,7 +47,9 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.waiter: asyncio.Future | None = None
         self.chunks: list[bytes] = []
-        self.received = False  # a byte of the current response arrived
+        self.framed = False  # the answer's headers name its length (Content-Length or chunked)
+        self.headers_done = False
+        self.answered = False  # the final answer of the current request is complete
         self.keep_alive = False
         self.closed = False
         self.idle_since = 0.0
@@ -57,7 +62,6 @@ class _Connection(asyncio.Protocol):
         if self.waiter is None or self.waiter.done():  # unasked bytes (a 408 on an idle connection)
             self.abort()
             return
-        self.received = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -69,15 +73,41 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if exc is None and self.headers_done and not self.framed and not self.answered:
+            self._answer()  # a body that ends where the connection does (HTTP/1.0 style)
         self._fail(ConnectionResetError("the engine closed the connection before its whole answer")
                    if exc is None else exc)
 
     # httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.answered:  # bytes beyond the answer: this connection's framing is not to be trusted
+            self.keep_alive = False
+        self.chunks, self.framed, self.headers_done = [], False, False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"content-length" or (name == b"transfer-encoding" and b"chunked" in value.lower()):
+            self.framed = True
+
+    def on_headers_complete(self) -> None:
+        self.headers_done = True
+        status = self.parser.get_status_code()
+        if status < 200 or status in (204, 304):
+            self.framed = True  # no body
+
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
 
     def on_message_complete(self) -> None:
-        self.keep_alive = self.parser.should_keep_alive()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            return  # an interim answer (100 Continue, 103 Early Hints): the final one follows
+        if not self.answered:
+            self.keep_alive = self.parser.should_keep_alive()
+            self._answer()
+
+    def _answer(self) -> None:
+        self.answered = True
         body, self.chunks = b"".join(self.chunks), []  # an idle connection holds no old answer
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result((self.parser.get_status_code(), body))
@@ -100,8 +130,7 @@ class _Connection(asyncio.Protocol):
 
     async def request(self, data: bytes) -> tuple[int, bytes]:
         self.waiter = asyncio.get_running_loop().create_future()
-        self.chunks = []
-        self.received = False
+        self.chunks, self.answered, self.headers_done, self.framed = [], False, False, False
         self.transport.write(data)  # type: ignore[union-attr]
         try:
             return await self.waiter
@@ -126,6 +155,9 @@ class EngineConnections:
             self.authority = parts.netloc.rpartition("@")[2].encode("ascii")
             self.prefix = parts.path.rstrip("/")
             self.prefix.encode("ascii")  # written into the request line
+            user = urllib.parse.unquote(parts.username or "")
+            self.auth = b"Authorization: Basic %s\r\n" % base64.b64encode(
+                f"{user}:{urllib.parse.unquote(parts.password or '')}".encode()) if user else b""
         except (ValueError, UnicodeError) as exc:
             parts, self.invalid = None, f"engine URL {base_url!r} is not usable: {exc}"
         if parts is not None and (parts.scheme not in ("http", "https") or not parts.hostname):
@@ -135,10 +167,11 @@ class EngineConnections:
         self.connect_s = connect_s
         self.idle_s = idle_s
         self._idle: list[_Connection] = []  # most recently used last
+        self._closed = False
 
     def _head(self, path: str, length: int) -> bytes:
-        return (b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                % ((self.prefix + path).encode("ascii"), self.authority, length))
+        return (b"POST %s HTTP/1.1\r\nHost: %s\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                % ((self.prefix + path).encode("ascii"), self.authority, self.auth, length))
 
     def _take_idle(self) -> _Connection | None:
         now = time.monotonic()
@@ -163,18 +196,7 @@ class EngineConnections:
             raise ConnectionError(self.invalid)
         data = self._head(path, len(body)) + body
         async with asyncio.timeout(timeout_s):
-            conn = self._take_idle()
-            if conn is not None:
-                try:
-                    return self._done(conn, await conn.request(data))
-                except ConnectionError:
-                    conn.abort()
-                    if conn.received:
-                        raise
-                except BaseException:
-                    conn.abort()
-                    raise
-            conn = await self._connect()
+            conn = self._take_idle() or await self._connect()
             try:
                 return self._done(conn, await conn.request(data))
             except BaseException:
@@ -183,7 +205,7 @@ class EngineConnections:
 
     def _done(self, conn: _Connection, result: tuple[int, bytes]) -> tuple[int, bytes]:
         now = time.monotonic()
-        if conn.keep_alive and not conn.closed:
+        if conn.keep_alive and not conn.closed and not self._closed:
             conn.idle_since = now
             self._idle.append(conn)
         else:
@@ -194,6 +216,8 @@ class EngineConnections:
         return result
 
     def close(self) -> None:
-        """Drop the idle connections (one in use is closed when its request ends or is cancelled)."""
+        """Drop the idle connections and keep none from now on (one in use is closed when its
+        request ends or is cancelled). Requests may still be made, each on a new connection."""
+        self._closed = True
         while self._idle:
             self._idle.pop().close()
