@@ -2,7 +2,7 @@
 
     gyre run RECIPE [--set table.key=value ...] [--run-id ID] [--timeout S] [--no-evaluator]
                                                   start everything, show progress, exit 0
-    gyre tap [PATTERN] [--run-dir DIR] [--run ID | --all-runs]
+    gyre tap [PATTERN] [--run-dir DIR] [--run ID | --all-runs] [--width N]
                                                   print live events of the current run
     gyre init-model DIR [--layers N ...]          write the embedded default model
     gyre bench NAME [--json PATH]                 a benchmark of docs/BENCHMARKS.md (proxy, trajectories)

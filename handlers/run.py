@@ -363,6 +363,7 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
         init_model(run_dir / "model", ModelSpec(layers=m.layers, hidden=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
                                                 head_dim=m.hidden // m.heads, intermediate=3 * m.hidden, seed=m.seed))
     env = dict(os.environ, GYRE_KEY_SECRET=key_secret, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               HF_HUB_DISABLE_PROGRESS_BARS="1",  # daemon logs are JSON lines: no tqdm bars in them
                PYTHONUNBUFFERED="1")
     if token:
         env["GYRE_NATS_TOKEN"] = token
