@@ -11,16 +11,20 @@ call is 1 ms (BENCHMARKS.md), so the `/generate` leg uses this pool; every other
 endpoint stays on the aiohttp session (`engine_client.EngineClient`).
 
 What it speaks: `POST` with a `Content-Length` body; a response framed by
-`Content-Length`, chunked encoding, or the connection's close (httptools parses them; no
-compression is asked for, so none is sent); interim 1xx responses are skipped. One request
-per connection at a time; an idle connection is kept for reuse for at most `idle_s`
-seconds (below uvicorn's 5-s keep-alive, SGLang's server) and dropped when the engine
-closes it, answers `Connection: close`, or sends bytes beyond its answer.
+`Content-Length`, chunked encoding, or the connection's close (httptools parses them;
+`Accept-Encoding: identity` asks for no compression); interim 1xx responses are skipped.
+One request per connection at a time; an idle connection is kept for reuse for at most
+`idle_s` seconds (below uvicorn's 5-s keep-alive, SGLang's server; a timer closes it then,
+whether or not another call comes) and dropped when the engine closes it, answers
+`Connection: close`, or sends bytes beyond its answer. Before an idle connection is
+reused its socket is polled: one the engine has closed or written to meanwhile (a close
+the event loop has not read yet) is dropped and the request goes on another, as urllib3
+does.
 
 Errors (`post`): ConnectionError (refused, reset, closed before the whole response,
 malformed response, an unusable URL) and asyncio.TimeoutError (`timeout_s` or `connect_s`
 ran out). A request is never sent twice: when the engine closes a reused idle connection
-just as the request goes out, that is a ConnectionError like any other (the caller,
+after the poll, just as the request goes out, that is a ConnectionError like any other (the caller,
 `proxy_routing.Dispatcher`, retries under a new request id), since the engine may have
 read it. Cancelling `post`, or its timeout, aborts the connection, so the engine sees the
 client go and aborts the generation (SGLang and gyre's engine do).
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import select
 import ssl
 import time
 import urllib.parse
@@ -53,10 +58,19 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = False
         self.closed = False
         self.idle_since = 0.0
+        self.poll = select.poll()
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self.poll.register(sock.fileno(), select.POLLIN | select.POLLPRI)
+
+    def reusable(self) -> bool:
+        """Open, and nothing arrived on it since its answer: no close, reset or stray bytes
+        in the kernel that the event loop has not read yet (one `poll` with no wait)."""
+        return not self.closed and not self.poll.poll(0)
 
     def data_received(self, data: bytes) -> None:
         if self.waiter is None or self.waiter.done():  # unasked bytes (a 408 on an idle connection)
@@ -151,7 +165,10 @@ class EngineConnections:
         self.invalid = ""
         try:
             parts = urllib.parse.urlsplit(base_url)
-            self.port = parts.port or (443 if parts.scheme == "https" else 80)
+            self.port = (443 if parts.scheme == "https" else 80) if parts.port is None else parts.port
+            if not self.port:
+                raise ValueError("port 0")
+            (parts.hostname or "").encode("idna")  # as getaddrinfo will (an empty or 64-char label fails)
             self.authority = parts.netloc.rpartition("@")[2].encode("ascii")
             self.prefix = parts.path.rstrip("/")
             self.prefix.encode("ascii")  # written into the request line
@@ -167,25 +184,30 @@ class EngineConnections:
         self.connect_s = connect_s
         self.idle_s = idle_s
         self._idle: list[_Connection] = []  # most recently used last
+        self._pruning: asyncio.TimerHandle | None = None  # closes the idle connections idle_s has passed for
         self._closed = False
 
     def _head(self, path: str, length: int) -> bytes:
-        return (b"POST %s HTTP/1.1\r\nHost: %s\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+        return (b"POST %s HTTP/1.1\r\nHost: %s\r\n%sContent-Type: application/json\r\nAccept-Encoding: identity\r\n"
+                b"Content-Length: %d\r\n\r\n"
                 % ((self.prefix + path).encode("ascii"), self.authority, self.auth, length))
 
     def _take_idle(self) -> _Connection | None:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed and now - conn.idle_since < self.idle_s:
+            if now - conn.idle_since < self.idle_s and conn.reusable():
                 return conn
             conn.close()
         return None
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
-        async with asyncio.timeout(self.connect_s):
-            _, conn = await loop.create_connection(_Connection, self.host, self.port, ssl=self.ssl)
+        try:
+            async with asyncio.timeout(self.connect_s):
+                _, conn = await loop.create_connection(_Connection, self.host, self.port, ssl=self.ssl)
+        except UnicodeError as exc:  # a host name the resolver's IDNA step refuses
+            raise ConnectionError(f"engine host {self.host!r} is not usable: {exc}") from None
         return conn
 
     async def post(self, path: str, body: bytes, timeout_s: float | None = None) -> tuple[int, bytes]:
@@ -204,20 +226,32 @@ class EngineConnections:
                 raise
 
     def _done(self, conn: _Connection, result: tuple[int, bytes]) -> tuple[int, bytes]:
-        now = time.monotonic()
         if conn.keep_alive and not conn.closed and not self._closed:
-            conn.idle_since = now
+            conn.idle_since = time.monotonic()
             self._idle.append(conn)
+            if self._pruning is None:
+                self._pruning = asyncio.get_running_loop().call_later(self.idle_s, self._prune)
         else:
             conn.close()
-        # The least recently used first: once a burst is over its connections go.
+        return result
+
+    def _prune(self) -> None:
+        """Close the idle connections idle_s has passed for (the least recently used are
+        first: once a burst is over its connections go), and wake again for the next."""
+        self._pruning = None
+        now = time.monotonic()
         while self._idle and (self._idle[0].closed or now - self._idle[0].idle_since >= self.idle_s):
             self._idle.pop(0).close()
-        return result
+        if self._idle:
+            wait = self._idle[0].idle_since + self.idle_s - now
+            self._pruning = asyncio.get_running_loop().call_later(max(wait, 0.001), self._prune)
 
     def close(self) -> None:
         """Drop the idle connections and keep none from now on (one in use is closed when its
         request ends or is cancelled). Requests may still be made, each on a new connection."""
         self._closed = True
+        if self._pruning is not None:
+            self._pruning.cancel()
+            self._pruning = None
         while self._idle:
             self._idle.pop().close()

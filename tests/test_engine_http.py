@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import socket
+import threading
+import time
 
 import orjson
 import pytest
@@ -145,6 +148,7 @@ class _RawEngine:
     another on each connection and does what `behaviour(n)` says for the server's n-th
     request: "answer" (200, keep-alive), "interim" (100 and 103 first), "stray" (an answer
     followed by the start of another), "eof" (an answer without a length, then close),
+
     "drop" (close the connection without a byte: an idle close that crossed the client's
     reuse), "cut" (half an answer, then close), or "hang" (nothing, until the client goes)."""
 
@@ -153,6 +157,7 @@ class _RawEngine:
         self.requests = 0
         self.connections = 0
         self.closed_by_client = 0
+        self.heads: list[bytes] = []
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -162,6 +167,7 @@ class _RawEngine:
                 length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
                                   if line.lower().startswith(b"content-length")))
                 await reader.readexactly(length)
+                self.heads.append(head)
                 self.requests += 1
                 what = self.behaviour(self.requests)
                 body = b'{"ok": true, "n": %d}' % self.requests
@@ -283,10 +289,82 @@ async def test_engine_client_generate_maps_statuses_and_failures_to_its_errors()
 async def test_an_engine_url_that_is_not_http_fails_each_request_as_unreachable():
     # Not at construction: the proxy's router avoids such a cell and serves elsewhere,
     # as it did when aiohttp refused the URL.
-    for bad in ("unix:///tmp/engine.sock", "127.0.0.1:30000", "http://127.0.0.1:99999", "http://höst:1"):
+    for bad in ("unix:///tmp/engine.sock", "127.0.0.1:30000", "http://127.0.0.1:99999", "http://höst:1",
+                "http://127.0.0.1:0", "http://a..b:1", "http://" + "x" * 64 + ".example:1"):
         with pytest.raises(ConnectionError, match="engine URL"):
             await EngineConnections(bad).post("/generate", b"{}")
         session = make_session()
         with pytest.raises(EngineUnavailable, match="engine URL"):
             await EngineClient(bad, session).generate([1], {}, rid="r")
         await session.close()
+
+
+@contextlib.contextmanager
+def _closing_engine_thread(close_after_s: float):
+    """An engine in its own thread (so its close is sent while the test's event loop is
+    busy): each connection gets one keep-alive answer, then is closed after `close_after_s`.
+    Yields (url, the number of requests read)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.05)  # so the thread sees `stop`
+    requests = [0]
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    head += conn.recv(65536)
+                requests[0] += 1
+                body = b'{"ok": true, "n": %d}' % requests[0]
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                time.sleep(close_after_s)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", requests
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+async def test_an_idle_connection_the_engine_closed_is_not_reused_and_the_request_goes_on_a_new_one():
+    # The engine closed the idle connection while the event loop was busy: the close is in the
+    # kernel, not yet read by the loop. The poll before reuse finds it, so the request goes
+    # out once, on a new connection (without the poll it failed with ConnectionResetError).
+    with _closing_engine_thread(0.05) as (url, requests):
+        pool = EngineConnections(url)
+        for n in (1, 2, 3):
+            assert orjson.loads((await pool.post("/generate", b"{}"))[1]) == {"ok": True, "n": n}
+            time.sleep(0.3)  # the loop is busy; the engine's close arrives meanwhile
+        assert requests[0] == 3
+        pool.close()
+
+
+async def test_a_bursts_idle_connections_are_closed_after_idle_s_with_no_further_call():
+    engine = _RawEngine(lambda n: "answer")
+    async with engine.serving() as url:
+        pool = EngineConnections(url, idle_s=0.1)
+        await asyncio.gather(*(pool.post("/generate", b"{}") for _ in range(6)))
+        assert engine.connections == 6
+        await until(lambda: engine.closed_by_client == 6, "the idle connections to be closed", 2)
+        assert not pool._idle and pool._pruning is None
+        assert orjson.loads((await pool.post("/generate", b"{}"))[1])["n"] == 7  # and a later call is served
+        pool.close()
+        assert pool._pruning is None
+
+
+async def test_requests_ask_for_no_compression():
+    # No Accept-Encoding would allow any (RFC 9110 12.5.3), and the pool decodes none.
+    engine = _RawEngine(lambda n: "answer")
+    async with engine.serving() as url:
+        pool = EngineConnections(url)
+        await pool.post("/generate", b"{}")
+        assert b"\r\naccept-encoding: identity\r\n" in engine.heads[0].lower()
+        pool.close()
