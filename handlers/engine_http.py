@@ -21,8 +21,9 @@ reused its socket is polled: one the engine has closed or written to meanwhile (
 the event loop has not read yet) is dropped and the request goes on another, as urllib3
 does.
 
-Errors (`post`): ConnectionError (refused, reset, closed before the whole response,
-malformed response, an unusable URL) and asyncio.TimeoutError (`timeout_s` or `connect_s`
+Errors (`post`): ConnectionError (refused, reset, not resolved, no route, a TLS failure,
+closed before the whole response, malformed response, an unusable URL) and
+asyncio.TimeoutError (`timeout_s` or `connect_s`
 ran out). A request is never sent twice: when the engine closes a reused idle connection
 after the poll, just as the request goes out, that is a ConnectionError like any other (the caller,
 `proxy_routing.Dispatcher`, retries under a new request id), since the engine may have
@@ -70,7 +71,7 @@ class _Connection(asyncio.Protocol):
     def reusable(self) -> bool:
         """Open, and nothing arrived on it since its answer: no close, reset or stray bytes
         in the kernel that the event loop has not read yet (one `poll` with no wait)."""
-        return not self.closed and not self.poll.poll(0)
+        return not self.closed and not self.transport.is_closing() and not self.poll.poll(0)
 
     def data_received(self, data: bytes) -> None:
         if self.waiter is None or self.waiter.done():  # unasked bytes (a 408 on an idle connection)
@@ -89,8 +90,11 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if exc is None and self.headers_done and not self.framed and not self.answered:
             self._answer()  # a body that ends where the connection does (HTTP/1.0 style)
-        self._fail(ConnectionResetError("the engine closed the connection before its whole answer")
-                   if exc is None else exc)
+        if exc is None:
+            exc = ConnectionResetError("the engine closed the connection before its whole answer")
+        elif not isinstance(exc, (ConnectionError, TimeoutError)):  # an SSL or other OSError
+            exc = ConnectionResetError(f"the engine's connection failed: {exc!r}")
+        self._fail(exc)
 
     # httptools callbacks
     def on_message_begin(self) -> None:
@@ -145,6 +149,8 @@ class _Connection(asyncio.Protocol):
     async def request(self, data: bytes) -> tuple[int, bytes]:
         self.waiter = asyncio.get_running_loop().create_future()
         self.chunks, self.answered, self.headers_done, self.framed = [], False, False, False
+        if self.closed or self.transport.is_closing():  # type: ignore[union-attr]
+            raise ConnectionResetError("the engine's connection closed before the request was sent")
         self.transport.write(data)  # type: ignore[union-attr]
         try:
             return await self.waiter
@@ -170,11 +176,11 @@ class EngineConnections:
                 raise ValueError("port 0")
             (parts.hostname or "").encode("idna")  # as getaddrinfo will (an empty or 64-char label fails)
             self.authority = parts.netloc.rpartition("@")[2].encode("ascii")
-            self.prefix = parts.path.rstrip("/")
-            self.prefix.encode("ascii")  # written into the request line
-            user = urllib.parse.unquote(parts.username or "")
+            # Written into the request line: percent-encoded as aiohttp (yarl) does (RFC 3986 3.3).
+            self.prefix = urllib.parse.quote(parts.path.rstrip("/"), safe="/%:@!$&'()*+,;=-._~")
+            user, password = parts.username or "", parts.password or ""
             self.auth = b"Authorization: Basic %s\r\n" % base64.b64encode(
-                f"{user}:{urllib.parse.unquote(parts.password or '')}".encode()) if user else b""
+                f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}".encode()) if user or password else b""
         except (ValueError, UnicodeError) as exc:
             parts, self.invalid = None, f"engine URL {base_url!r} is not usable: {exc}"
         if parts is not None and (parts.scheme not in ("http", "https") or not parts.hostname):
@@ -208,6 +214,10 @@ class EngineConnections:
                 _, conn = await loop.create_connection(_Connection, self.host, self.port, ssl=self.ssl)
         except UnicodeError as exc:  # a host name the resolver's IDNA step refuses
             raise ConnectionError(f"engine host {self.host!r} is not usable: {exc}") from None
+        except (ConnectionError, TimeoutError):
+            raise
+        except OSError as exc:  # not resolved, no route, a TLS handshake refused, all addresses refused
+            raise ConnectionError(f"engine {self.host}:{self.port} unreachable: {exc}") from exc
         return conn
 
     async def post(self, path: str, body: bytes, timeout_s: float | None = None) -> tuple[int, bytes]:

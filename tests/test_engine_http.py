@@ -70,6 +70,7 @@ def _echo_app(seen: list) -> web.Application:
 
     app.router.add_post("/generate", generate)
     app.router.add_post("/prefix/generate", generate)
+    app.router.add_post("/my engine/é/generate", generate)
     app.router.add_post("/chunked", chunked)
     app.router.add_post("/close", close)
     app.router.add_post("/refused/generate", refused)
@@ -97,6 +98,11 @@ async def test_requests_reuse_one_keep_alive_connection_and_frame_the_body():
         assert status == 200 and seen[-1][0] == "/prefix/generate"
         await EngineConnections(url.replace("//", "//us%40er:p%3Ass@")).post("/generate", b"{}")
         assert seen[-1][3:] == (url.removeprefix("http://"), "Basic " + base64.b64encode(b"us@er:p:ss").decode())
+        await EngineConnections(url.replace("//", "//:t%20ok@")).post("/generate", b"{}")  # a token alone
+        assert seen[-1][4] == "Basic " + base64.b64encode(b":t ok").decode()
+        # A prefix with characters a request line cannot hold is percent-encoded, as aiohttp does.
+        status, raw = await EngineConnections(url + "/my engine/é").post("/generate", b"{}")
+        assert status == 200 and seen[-1][0] == "/my engine/é/generate"
         pool.close()
 
 
@@ -297,6 +303,15 @@ async def test_an_engine_url_that_is_not_http_fails_each_request_as_unreachable(
         with pytest.raises(EngineUnavailable, match="engine URL"):
             await EngineClient(bad, session).generate([1], {}, rid="r")
         await session.close()
+
+
+async def test_network_failures_of_every_kind_are_connection_errors():
+    # Not resolved (gaierror), a TLS handshake with a plain-HTTP engine (SSLError): OSErrors
+    # that are not ConnectionErrors, which a caller going by the docstring would miss.
+    async with _app_server(_echo_app([])) as url:
+        for unreachable in ("http://no-such-engine.invalid:30000", url.replace("http:", "https:")):
+            with pytest.raises(ConnectionError):
+                await EngineConnections(unreachable, connect_s=5).post("/generate", b"{}")
 
 
 @contextlib.contextmanager
