@@ -23,12 +23,12 @@ does.
 
 Errors (`post`): ConnectionError (refused, reset, not resolved, no route, a TLS failure,
 closed before the whole response, malformed response, an unusable URL) and
-asyncio.TimeoutError (`timeout_s` or `connect_s`
-ran out). A request is never sent twice: when the engine closes a reused idle connection
-after the poll, just as the request goes out, that is a ConnectionError like any other (the caller,
-`proxy_routing.Dispatcher`, retries under a new request id), since the engine may have
-read it. Cancelling `post`, or its timeout, aborts the connection, so the engine sees the
-client go and aborts the generation (SGLang and gyre's engine do).
+asyncio.TimeoutError (`timeout_s` or `connect_s` ran out). A request is never sent twice:
+when the engine closes a reused idle connection after the poll, just as the request goes
+out, that is a ConnectionError like any other (the caller, `proxy_routing.Dispatcher`,
+retries under a new request id), since the engine may have read it. Cancelling `post`, or
+its timeout, aborts the connection, so the engine sees the client go and aborts the
+generation (SGLang and gyre's engine do).
 """
 from __future__ import annotations
 
@@ -147,10 +147,10 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     async def request(self, data: bytes) -> tuple[int, bytes]:
-        self.waiter = asyncio.get_running_loop().create_future()
-        self.chunks, self.answered, self.headers_done, self.framed = [], False, False, False
         if self.closed or self.transport.is_closing():  # type: ignore[union-attr]
             raise ConnectionResetError("the engine's connection closed before the request was sent")
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.chunks, self.answered, self.headers_done, self.framed = [], False, False, False
         self.transport.write(data)  # type: ignore[union-attr]
         try:
             return await self.waiter
