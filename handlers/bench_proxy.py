@@ -47,7 +47,9 @@ with an aiohttp client session (`make_session`; kept as it was when the proxy's
 `/generate` leg moved to `handlers.engine_http`, so floors stay comparable), and returns the engine's
 bytes): what one more HTTP hop and a third Python process cost on this machine before
 gyre does any work. Measured `reps` times, pass-through and direct alternating;
-`added_latency_ms_*` as for a variant.
+`added_latency_ms_*` as for a variant, and `calls_per_s` from a closed loop of
+`concurrency` through the pass-through: the most a process that does no work carries
+with this load generator here (BENCHMARKS.md expects ~4,000 of a bare pass-through).
 
 Repetitions: `reps` (3) per variant, each a latency pair (proxy and direct, alternating
 which runs first) and a throughput run; the keys hold medians over repetitions with
@@ -57,8 +59,8 @@ Output (`--json PATH`, also printed): {"chat": {...}, "chat_stream": {...}, "mes
 {...}, "messages_stream": {...}, "floor": {...}, "machine": {...}, "config": {...}}; each
 variant holds `added_latency_ms_p50`, `added_latency_ms_p90`, `added_latency_ms_p99`,
 `calls_per_s`, `proxy_cpu_ms_per_call`, `proxy_cpu_ms_per_call_saturated` (medians, with
-`_min`/`_max`; null without /proc or under `--profile`; `floor` holds only the latency
-keys), `errors` (non-2xx answers or broken connections, on either path), `unstored`, `settle` (per measured
+`_min`/`_max`; null without /proc or under `--profile`; `floor` holds the latency keys
+and `calls_per_s`), `errors` (non-2xx answers or broken connections, on either path), `unstored`, `settle` (per measured
 proxy run: seconds until every call answered so far was stored — after the warm-up for a
 variant's first run, after the previous run otherwise — and whether that wait timed out),
 and `reps`: per repetition the raw percentiles (`proxy_latency_ms`, `direct_latency_ms`:
@@ -680,21 +682,24 @@ class Load:
     async def run_direct(self, slots: int, think_s: float, duration_s: float, rng: random.Random,
                          url: str = "") -> RunStats:
         """The pre-tokenised `/generate` calls of the same load, sent to `url` (default:
-        straight to the engine; the pass-through for the floor)."""
+        straight to the engine; the pass-through for the floor); `think_s` 0 is a closed
+        loop."""
         url = url or self.engine_url
         stats = RunStats()
         t_end = time.perf_counter() + duration_s
 
         async def slot(i: int) -> None:
             k = rng.randrange(CALLS_PER_EXECUTION)
-            await _think(rng, think_s, t_end)
+            if think_s:
+                await _think(rng, think_s, t_end)
             while time.perf_counter() < t_end:
                 try:
                     await self.direct_call(k, stats, url)
                 except _CallFailed:
                     pass  # counted in stats.errors
                 k = (k + 1) % CALLS_PER_EXECUTION
-                await _think(rng, think_s, t_end)
+                if think_s:
+                    await _think(rng, think_s, t_end)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(slot(i) for i in range(slots)))
@@ -950,21 +955,28 @@ async def bench(cfg: BenchConfig, workdir: Path) -> dict:
 
 
 async def _floor(load: Load, passthrough_url: str, cfg: BenchConfig, rng: random.Random) -> dict:
-    """`reps` latency pairs: the bare pass-through against the engine straight (alternating
-    which runs first). The variant keys without calls/s."""
+    """`reps` repetitions, each a latency pair (the bare pass-through against the engine
+    straight, alternating which runs first) and a closed loop of `concurrency` through the
+    pass-through (`calls_per_s`: what a process doing no work at all carries with this
+    load generator on this machine, the ceiling beside BENCHMARKS.md's "~4,000 here"). The
+    variant keys without the CPU ones."""
     reps = []
     for rep in range(cfg.reps):
         runs = {}
         for path in (("passthrough", "direct") if rep % 2 == 0 else ("direct", "passthrough")):
             runs[path] = await load.run_direct(cfg.executions, cfg.think_s, cfg.duration_s, rng,
                                                passthrough_url if path == "passthrough" else "")
+        thr = await load.run_direct(cfg.concurrency, 0.0, cfg.duration_s, rng, passthrough_url)
         p, d = percentiles_ms(runs["passthrough"].latencies), percentiles_ms(runs["direct"].latencies)
-        reps.append({"added_latency_ms": _added(p, d), "passthrough_latency_ms": p, "direct_latency_ms": d, "calls_per_s": None,
+        reps.append({"added_latency_ms": _added(p, d), "passthrough_latency_ms": p, "direct_latency_ms": d,
+                     "calls_per_s": round(thr.calls / thr.window_s, 1) if thr.window_s else None,
                      "latency_calls": runs["passthrough"].calls, "direct_calls": runs["direct"].calls,
-                     "errors": runs["passthrough"].errors + runs["direct"].errors,
-                     "error_samples": runs["passthrough"].error_samples + runs["direct"].error_samples})
+                     "throughput_calls": thr.calls,
+                     "errors": runs["passthrough"].errors + runs["direct"].errors + thr.errors,
+                     "error_samples": runs["passthrough"].error_samples + runs["direct"].error_samples
+                     + thr.error_samples})
     out = _variant_figures(reps)
-    for key in ("calls_per_s", *CPU_KEYS):
+    for key in CPU_KEYS:
         out.pop(key, None)
     return out
 

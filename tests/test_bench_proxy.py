@@ -35,9 +35,11 @@ def test_bench_proxy_smoke(tmp_path):
     assert not result["chat"].get("skipped") and not result["responses"].get("skipped")
     floor = result["floor"]  # the bare pass-through against the engine, same load
     (rep,) = floor["reps"]
-    assert rep["latency_calls"] > 0 and rep["direct_calls"] > 0
+    assert rep["latency_calls"] > 0 and rep["direct_calls"] > 0 and rep["throughput_calls"] > 0
     assert floor["added_latency_ms_p50"] == rep["added_latency_ms"]["p50"]
-    assert not set(floor) & {"calls_per_s", *bench_proxy.CPU_KEYS}  # only the latency keys
+    assert floor["calls_per_s"] == rep["calls_per_s"] > 0  # the closed loop through the pass-through
+    assert floor["errors"] == 0, floor["error_samples"]
+    assert not set(floor) & set(bench_proxy.CPU_KEYS)  # no proxy in the floor's path
 
 
 def test_variant_figures_are_medians_over_repetitions():
