@@ -1780,3 +1780,48 @@ async def test_a_start_that_fails_after_the_replay_began_does_not_wait_out_the_g
     finally:
         taken.close()
     assert failed_s < cfg.shutdown_grace_s / 4, failed_s  # not held for the grace
+
+
+async def test_calls_answered_within_a_batch_window_publish_together_and_all_land(tmp_path, tok, bus, run_id,
+                                                                                  monkeypatch):
+    """`publish_later` holds each `call.completed` until its batch starts (PUBLISH_BATCH_S
+    after the batch's first call): the calls of one window go to the bus in one event-loop
+    step, a later call opens the next batch, every call is stored, and a publish cancelled
+    while it waits for its batch is still spilled by the drain (it was counted unsent)."""
+    monkeypatch.setattr(proxy_mod, "PUBLISH_BATCH_S", 0.2)
+
+    def event(seq):
+        return schemas.CallCompleted(event_id=ids.call(run_id, "exb", seq), call=f"exb:{seq}", execution="exb",
+                                     seq=seq, parent_call=None, prefix_len=0, tokens=schemas.CallTokens(),
+                                     sampling=schemas.SamplingParams(), finish_reason="stop", versions=(), cell="c",
+                                     role="main", api="chat", status="ok", timings={}, drift=0, meta={})
+
+    spill = tmp_path / "proxy-unpublished.jsonl"
+    state = ProxyState(Config(run=run_id, key_secret=SECRET, spill_file=str(spill)), tok, session=None, bus=bus)
+    loop = asyncio.get_running_loop()
+    started: dict[int, float] = {}
+    publish = bus.publish
+
+    async def timed(ev, *args, **kw):
+        started[ev.seq] = loop.time()
+        return await publish(ev, *args, **kw)
+
+    monkeypatch.setattr(bus, "publish", timed)
+    t0 = loop.time()
+    for seq in range(3):  # one window: 0, 1, 2
+        state.publish_later(proxy_mod.Outgoing(event(seq)))
+        await asyncio.sleep(0.03)
+    await until(lambda: len(started) == 3)
+    state.publish_later(proxy_mod.Outgoing(event(3)))  # after the first batch started: the next one
+    await until(lambda: len(started) == 4)
+    assert max(started[s] for s in range(3)) - min(started[s] for s in range(3)) < 0.01  # sent 30 ms apart
+    assert started[0] - t0 >= 0.2 - 0.01
+    assert started[3] - started[0] >= 0.2 - 0.01
+    state.publish_later(proxy_mod.Outgoing(event(4)))
+    (waiting,) = [t for t in state._background if not t.done()]
+    waiting.cancel()
+    await state.drain(5)
+    assert 4 not in started
+    assert [orjson.loads(line)["event"]["seq"] for line in spill.read_bytes().splitlines() if line] == [4]
+    stored = sorted(await bus.stored_ids("call.completed"))
+    assert stored == sorted(ids.call(run_id, "exb", s) for s in range(4))
