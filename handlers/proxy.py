@@ -191,10 +191,12 @@ PUBLISH_BATCH_S = 0.02
 batch (`ProxyState.publish_later`): the calls answered within one such window publish in
 the same event-loop step, so nats-py writes them in one flush, nats-server reads and stores
 them together and their PubAcks come back together, instead of a wake-up of each process
-per call. Interleaved with publishing at once (`chat`, `--reps 1`, five runs each,
-2026-12-05 ≈ 19:00 UTC): latency-run CPU 1.14-1.24 against 1.22-1.29 ms per call, added
-p50 1.43-1.68 (median 1.46) against 1.38-1.82 ms (median 1.59); saturated, where publishes
-batch by themselves, no change. Delays the trajectory builder by at most this."""
+per call. A small gain, at the edge of this VM's noise: interleaved with publishing at once
+(`chat`, `--reps 1`, 2026-12-05), five runs each at ≈ 19:00 UTC gave latency-run CPU
+1.14-1.24 against 1.22-1.29 ms per call and added p50 median 1.46 against 1.59 ms, three
+runs each against 89b3cc0 at ≈ 19:20 UTC 1.18-1.26 against 1.24-1.32 ms and 1.72 against
+1.72 ms; saturated, where publishes batch by themselves, no change. Delays the trajectory
+builder by at most this."""
 REPLAYED = ("cell.switched", "route.updated", "execution.started", "execution.finished")
 """Events the proxy's state is rebuilt from (`ProxyState.handle_event`)."""
 
