@@ -654,8 +654,7 @@ class Load:
 
         async def slot(i: int) -> None:
             conv = convs[i]
-            if think_s:
-                await _think(rng, think_s, t_end)
+            await _think(rng, think_s, t_end)
             while time.perf_counter() < t_end:
                 if conv.calls >= CALLS_PER_EXECUTION:
                     self.finished(conv)
@@ -665,8 +664,7 @@ class Load:
                 except _CallFailed:
                     self.finished(conv)
                     conv = self.new_conversation(variant)
-                if think_s:
-                    await _think(rng, think_s, t_end)
+                await _think(rng, think_s, t_end)
             convs[i] = conv
 
         t0 = time.perf_counter()
@@ -690,16 +688,14 @@ class Load:
 
         async def slot(i: int) -> None:
             k = rng.randrange(CALLS_PER_EXECUTION)
-            if think_s:
-                await _think(rng, think_s, t_end)
+            await _think(rng, think_s, t_end)
             while time.perf_counter() < t_end:
                 try:
                     await self.direct_call(k, stats, url)
                 except _CallFailed:
                     pass  # counted in stats.errors
                 k = (k + 1) % CALLS_PER_EXECUTION
-                if think_s:
-                    await _think(rng, think_s, t_end)
+                await _think(rng, think_s, t_end)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(slot(i) for i in range(slots)))
@@ -714,8 +710,10 @@ class Load:
 
 async def _think(rng: random.Random, think_s: float, t_end: float) -> None:
     """An exponential think time (mean think_s), cut at the window's end: no call starts
-    after it, so the run ends with its last answer, not its longest remaining think."""
-    await asyncio.sleep(min(rng.expovariate(1.0 / think_s), max(t_end - time.perf_counter(), 0.0)))
+    after it, so the run ends with its last answer, not its longest remaining think. None
+    for think_s 0 (a closed loop)."""
+    if think_s:
+        await asyncio.sleep(min(rng.expovariate(1.0 / think_s), max(t_end - time.perf_counter(), 0.0)))
 
 
 class _CallFailed(Exception):
@@ -736,6 +734,10 @@ def process_cpu_s(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _calls_per_s(stats: RunStats) -> float | None:
+    return round(stats.calls / stats.window_s, 1) if stats.window_s else None
+
+
 def _cpu_ms_per_call(stats: RunStats) -> float | None:
     return round(1000.0 * stats.proxy_cpu_s / stats.calls, 3) if stats.proxy_cpu_s is not None and stats.calls else None
 
@@ -745,7 +747,7 @@ def _rep_figures(lat: RunStats, direct: RunStats, thr: RunStats) -> dict:
     proxy's CPU per answered call in the latency and the throughput run."""
     p, d = percentiles_ms(lat.latencies), percentiles_ms(direct.latencies)
     return {"added_latency_ms": _added(p, d), "proxy_latency_ms": p, "direct_latency_ms": d,
-            "calls_per_s": round(thr.calls / thr.window_s, 1) if thr.window_s else None,
+            "calls_per_s": _calls_per_s(thr),
             "proxy_cpu_ms_per_call": _cpu_ms_per_call(lat), "proxy_cpu_ms_per_call_saturated": _cpu_ms_per_call(thr),
             "latency_calls": lat.calls, "direct_calls": direct.calls, "throughput_calls": thr.calls,
             "throughput_window_s": round(thr.window_s, 3), "errors": lat.errors + thr.errors,
@@ -969,7 +971,7 @@ async def _floor(load: Load, passthrough_url: str, cfg: BenchConfig, rng: random
         thr = await load.run_direct(cfg.concurrency, 0.0, cfg.duration_s, rng, passthrough_url)
         p, d = percentiles_ms(runs["passthrough"].latencies), percentiles_ms(runs["direct"].latencies)
         reps.append({"added_latency_ms": _added(p, d), "passthrough_latency_ms": p, "direct_latency_ms": d,
-                     "calls_per_s": round(thr.calls / thr.window_s, 1) if thr.window_s else None,
+                     "calls_per_s": _calls_per_s(thr),
                      "latency_calls": runs["passthrough"].calls, "direct_calls": runs["direct"].calls,
                      "throughput_calls": thr.calls,
                      "errors": runs["passthrough"].errors + runs["direct"].errors + thr.errors,
