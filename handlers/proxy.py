@@ -186,17 +186,6 @@ PUBLISH_RETRY_MAX_S = CALLS_DUPLICATE_WINDOW_S - 180.0
 """Longest a `call.completed` publish is retried before it is spilled (`_publish`): within
 the CALLS stream's duplicate window, less a bound on one `Bus.publish`'s own attempts, so
 that a retry after an attempt whose PubAck alone was lost is still dropped as a duplicate."""
-PUBLISH_BATCH_S = 0.02
-"""How long a call's `call.completed` waits, after its answer went out, for the others of its
-batch (`ProxyState.publish_later`): the calls answered within one such window publish in
-the same event-loop step, so nats-py writes them in one flush, nats-server reads and stores
-them together and their PubAcks come back together, instead of a wake-up of each process
-per call. A small gain, at the edge of this VM's noise: interleaved with publishing at once
-(`chat`, `--reps 1`, 2026-12-05), five runs each at ≈ 19:00 UTC gave latency-run CPU
-1.14-1.24 against 1.22-1.29 ms per call and added p50 median 1.46 against 1.59 ms, three
-runs each against 89b3cc0 at ≈ 19:20 UTC 1.18-1.26 against 1.24-1.32 ms and 1.72 against
-1.72 ms; saturated, where publishes batch by themselves, no change. Delays the trajectory
-builder by at most this."""
 REPLAYED = ("cell.switched", "route.updated", "execution.started", "execution.finished")
 """Events the proxy's state is rebuilt from (`ProxyState.handle_event`)."""
 
@@ -484,8 +473,6 @@ class ProxyState:
         self._branch_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.calls: set[asyncio.Task] = set()
         """The handler tasks of the model calls being served (`finish_calls`)."""
-        self._batch: asyncio.Future | None = None
-        """Resolved when the publishes waiting for it start (`_publish_batched`)."""
 
     def branch_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         """The one worker thread that renders and encodes heavy requests (`_match`), made on
@@ -604,21 +591,16 @@ class ProxyState:
         task.add_done_callback(self._background.discard)
 
     def publish_later(self, out: Outgoing) -> None:
-        """`publish(out)` in the background with the other calls of its batch (within
-        PUBLISH_BATCH_S), the call counted unsent from now: a drain that cancels the publish
-        before it has started still spills it."""
+        """`publish(out)` in the background, starting at once, the call counted unsent from
+        now: a drain that cancels the publish before it has started still spills it. Not
+        held back to batch with other calls: a call still in memory is lost in a crash, and
+        one reaching the bus after its execution's score is never trained (the builder
+        finalises a group once every execution is scored; a 20-ms batch window made a
+        reviewer's scorer 5-15 ms after the answer beat every call, 2026-12-06). Calls
+        answered in one loop step still go out in one nats-py flush."""
         if self.bus is not None:
             self._unsent[out.event.event_id] = out
-        self.spawn(self._publish_batched(out))
-
-    async def _publish_batched(self, out: Outgoing) -> None:
-        batch = self._batch
-        if batch is None or batch.done():
-            loop = asyncio.get_running_loop()
-            batch = self._batch = loop.create_future()
-            loop.call_later(PUBLISH_BATCH_S, _resolve, batch)
-        await asyncio.shield(batch)  # a cancelled publish does not cancel its batch's start
-        await self.publish(out)
+        self.spawn(self.publish(out))
 
     async def finish_calls(self, timeout_s: float) -> None:
         """Wait (≤ timeout_s) for the model calls being served (no new ones come: the
@@ -862,11 +844,6 @@ class ProxyState:
 
 
 # --------------------------------------------------------------------------- handlers
-
-
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 def finished_error(execution: str) -> ApiError:
