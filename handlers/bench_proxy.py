@@ -710,8 +710,8 @@ class Load:
 
 async def _think(rng: random.Random, think_s: float, t_end: float) -> None:
     """An exponential think time (mean think_s), cut at the window's end: no call starts
-    after it, so the run ends with its last answer, not its longest remaining think. None
-    for think_s 0 (a closed loop)."""
+    after it, so the run ends with its last answer, not its longest remaining think.
+    Returns at once for think_s 0 (a closed loop)."""
     if think_s:
         await asyncio.sleep(min(rng.expovariate(1.0 / think_s), max(t_end - time.perf_counter(), 0.0)))
 

@@ -1800,11 +1800,11 @@ async def test_a_call_completed_goes_to_the_bus_at_once_and_a_cancelled_one_is_s
     started: list[int] = []
     publish = bus.publish
 
-    async def timed(ev, *args, **kw):
+    async def recording(ev, *args, **kw):
         started.append(ev.seq)
         return await publish(ev, *args, **kw)
 
-    monkeypatch.setattr(bus, "publish", timed)
+    monkeypatch.setattr(bus, "publish", recording)
     for seq in range(3):
         state.publish_later(proxy_mod.Outgoing(event(seq)))
         await asyncio.sleep(0)  # one loop pass
