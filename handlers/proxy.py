@@ -128,6 +128,7 @@ from gyre.tito import CallStore, Match, Pending, Prepared
 from gyre.tokenizer import THINK_END, fast_decoder, fast_encoder, token_bytes
 from handlers.engine_client import ids_json, make_session
 from handlers.proxy_anthropic import MessagesApi, parse_messages_request
+from handlers.proxy_body import BodyMemo
 from handlers.proxy_api import (
     Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, completion_room, context_exceeded,
     internal_message,
@@ -383,6 +384,8 @@ class _Execution:
 
     store: CallStore | None
     memo: MessageMemo | None = None
+    bodies: BodyMemo | None = None
+    """The latest request bodies, so a resent history is not parsed again (`handlers.proxy_body`)."""
     finished: bool = False
     next_seq: int = 0
     model_calls: int = 0
@@ -511,7 +514,7 @@ class ProxyState:
             ex.harness = profile_for_harness(event.info.harness)
         elif isinstance(event, ExecutionFinished):
             ex = self.executions.setdefault(event.info.execution, _Execution(store=None))
-            ex.store = ex.memo = None
+            ex.store = ex.memo = ex.bodies = None
             ex.wire = {}
             ex.finished = True
             self.router.forget(event.info.execution)
@@ -562,6 +565,7 @@ class ProxyState:
         if ex.store is None:
             ex.store = CallStore(self.tokenizer, check_drift=self.cfg.check_drift)
             ex.memo = MessageMemo()
+            ex.bodies = BodyMemo()
         return ex
 
     def classify(self, ex: _Execution, headers: Any, req: ModelRequest, api: str) -> Classification:
@@ -921,13 +925,16 @@ async def _match(store: CallStore, req: ModelRequest, auxiliary: bool, execution
 
 
 async def _parsed(request: web.Request, state: ProxyState,
-                  parse: Callable[[Any, SamplingParams, MessageMemo | None], ModelRequest],
+                  parse: Callable[[Any, SamplingParams, MessageMemo | None], ModelRequest], history: str,
                   ) -> tuple[str, _Execution, ModelRequest]:
-    """Authenticate, read the body within the size limit, parse it with the execution's
-    memo. Raises ApiError (401, 403, 400, 413, 415) for the caller to answer in its API's shape."""
+    """Authenticate, read the body within the size limit (its `history` array parsed where
+    it is new: `_Execution.bodies`), parse it with the execution's memo. Raises ApiError
+    (401, 403, 400, 413, 415) for the caller to answer in its API's shape."""
     execution = authenticate(state, request)
-    body = await read_json(request, state.cfg.body_limit_bytes, request.app.get(RAW_BODIES, False))
     ex = state.execution(execution)
+    bodies = ex.bodies
+    body = await read_json(request, state.cfg.body_limit_bytes, request.app.get(RAW_BODIES, False),
+                           functools.partial(bodies.loads, field=history) if bodies is not None else orjson.loads)
     try:
         return execution, ex, parse(body, state.defaults, ex.memo)
     except RecursionError:  # orjson reads ~1,000 levels; converting them in Python may not
@@ -942,7 +949,7 @@ async def serve_call(request: web.Request, api: Api,
     cfg = state.cfg
     t0 = time.monotonic()
     try:
-        execution, ex, req = await _parsed(request, state, parse)
+        execution, ex, req = await _parsed(request, state, parse, api.history)
         if not req.model:
             req = dataclasses.replace(req, model=cfg.model_name)
         roles = state.classify(ex, request.headers, req, api.name)
@@ -1126,7 +1133,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     t0 = time.monotonic()
     execution = ""
     try:
-        execution, ex, req = await _parsed(request, state, _parse_count_tokens)
+        execution, ex, req = await _parsed(request, state, _parse_count_tokens, "messages")
         roles = state.classify(ex, request.headers, req, "count_tokens")
         match = await _match(ex.store, req, True, execution, state.branch_thread())
     except ApiError as err:

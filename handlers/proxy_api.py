@@ -168,6 +168,8 @@ class Api:
     """One wire API. Subclasses override the rendering methods."""
 
     name = "chat"
+    history = "messages"
+    """The body's array that holds the conversation (`handlers.proxy_body.BodyMemo`)."""
     keepalive = b": keep-alive\n\n"
     """SSE frame sent while a streamed call waits."""
 

@@ -7,7 +7,7 @@ import fcntl
 import struct
 import termios
 from pathlib import Path
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 import orjson
@@ -27,10 +27,13 @@ def key_of(request: web.Request) -> str | None:
     return key or None
 
 
-async def read_json(request: web.Request, limit: int, raw_bodies: bool) -> Any:
-    """The request body as JSON. limit: bytes, as sent and once decoded. raw_bodies: the
-    server does not decompress (aiohttp `auto_decompress=False`), so `Content-Encoding`
-    is undone here. Raises ApiError 400/413/415."""
+async def read_json(request: web.Request, limit: int, raw_bodies: bool,
+                    loads: Callable[[bytes], Any] = orjson.loads) -> Any:
+    """The request body as JSON, parsed by `loads` (an execution's
+    `handlers.proxy_body.BodyMemo`, which parses a resent history only where it is new).
+    limit: bytes, as sent and once decoded. raw_bodies: the server does not decompress
+    (aiohttp `auto_decompress=False`), so `Content-Encoding` is undone here. Raises
+    ApiError 400/413/415."""
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -39,7 +42,7 @@ async def read_json(request: web.Request, limit: int, raw_bodies: bool) -> Any:
     if encoding and raw_bodies:  # off the event loop: up to `limit` bytes of inflating (zlib frees the GIL)
         raw = await asyncio.to_thread(decode_body, raw, encoding, limit)
     try:
-        return orjson.loads(raw)
+        return loads(raw)
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
 

@@ -319,6 +319,7 @@ def parse_responses_request(body: Any, defaults: SamplingParams, memo: Any = Non
 
 class ResponsesApi(Api):
     name = "responses"
+    history = "input"
 
     def new_id(self) -> str:
         return f"resp_{unique_hex()}"
