@@ -178,42 +178,69 @@ class BodyMemo:
         return body
 
     def _extend(self, raw: bytes, old: _Body, j: int) -> _Body | None:
-        """`raw` as `old`'s elements 0..j plus its new elements, or None when it is not that."""
+        """`raw` as `old`'s elements 0..j plus its new elements, or None when it is not that:
+        `raw` is old's bytes through element j, `,` and a list of values (parsed here) or
+        nothing, then old's bytes from its array's `]` on (the JSON grammar leaves one way
+        to read that)."""
         if j < 0:
             return None
         lay = old.layout
         pos = lay.ends[j]
         while pos < len(raw) and raw[pos] in _SPACE:
             pos += 1
-        if pos >= len(raw) or raw[pos] not in (_COMMA, _BRACKET):
-            return None
-        got = _elements(raw, pos) if raw[pos] == _COMMA else ([], pos)
-        if got is None or raw[pos] == _COMMA and not got[0]:
-            return None
-        ends, close = got
-        if len(raw) - close != len(old.raw) - lay.close or not raw.startswith(memoryview(old.raw)[lay.close:], close):
+        close = len(raw) - (len(old.raw) - lay.close)  # where old's `]` and what follows would start
+        if close < pos or not raw.startswith(memoryview(old.raw)[lay.close:], close):
             return None  # the fields after the array changed
-        try:
-            new = orjson.loads(b"[" + raw[pos + 1:close] + b"]") if ends else []
-        except orjson.JSONDecodeError:
-            return None  # parsed whole: the error names its place in the body
-        if len(new) != len(ends):
+        if pos == close:
+            new: list = []
+            ends: list[int] | None = []
+        elif raw[pos] != _COMMA:
             return None
+        else:
+            try:
+                new = orjson.loads(b"[" + raw[pos + 1:close] + b"]")
+            except orjson.JSONDecodeError:
+                return None  # parsed whole: the error names its place in the body
+            ends = _new_ends(raw, pos, close, new)
+            if not ends:
+                return None
         body = dict(old.body)
         body[old.field] = old.body[old.field][:j + 1] + new
-        entry = _Body(raw, old.field, body, _Layout(lay.start, lay.ends[:j + 1] + ends, close), scanned=True)
-        return entry
+        return _Body(raw, old.field, body, _Layout(lay.start, lay.ends[:j + 1] + ends, close), scanned=True)
+
+
+def _new_ends(raw: bytes, pos: int, close: int, new: list) -> list[int] | None:
+    """The ends of `new`, the elements parsed from raw[pos + 1:close] (pos at a `,`): from
+    their compact JSON when that is what the bytes are (orjson's, and JavaScript's
+    `JSON.stringify`: one memcmp), else scanned (`_elements`). None when one does not end
+    itself (a number or a literal)."""
+    if not all(type(e) in (dict, list, str) for e in new):
+        return None
+    try:
+        parts = [orjson.dumps(e) for e in new]
+    except orjson.JSONEncodeError:
+        parts = None
+    if parts is not None and close - pos - 1 == sum(map(len, parts)) + len(parts) - 1 \
+            and raw.startswith(b",".join(parts), pos + 1):
+        ends, at = [], pos + 1
+        for part in parts:
+            at += len(part)
+            ends.append(at)
+            at += 1
+        return ends
+    got = _elements(raw, pos)
+    return got[0] if got is not None and got[1] == close and len(got[0]) == len(new) else None
 
 
 def _shared(raw: bytes, old: bytes, ends: list[int]) -> int:
-    """The last element of `old` whose bytes (and all before it) `raw` begins with; -1: none."""
-    if raw.startswith(memoryview(old)[:ends[-1]]):
-        return len(ends) - 1
+    """The last element of `old` whose bytes (and all before it) `raw` begins with; -1: none.
+    The last few are tried first (an extension; Claude Code's moved cache marker), then
+    the first differing byte is found."""
+    view = memoryview(old)
+    for j in range(len(ends) - 1, max(len(ends) - 4, -1), -1):
+        if raw.startswith(view[:ends[j]]):
+            return j
     n = min(len(raw), ends[-1])
-    if n <= ends[0]:
-        return -1 if not raw.startswith(memoryview(old)[:ends[0]]) else 0
-    a = np.frombuffer(raw, np.uint8, n)
-    b = np.frombuffer(old, np.uint8, n)
-    differs = np.flatnonzero(a != b)
+    differs = np.flatnonzero(np.frombuffer(raw, np.uint8, n) != np.frombuffer(old, np.uint8, n))
     first = int(differs[0]) if len(differs) else n
     return bisect.bisect_right(ends, first) - 1
