@@ -77,9 +77,12 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
 - Cost per extended call: Python work in proportion to the new messages only (the
   store renders and tokenises the suffix alone, counts drift on one turn, and reuses the
   normalisation and, for Messages, the conversion of messages seen in the execution's
-  earlier requests, and the JSON text of the prompt ids their calls sent the engine); what
-  still grows with the history are C-speed passes over the body (JSON parse, comparing the
-  resent messages) and copying the prompt's ids and their JSON text. The answer's turn is
+  earlier requests, and the JSON text of the prompt ids their calls sent the engine). The
+  body itself is parsed only after the bytes it shares with one of the execution's latest
+  bodies (`handlers.proxy_body.BodyMemo`): the resent messages are that body's objects, so
+  comparing them downstream is identity checks. What still grows with the history are
+  C-speed passes (comparing the body's bytes with the earlier body's, copying the prompt's
+  ids and their JSON text). The answer's turn is
   rendered and tokenised for the next call's drift after delivery.
   Publishes run in the background, at most `max_publishes_in_flight` awaiting a PubAck.
 
