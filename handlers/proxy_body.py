@@ -43,6 +43,10 @@ _STRING = rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"'
 """A JSON string, escapes included."""
 MAX_DEPTH = 24
 """Deepest nesting of an array element that is matched (deeper: the body is parsed whole)."""
+MAX_ITEMS = 65_536
+"""Most elements, and top-level keys, a layout is found for: one Python step each, so a
+hostile body of tiny elements cannot hold the event loop for long (such a body is parsed
+whole, as before)."""
 
 
 def _container(depth: int) -> bytes:
@@ -56,7 +60,6 @@ def _container(depth: int) -> bytes:
 _WS = rb"[ \t\n\r]*+"
 _ITEM = re.compile(_WS + b"(" + _STRING + b"|" + _container(MAX_DEPTH) + b")" + _WS + rb"([,\]])")
 """One array element that ends itself (a string, object or array), then `,` or `]`."""
-_EMPTY = re.compile(_WS + rb"\]")
 _KEY = re.compile(_WS + b"(" + _STRING + b")" + _WS + b":" + _WS)
 _VALUE = re.compile(b"(?:" + _STRING + b"|" + _container(MAX_DEPTH) + rb"|[-+.0-9a-zA-Z]++)" + _WS + rb"([,}])")
 """A top-level value (scalars included), then `,` or `}`."""
@@ -76,31 +79,31 @@ class _Layout:
     close: int
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class _Body:
     raw: bytes
     field: str
     body: dict
     layout: _Layout | None = None
     scanned: bool = False  # layout looked for (None then: this body cannot be reused)
+    seed: tuple[_Layout, int] | None = None
+    """(an earlier body's layout, j) when `raw` begins with that body's bytes through its
+    element j: the layout is then found from element j on."""
 
     def layout_of(self) -> _Layout | None:
         if not self.scanned:
-            self.layout, self.scanned = _layout(self.raw, self.field, len(self.body[self.field])), True
+            self.layout = _layout(self.raw, self.field, self.body[self.field], self.seed)
+            self.scanned, self.seed = True, None
         return self.layout
 
 
 def _elements(raw: bytes, pos: int) -> tuple[list[int], int] | None:
-    """Scan an array from `pos` (right after its `[`, or at the `,` after an element) to its
-    closing `]`: (the end of each element after pos, the index of the `]`). None when an
-    element is not an object, array or string (its end is not self-delimiting), nests
-    deeper than `MAX_DEPTH`, or the text is not such an array there."""
+    """Scan the elements of an array from `pos` (where its first element, or the one after
+    a `,`, begins; whitespace allowed) to its closing `]`: (the end of each, the index of the
+    `]`). None unless there are 1 to `MAX_ITEMS` elements, each an object, array or string
+    (ends that are self-delimiting) nested at most `MAX_DEPTH` deep."""
     ends: list[int] = []
-    if raw[pos] == _COMMA:
-        pos += 1
-    elif m := _EMPTY.match(raw, pos):
-        return ends, m.end() - 1
-    while m := _ITEM.match(raw, pos):
+    while len(ends) < MAX_ITEMS and (m := _ITEM.match(raw, pos)):
         ends.append(m.end(1))
         if m.group(2) == b"]":
             return ends, m.start(2)
@@ -108,22 +111,72 @@ def _elements(raw: bytes, pos: int) -> tuple[list[int], int] | None:
     return None
 
 
-def _layout(raw: bytes, field: str, n: int) -> _Layout | None:
-    """The layout of `field`'s array in the JSON object `raw` (already parsed: valid), or
-    None unless it is the only top-level key that decodes to `field`, its value an array
-    of `n` objects, arrays or strings."""
-    m = _OPEN_OBJECT.match(raw)
-    if m is None or raw[m.end():m.end() + 1] == b"}":
+def _rest(raw: bytes, pos: int, items: list, first: bool) -> tuple[list[int], int] | None:
+    """(ends, close) of an array's elements `items` (parsed) from `pos` on: right after its
+    `[` (`first`) or right after an element. Their compact JSON when that is what the bytes
+    are (orjson's, JavaScript's `JSON.stringify`: one memcmp), else scanned (`_elements`).
+    None when the bytes are not those elements (see `_elements` for which can be found)."""
+    while pos < len(raw) and raw[pos] in _SPACE:
+        pos += 1
+    if pos >= len(raw):
         return None
+    if raw[pos] == _BRACKET:
+        return ([], pos) if not items else None
+    if not first:
+        if raw[pos] != _COMMA:
+            return None
+        pos += 1
+    if not items or len(items) > MAX_ITEMS or not all(type(e) in (dict, list, str) for e in items):
+        return None
+    try:
+        parts = [orjson.dumps(e) for e in items]
+    except orjson.JSONEncodeError:  # nested deeper than orjson writes
+        return None
+    text = b",".join(parts)
+    close = pos + len(text)
+    if raw[close:close + 1] == b"]" and raw.startswith(text, pos):
+        ends, at = [], pos
+        for part in parts:
+            at += len(part)
+            ends.append(at)
+            at += 1
+        return ends, close
+    got = _elements(raw, pos)
+    return got if got is not None and len(got[0]) == len(items) else None
+
+
+def _layout(raw: bytes, field: str, items: list, seed: tuple[_Layout, int] | None = None) -> _Layout | None:
+    """The layout of `field`'s array in the JSON object `raw` (already parsed: valid;
+    `items` that array as parsed), or None unless it is the only top-level key that decodes
+    to `field` and `_rest` finds its elements. seed: see `_Body.seed` (the bytes through
+    element j are that body's, so its layout holds there: only the rest is scanned)."""
     found: _Layout | None = None
-    pos = m.end()
-    while key := _KEY.match(raw, pos):
+    if seed is not None:
+        lay, j = seed
+        got = _rest(raw, lay.ends[j], items[j + 1:], first=False)
+        if got is None:
+            return None
+        found = _Layout(lay.start, lay.ends[:j + 1] + got[0], got[1])
+        m = _AFTER_ARRAY.match(raw, got[1])
+        if m is None:
+            return None
+        if m.group(1) == b"}":
+            return found
+        pos = m.end()
+    else:
+        m = _OPEN_OBJECT.match(raw)
+        if m is None or raw[m.end():m.end() + 1] == b"}":
+            return None
+        pos = m.end()
+    keys = 0
+    while keys < MAX_ITEMS and (key := _KEY.match(raw, pos)):
+        keys += 1
         pos = key.end()
         if orjson.loads(key.group(1)) == field:
             if found is not None or raw[pos:pos + 1] != b"[":
                 return None
-            got = _elements(raw, pos + 1)
-            if got is None or len(got[0]) != n:
+            got = _rest(raw, pos + 1, items, first=True)
+            if got is None:
                 return None
             found = _Layout(pos + 1, *got)
             m = _AFTER_ARRAY.match(raw, got[1])
@@ -150,97 +203,74 @@ class BodyMemo:
     def loads(self, raw: bytes, field: str) -> Any:
         """`orjson.loads(raw)`, reusing an earlier body's parsed history (module docstring).
         raw: the request body (bytes, decompressed). Raises orjson.JSONDecodeError."""
-        best: _Body | None = None
-        shared = -1
-        for old in self._bodies:
-            if old.field != field:
-                continue
-            lay = old.layout_of()
-            if lay is None or len(lay.ends) <= shared + 1:
-                continue
-            j = _shared(raw, old.raw, lay.ends)
-            if j > shared:
-                best, shared = old, j
-        body = self._extend(raw, best, shared) if best is not None else None
-        if body is None:
+        shared: list[tuple[int, int, _Body]] = []  # (-j, age, body): raw has its bytes through element j
+        for age, old in enumerate(self._bodies):
+            if old.field == field and (lay := old.layout_of()) is not None and lay.ends:
+                j = _shared(raw, old.raw, lay.ends)
+                if j >= 0:
+                    shared.append((-j, age, old))
+        shared.sort()
+        for neg_j, _, old in shared:  # the most shared first; one whose other fields changed, the next
+            entry = _extend(raw, old, -neg_j)
+            if entry is not None:
+                self.reused += 1
+                self._bodies.remove(old)  # this line's tip moves on
+                break
+        else:
             body = orjson.loads(raw)
             if not (isinstance(body, dict) and isinstance(body.get(field), list)):
                 return body  # not a history (an error for the caller to name): nothing to keep
-            entry = _Body(raw, field, body)
-        else:
-            entry = body
-            body = entry.body
-            self.reused += 1
-        if best is not None:
-            self._bodies.remove(best)  # this line's tip moves on
+            entry = _Body(raw, field, body, seed=(shared[0][2].layout, -shared[0][0]) if shared else None)
         self._bodies.insert(0, entry)
         del self._bodies[self.size:]
-        return body
+        return entry.body
 
-    def _extend(self, raw: bytes, old: _Body, j: int) -> _Body | None:
-        """`raw` as `old`'s elements 0..j plus its new elements, or None when it is not that:
-        `raw` is old's bytes through element j, `,` and a list of values (parsed here) or
-        nothing, then old's bytes from its array's `]` on (the JSON grammar leaves one way
-        to read that)."""
-        if j < 0:
+
+def _extend(raw: bytes, old: _Body, j: int) -> _Body | None:
+    """`raw` as `old`'s elements 0..j plus new elements, or None when it is not that: `raw`
+    is old's bytes through element j, then `,` and values (parsed here) or nothing, then
+    old's bytes from its array's `]` on (the JSON grammar reads that one way only)."""
+    lay = old.layout
+    close = len(raw) - (len(old.raw) - lay.close)  # where old's `]` and what follows would start
+    if close < lay.ends[j] or not raw.startswith(memoryview(old.raw)[lay.close:], close):
+        return None  # the fields after the array changed
+    pos = lay.ends[j]
+    while raw[pos] in _SPACE:
+        pos += 1
+    if pos == close:
+        new: list = []
+        ends: list[int] = []
+    else:
+        if raw[pos] != _COMMA:
             return None
-        lay = old.layout
-        pos = lay.ends[j]
-        while pos < len(raw) and raw[pos] in _SPACE:
-            pos += 1
-        close = len(raw) - (len(old.raw) - lay.close)  # where old's `]` and what follows would start
-        if close < pos or not raw.startswith(memoryview(old.raw)[lay.close:], close):
-            return None  # the fields after the array changed
-        if pos == close:
-            new: list = []
-            ends: list[int] | None = []
-        elif raw[pos] != _COMMA:
+        try:  # inside an object and an array, as in the body: orjson's nesting limit counts the same
+            new = orjson.loads(b'{"":[' + raw[pos + 1:close] + b"]}")[""]
+        except orjson.JSONDecodeError:
+            return None  # parsed whole: the error names its place in the body
+        got = _rest(raw, pos, new, first=False)
+        if got is None or got[1] != close:
             return None
-        else:
-            try:
-                new = orjson.loads(b"[" + raw[pos + 1:close] + b"]")
-            except orjson.JSONDecodeError:
-                return None  # parsed whole: the error names its place in the body
-            ends = _new_ends(raw, pos, close, new)
-            if not ends:
-                return None
-        body = dict(old.body)
-        body[old.field] = old.body[old.field][:j + 1] + new
-        return _Body(raw, old.field, body, _Layout(lay.start, lay.ends[:j + 1] + ends, close), scanned=True)
-
-
-def _new_ends(raw: bytes, pos: int, close: int, new: list) -> list[int] | None:
-    """The ends of `new`, the elements parsed from raw[pos + 1:close] (pos at a `,`): from
-    their compact JSON when that is what the bytes are (orjson's, and JavaScript's
-    `JSON.stringify`: one memcmp), else scanned (`_elements`). None when one does not end
-    itself (a number or a literal)."""
-    if not all(type(e) in (dict, list, str) for e in new):
-        return None
-    try:
-        parts = [orjson.dumps(e) for e in new]
-    except orjson.JSONEncodeError:
-        parts = None
-    if parts is not None and close - pos - 1 == sum(map(len, parts)) + len(parts) - 1 \
-            and raw.startswith(b",".join(parts), pos + 1):
-        ends, at = [], pos + 1
-        for part in parts:
-            at += len(part)
-            ends.append(at)
-            at += 1
-        return ends
-    got = _elements(raw, pos)
-    return got[0] if got is not None and got[1] == close and len(got[0]) == len(new) else None
+        ends = got[0]
+    body = dict(old.body)
+    body[old.field] = old.body[old.field][:j + 1] + new
+    return _Body(raw, old.field, body, _Layout(lay.start, lay.ends[:j + 1] + ends, close), scanned=True)
 
 
 def _shared(raw: bytes, old: bytes, ends: list[int]) -> int:
     """The last element of `old` whose bytes (and all before it) `raw` begins with; -1: none.
-    The last few are tried first (an extension; Claude Code's moved cache marker), then
-    the first differing byte is found."""
+    The last few are tried first (an extension; Claude Code's moved cache marker), then the
+    first differing byte is found a 64-KB memcmp at a time."""
     view = memoryview(old)
     for j in range(len(ends) - 1, max(len(ends) - 4, -1), -1):
         if raw.startswith(view[:ends[j]]):
             return j
     n = min(len(raw), ends[-1])
-    differs = np.flatnonzero(np.frombuffer(raw, np.uint8, n) != np.frombuffer(old, np.uint8, n))
-    first = int(differs[0]) if len(differs) else n
+    first = 0
+    while first < n:
+        hi = min(first + (1 << 16), n)
+        if not raw.startswith(view[first:hi], first):
+            first += int(np.argmax(np.frombuffer(raw, np.uint8, hi - first, first)
+                                   != np.frombuffer(old, np.uint8, hi - first, first)))
+            break
+        first = hi
     return bisect.bisect_right(ends, first) - 1

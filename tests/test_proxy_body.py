@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from handlers.proxy_body import MAX_DEPTH, BodyMemo
+from handlers.proxy_body import MAX_DEPTH, MAX_ITEMS, BodyMemo
 
 NASTY = ['"}, {"role": "user"}', "]]]}}}", "\\", '\\"', "\\\\\"", "é\u0301", "\u2028", "\x00\x1f", "🙂", "[", "{", ":", ","]
 
@@ -55,9 +55,29 @@ def check(memo: BodyMemo, raw: bytes, field: str = "messages"):
             memo.loads(raw, field)
         return None
     got = memo.loads(raw, field)
-    assert got == want
-    assert orjson.dumps(got) == orjson.dumps(want)  # equal values of the same types (1 != 1.0 / True)
+    assert same(got, want)
     return got
+
+
+def same(a, b) -> bool:
+    """Equal values of the same types, keys in the same order (`==` takes 1 == 1.0 == True).
+    Iterative: bodies nest up to orjson's 1,024 levels."""
+    todo = [(a, b)]
+    while todo:
+        a, b = todo.pop()
+        if type(a) is not type(b):
+            return False
+        if isinstance(a, dict):
+            if list(a) != list(b):
+                return False
+            todo.extend((a[k], b[k]) for k in a)
+        elif isinstance(a, list):
+            if len(a) != len(b):
+                return False
+            todo.extend(zip(a, b))
+        elif repr(a) != repr(b):
+            return False
+    return True
 
 
 _step = st.one_of(
@@ -183,8 +203,10 @@ def test_bodies_that_are_not_plain_extensions_parse_as_orjson_does(second):
 
 
 def test_a_first_body_that_is_not_one_to_extend_is_parsed_whole_each_time():
+    deep = 300  # deeper than orjson writes (its compact JSON is not at hand) and than MAX_DEPTH (not scanned)
     for first in (b'{"messages":[{"a":1}],"messages":[{"a":1}]}', b'{"messages":[1,{"a":1}]}',
-                  b'{"messages":[' + b'[' * (MAX_DEPTH + 2) + b']' * (MAX_DEPTH + 2) + b']}', b'{"x":1}'):
+                  b'{"messages":[' + b'[' * deep + b']' * deep + b']}', b'{"x":1}',
+                  b'{"messages":[' + b'[ ' * (MAX_DEPTH + 2) + b']' * (MAX_DEPTH + 2) + b']}'):  # not compact
         memo = BodyMemo()
         check(memo, first)
         check(memo, first[:-2] + b',{"b":2}]}' if first.endswith(b"]}") else first)
@@ -200,3 +222,88 @@ def test_responses_input_is_its_own_field():
     # a body under another field name never shares these
     check(memo, orjson.dumps({"model": "m", "instructions": "be brief", "input": items + [{"type": "x"}]}), "messages")
     assert memo.reused == 1
+
+
+def test_lines_whose_other_fields_differ_keep_their_own_tips():
+    """Two lines sharing their messages but not the fields after them (one streams, one
+    does not) each extend their own latest body; a body whose fields changed is parsed
+    whole, and the next body extends it."""
+    memo = BodyMemo()
+    msgs = [{"role": "user", "content": f"m{i}"} for i in range(40)]
+    for i in range(12):
+        extra = {"stream": True} if i % 2 else {"max_tokens": 100}
+        check(memo, orjson.dumps({"model": "m", "messages": msgs[:20 + i], **extra}))
+    assert memo.reused == 10
+    b = check(memo, orjson.dumps({"model": "m", "messages": msgs[:33], "max_tokens": 7}))  # changed: whole
+    assert memo.reused == 10
+    c = check(memo, orjson.dumps({"model": "m", "messages": msgs[:34], "max_tokens": 7}))
+    assert memo.reused == 11 and c["messages"][32] is b["messages"][32]
+
+
+def test_a_new_element_nested_past_orjsons_limit_still_fails():
+    """orjson refuses 1,024 levels counted from the body's top: a new element that parses
+    alone but not inside the body's object and array is refused as the whole body is."""
+    memo = BodyMemo()
+    check(memo, b'{"messages":[{"a":1}]}')
+    check(memo, b'{"messages":[{"a":1}]}')
+    for depth in (1020, 1021, 1022, 1023):
+        check(memo, b'{"messages":[{"a":1},' + b"[" * depth + b"]" * depth + b"]}")
+
+
+def test_a_history_of_more_elements_than_max_items_is_parsed_whole():
+    memo = BodyMemo()
+    many = [""] * (MAX_ITEMS + 1)
+    check(memo, orjson.dumps({"messages": many}))
+    check(memo, orjson.dumps({"messages": many + ["x"]}))
+    assert memo.reused == 0
+
+
+@pytest.mark.parametrize("api", ["chat", "messages", "responses", "count_tokens"])
+def test_parsing_a_request_leaves_its_body_as_it_was(api):
+    """The body's objects are shared with the execution's later bodies (`BodyMemo`): the
+    request parsers must only read them."""
+    import copy
+
+    from handlers.proxy import _parse_count_tokens
+    from handlers.proxy_anthropic import parse_messages_request
+    from handlers.proxy_api import MessageMemo
+    from handlers.proxy_openai import parse_chat_request, parse_responses_request
+    from schemas.call import SamplingParams
+
+    marker = {"type": "ephemeral"}
+    tool = {"name": "bash", "description": "run", "input_schema": {"type": "object"}, "cache_control": marker}
+    bodies = {
+        "chat": {"model": "m", "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "s", "cache_control": marker}]},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": None, "reasoning_content": "r", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": {"command": "ls"}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "out"}]}],
+            "tools": [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}],
+            "stop": ["x"], "stream_options": {"include_usage": True}},
+        "messages": {"model": "m", "system": [{"type": "text", "text": "s", "cache_control": marker}],
+                     "messages": [
+                         {"role": "user", "content": [{"type": "text", "text": "u", "cache_control": marker}]},
+                         {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "x"},
+                                                           {"type": "tool_use", "id": "t1", "name": "bash",
+                                                            "input": {"command": "ls"}}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                       "content": [{"type": "text", "text": "out"}]}]}],
+                     "tools": [tool], "stop_sequences": ["x"], "thinking": {"type": "enabled", "budget_tokens": 9}},
+        "responses": {"model": "m", "instructions": "s", "input": [
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "d"}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "u"}]},
+            {"type": "function_call", "name": "bash", "arguments": "{}", "call_id": "c1"},
+            {"type": "function_call_output", "call_id": "c1", "output": "out"}],
+            "tools": [{"type": "function", "name": "bash", "parameters": {"type": "object"}},
+                      {"type": "web_search"}], "stream": True},
+    }
+    bodies["count_tokens"] = bodies["messages"]
+    parse = {"chat": parse_chat_request, "messages": parse_messages_request, "responses": parse_responses_request,
+             "count_tokens": _parse_count_tokens}[api]
+    body = orjson.loads(orjson.dumps(bodies[api]))
+    before = copy.deepcopy(body)
+    memo = MessageMemo()
+    for _ in range(2):  # the second time through the memo's reused conversions
+        parse(body, SamplingParams(), memo)
+    assert same(body, before)
