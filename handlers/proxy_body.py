@@ -16,18 +16,25 @@ after its array ends with that body's bytes (the other fields unchanged), then:
 - the other top-level values are that body's (the same objects).
 Equal bytes parse to equal values, so this is exact; anything else (a first call, a body
 whose bytes differ before the array or after it, an array holding a number or a literal,
-a field that is missing, not an array, or present twice) is parsed whole.
+a field that is missing, not an array, or present twice, more than `MAX_ITEMS` elements)
+is parsed whole. Each of the latest bodies sharing bytes is tried, most shared first, so
+two lines that differ only after the array (one streams, one does not) keep their own.
 
 The byte layout of a body (where the array starts, where each element ends, where the
-array closes) is found by regular expressions that match one whole JSON value each (a
+array closes) comes from the parsed elements' compact JSON when that is what the bytes are
+(orjson's, and JavaScript's `JSON.stringify`, as Claude Code sends: one `orjson.dumps`
+and one memcmp), else from regular expressions that match one whole JSON value each (a
 string with its escapes; an object or array with balanced brackets, strings matched whole,
-at most `MAX_DEPTH` deep), so the scan runs in C with one Python step per top-level key and
-per element. A body parsed whole is scanned once, when a later body is first compared with
-it; an extension scans only its new elements (≈ 8 µs for the bench's two new messages). Callers must not
-mutate what `loads` returns (the objects are shared with later bodies).
+at most `MAX_DEPTH` deep: in C, one Python step per top-level key and per element). A body
+parsed whole gets its layout once, when a later body is first compared with it, from the
+element it shared with an earlier body on; an extension finds only its new elements' ends.
+Callers must not mutate what `loads` returns (the objects are shared with later bodies).
 
-Memory: the latest `size` bodies' bytes (a ~1M-token execution's main line: ≈ 4 MB) beside
-the parsed objects the execution's memos keep anyway.
+Cost (`ops/resent_history_cost.py`, a Claude Code-shaped history): at 600k tokens (2.7 MB)
+≈ 0.5 ms to read an extension's body, against ≈ 3 ms parsed whole. Memory: the latest
+`size` bodies' bytes (a ~1M-token execution's main line: ≈ 4 MB; more while lines that
+differ after the array coexist) beside the parsed objects the execution's memos keep
+anyway; freed with the execution (`execution.finished`).
 """
 from __future__ import annotations
 
