@@ -352,7 +352,8 @@ def decode_body(raw: bytes, encoding: str, limit: int) -> bytes:
     `backports.zstd` when installed; not br (no brotli binding bounds its output across
     versions, and no harness compresses its requests so). The decoded size is bounded by
     `limit` bytes (a small compressed body cannot expand without bound).
-    Raises ApiError 415 (unsupported encoding), 413 (decoded body over limit), 400 (corrupt).
+    Raises ApiError 415 (unsupported encoding), 413 (decoded body over limit), 400 (corrupt or
+    cut short).
     """
     for coding in reversed([c.strip().lower() for c in encoding.split(",") if c.strip()]):
         if coding == "identity":
@@ -382,5 +383,7 @@ def decode_body(raw: bytes, encoding: str, limit: int) -> bytes:
             raise ApiError(400, f"the request body is not valid {coding}: {exc}") from None
         if len(out) > limit:
             raise ApiError(413, f"request body too large once decoded (> {limit} bytes)", code="request_too_large")
+        if not d.eof:  # cut short: its checksum and length never arrived
+            raise ApiError(400, f"the request body is not valid {coding}: it ends before the compressed stream does")
         raw = out
     return raw

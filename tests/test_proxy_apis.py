@@ -121,6 +121,10 @@ async def test_compressed_bodies_and_plain_endpoints(local):
         for coding, data in (("gzip", gzip.compress(raw)), ("deflate", zlib.compress(raw))):
             async with http.post(url + MESSAGES[0], data=data, headers={**key, "Content-Encoding": coding}) as r:
                 assert r.status == 200 and (await r.json())["content"][0]["text"] == "fine"
+        for coding, data in (("gzip", gzip.compress(raw)[:-8]), ("deflate", zlib.compress(raw)[:-4])):
+            # cut short before its checksum: whole JSON inside, still a corrupt body
+            async with http.post(url + MESSAGES[0], data=data, headers={**key, "Content-Encoding": coding}) as r:
+                assert r.status == 400 and "ends before" in (await r.json())["error"]["message"]
         for coding, available in (("br", False), ("zstd", zstd_decompressor() is not None)):
             if available:
                 continue  # decoded by the installed module; nothing to refuse
