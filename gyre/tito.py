@@ -235,15 +235,21 @@ def _key_default(value: Any) -> Any:
 
 
 def message_key(message: dict) -> bytes:
-    """Comparison key of a normalised message: tool-call arguments as parsed JSON,
-    `reasoning_content` ignored. Equal keys ⇔ the same message for TITO."""
+    """Comparison key of a normalised message: tool-call arguments as parsed JSON (as
+    their text when they nest deeper than orjson writes), `reasoning_content` ignored.
+    Equal keys ⇔ the same message for TITO."""
     key: dict[str, Any] = {k: v for k, v in message.items() if k not in ("reasoning_content", "tool_calls")}
     if message.get("tool_calls"):
         key["tool_calls"] = [
             {"id": tc["id"], "name": tc["function"]["name"], "arguments": _parse_json(tc["function"]["arguments"])}
             for tc in message["tool_calls"]
         ]
-    return orjson.dumps(key, option=orjson.OPT_SORT_KEYS, default=_key_default)
+    try:
+        return orjson.dumps(key, option=orjson.OPT_SORT_KEYS, default=_key_default)
+    except orjson.JSONEncodeError:  # arguments nested deeper than orjson writes (255 levels): compared as text
+        for tc, raw in zip(key["tool_calls"], message["tool_calls"]):
+            tc["arguments"] = _Unparsed(raw["function"]["arguments"])
+        return orjson.dumps(key, option=orjson.OPT_SORT_KEYS, default=_key_default)
 
 
 def equal_prefix_len(a: Sequence, b: Sequence, limit: int) -> int:

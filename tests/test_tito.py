@@ -804,3 +804,18 @@ def test_turn_drift_shortcut_equals_the_full_count(tok, data):
     text, ids, sampled = data.draw(_turn_case(store))
     event("shortcut" if store._turn_head(text) is not None else "full encoding")
     assert store._turn_drift(ids, sampled, text) == count_drift(ids, sampled, store.encode(text))
+
+
+def test_tool_arguments_nested_deeper_than_orjson_writes_are_compared_as_text(tok):
+    """A history whose tool-call arguments nest past orjson's 255 writable levels (valid
+    JSON: orjson reads 1,024) keys that message by the arguments' text, so the request
+    attaches and the next one extends it (it was a 400)."""
+    deep = "[" * 300 + "]" * 300
+    echoed = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "old_1", "type": "function", "function": {"name": "bash", "arguments": deep}}]}
+    turn1 = [SYSTEM, TASK, echoed, {"role": "tool", "tool_call_id": "old_1", "content": "ok"}]
+    store = CallStore(tok)
+    m1, c1, answer1 = serve(store, tok, turn1, TOOLS, "done", "e:0", 0)
+    assert m1.prompt_ids.tolist() == encode(tok, render(tok, turn1, TOOLS, True))
+    m2 = store.match([*turn1, answer1, {"role": "user", "content": "next"}], TOOLS)
+    assert m2.extended and m2.parent is c1 and m2.drift == 0
