@@ -934,10 +934,9 @@ async def _parsed(request: web.Request, state: ProxyState,
     it is new: `_Execution.bodies`), parse it with the execution's memo. Raises ApiError
     (401, 403, 400, 413, 415) for the caller to answer in its API's shape."""
     execution = authenticate(state, request)
-    ex = state.execution(execution)
-    bodies = ex.bodies
+    ex = state.execution(execution)  # a live execution: its store, memo and bodies exist
     body = await read_json(request, state.cfg.body_limit_bytes, request.app.get(RAW_BODIES, False),
-                           functools.partial(bodies.loads, field=history) if bodies is not None else orjson.loads)
+                           functools.partial(ex.bodies.loads, field=history))
     try:
         return execution, ex, parse(body, state.defaults, ex.memo)
     except RecursionError:  # orjson reads ~1,000 levels; converting them in Python may not

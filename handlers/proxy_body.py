@@ -72,7 +72,7 @@ _VALUE = re.compile(b"(?:" + _STRING + b"|" + _container(MAX_DEPTH) + rb"|[-+.0-
 """A top-level value (scalars included), then `,` or `}`."""
 _AFTER_ARRAY = re.compile(rb"\]" + _WS + rb"([,}])")
 _OPEN_OBJECT = re.compile(_WS + rb"\{" + _WS)
-_SPACE = b" \t\n\r"
+_SPACES = re.compile(_WS)
 _COMMA, _BRACKET = ord(","), ord("]")
 
 
@@ -123,8 +123,7 @@ def _rest(raw: bytes, pos: int, items: list, first: bool) -> tuple[list[int], in
     `[` (`first`) or right after an element. Their compact JSON when that is what the bytes
     are (orjson's, JavaScript's `JSON.stringify`: one memcmp), else scanned (`_elements`).
     None when the bytes are not those elements (see `_elements` for which can be found)."""
-    while pos < len(raw) and raw[pos] in _SPACE:
-        pos += 1
+    pos = _SPACES.match(raw, pos).end()
     if pos >= len(raw):
         return None
     if raw[pos] == _BRACKET:
@@ -241,9 +240,7 @@ def _extend(raw: bytes, old: _Body, j: int) -> _Body | None:
     close = len(raw) - (len(old.raw) - lay.close)  # where old's `]` and what follows would start
     if close < lay.ends[j] or not raw.startswith(memoryview(old.raw)[lay.close:], close):
         return None  # the fields after the array changed
-    pos = lay.ends[j]
-    while raw[pos] in _SPACE:
-        pos += 1
+    pos = _SPACES.match(raw, lay.ends[j]).end()
     if pos == close:
         new: list = []
         ends: list[int] = []
