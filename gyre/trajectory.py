@@ -163,7 +163,7 @@ class CallTree:
             policy[n_p:] = True
             logp[n_p:] = lp
             version[n_p:] = np.repeat(spans[:, 2], spans[:, 1] - spans[:, 0]).astype(np.int32)
-            temp[n_p:] = call.sampling.temperature
+            temp[n_p:] = call.sampling.logprob_temperature  # 1.0 for greedy calls
             if parent is None and n_p == 0:
                 policy[0] = False  # the very first token of a sequence has no context to predict it from
         self._chunks.append((ids, policy, logp, version, temp))

@@ -7,6 +7,7 @@ key and the three arrays are empty (see `CallTokens`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar, Literal
 
 from schemas.base import Event, fail, register
@@ -20,7 +21,9 @@ CallStatus = Literal["ok", "aborted", "error"]
 class SamplingParams:
     """Sampling parameters the engine used for this call.
 
-    temperature: softmax temperature (> 0); behaviour log-probs are of logits / temperature.
+    temperature: softmax temperature (>= 0); behaviour log-probs are of logits / temperature,
+      but for 0 (greedy decoding, the argmax id) they are under T = 1, as SGLang samples
+      greedy as top-k 1 at T = 1: `logprob_temperature` is the T they are under.
     top_p: nucleus mass in (0, 1]; 1 = off. top_k: -1 = off. max_tokens: completion cap.
     stop: stop strings (OpenAI `stop`, Anthropic `stop_sequences`): generation ends with
       the token that completes one; those sampled ids stay in the completion (finish
@@ -33,6 +36,13 @@ class SamplingParams:
     top_k: int = -1
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The T of the behaviour log-probs, log_softmax(logits / T): `temperature`, and 1.0
+        for greedy decoding (temperature 0). The trainer's log-probs must use the same T
+        (GSPO's importance ratio, Zheng et al. 2025, eq. 7, compares the two)."""
+        return self.temperature or 1.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,6 +107,8 @@ class CallCompleted(Event):
             fail(self, "prefix_len", "must be >= 0")
         if self.parent_call is None and self.prefix_len != 0:
             fail(self, "prefix_len", "a root call reuses no prefix")
+        if not 0.0 <= self.sampling.temperature < math.inf:  # NaN fails too: the trainer divides by it
+            fail(self, "sampling", "temperature must be a finite number >= 0")
         t = self.tokens
         if len(t.completion_ids) != len(t.logprobs):
             fail(self, "tokens", f"completion_ids ({len(t.completion_ids)}) and logprobs ({len(t.logprobs)}) differ in length")

@@ -224,3 +224,27 @@ def test_random_trees(data, seed, j_max):
             for s, e in r:
                 reachable[s:e] = True
         assert sum(t.n_trained for t in kept) == int((trainable & reachable).sum())
+
+
+def test_greedy_call_trains_under_temperature_one():
+    # A `temperature: 0` request is greedy decoding; its behaviour log-probs are under T = 1
+    # (gyre.engine, SGLang), so the trainer must use T = 1 there, not divide the logits by 0.
+    import torch
+
+    from gyre.trainer import head_logprobs
+
+    a = mk(0, None, 0, [1, 2], [3, 4], lp=[-0.5, -0.25], temperature=0.0)
+    assert a.sampling.temperature == 0.0 and a.sampling.logprob_temperature == 1.0
+    (t,) = trajectories(build_tree("e0", [a]))
+    assert t.temperatures.tolist() == [1, 1, 1, 1]
+    head = torch.nn.Linear(4, 8, bias=False)
+    lp = head_logprobs(head, torch.randn(2, 4), torch.tensor([3, 4]), torch.as_tensor(t.temperatures[t.loss_mask]))
+    assert torch.isfinite(lp).all()
+
+
+@pytest.mark.parametrize("temperature", [-0.5, float("nan"), float("inf")])
+def test_call_with_impossible_temperature_is_refused(temperature):
+    from schemas.base import SchemaError
+
+    with pytest.raises(SchemaError, match="temperature"):
+        mk(0, None, 0, [1], [2], temperature=temperature).check()
