@@ -358,32 +358,50 @@ def decode_body(raw: bytes, encoding: str, limit: int) -> bytes:
     for coding in reversed([c.strip().lower() for c in encoding.split(",") if c.strip()]):
         if coding == "identity":
             continue
+        if coding not in ("gzip", "x-gzip", "deflate", "zstd"):
+            raise ApiError(415, f"unsupported Content-Encoding {coding!r}", code="unsupported_encoding")
+        raw = _decoded(raw, coding, limit)
+    return raw
+
+
+def _decoded(raw: bytes, coding: str, limit: int) -> bytes:
+    """`raw` decoded by one of `decode_body`'s codings. gzip and zstd bodies may hold several
+    members (frames) one after another, decoded as their concatenation (RFC 1952 2.2, RFC
+    8878 3.1); anything else after the stream is a 400, as Python's `gzip.decompress` refuses it."""
+    parts: list[bytes] = []
+    size = 0
+    rest, first = raw, True
+    while first or rest:
         try:
-            if coding in ("gzip", "x-gzip", "deflate"):
-                # wbits 47: zlib or gzip header detected; raw deflate retried with -15.
-                try:
-                    d = zlib.decompressobj(47)
-                    out = d.decompress(raw, limit + 1)
-                except zlib.error:
-                    if coding != "deflate":
-                        raise
-                    d = zlib.decompressobj(-15)
-                    out = d.decompress(raw, limit + 1)
-            elif coding == "zstd":
+            if coding == "zstd":
                 d = zstd_decompressor()
                 if d is None:
                     raise ApiError(415, "Content-Encoding zstd is not supported here (no zstd module); "
                                         "send gzip, deflate or identity", code="unsupported_encoding")
-                out = d.decompress(raw, limit + 1)
+                out = d.decompress(rest, limit + 1 - size)
+            elif not first and coding == "deflate":
+                raise ApiError(400, "the request body is not valid deflate: bytes follow the compressed stream")
             else:
-                raise ApiError(415, f"unsupported Content-Encoding {coding!r}", code="unsupported_encoding")
+                # wbits 47: zlib or gzip header detected; raw deflate retried with -15. A
+                # further gzip member: gzip only (31).
+                try:
+                    d = zlib.decompressobj(47 if first else 31)
+                    out = d.decompress(rest, limit + 1 - size)
+                except zlib.error:
+                    if coding != "deflate":
+                        raise
+                    d = zlib.decompressobj(-15)
+                    out = d.decompress(rest, limit + 1 - size)
         except ApiError:
             raise
         except Exception as exc:  # noqa: BLE001 - every codec has its own error class
-            raise ApiError(400, f"the request body is not valid {coding}: {exc}") from None
-        if len(out) > limit:
+            what = "" if first else " (after its first member)"
+            raise ApiError(400, f"the request body is not valid {coding}{what}: {exc}") from None
+        size += len(out)
+        if size > limit:
             raise ApiError(413, f"request body too large once decoded (> {limit} bytes)", code="request_too_large")
         if not d.eof:  # cut short: its checksum and length never arrived
             raise ApiError(400, f"the request body is not valid {coding}: it ends before the compressed stream does")
-        raw = out
-    return raw
+        parts.append(out)
+        rest, first = d.unused_data, False
+    return b"".join(parts) if len(parts) > 1 else parts[0]

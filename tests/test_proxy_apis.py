@@ -18,7 +18,7 @@ from aiohttp import web
 
 from gyre.harness import execution_key
 from handlers.proxy_anthropic import parse_messages_request
-from handlers.proxy_api import unique_hex, zstd_decompressor
+from handlers.proxy_api import ApiError, decode_body, unique_hex, zstd_decompressor
 from handlers.proxy_http import STREAM_OPEN_S
 from handlers.proxy_routing import MAX_ENGINE_ABORTS, Attempt, Router, race
 from schemas import ids
@@ -125,6 +125,15 @@ async def test_compressed_bodies_and_plain_endpoints(local):
             # cut short before its checksum: whole JSON inside, still a corrupt body
             async with http.post(url + MESSAGES[0], data=data, headers={**key, "Content-Encoding": coding}) as r:
                 assert r.status == 400 and "ends before" in (await r.json())["error"]["message"]
+        # gzip members one after another are the concatenation (RFC 1952 2.2); bytes after
+        # the stream that are no member are a corrupt body, not ignored
+        for data, status in ((gzip.compress(raw[:30]) + gzip.compress(raw[30:]), 200),
+                             (gzip.compress(raw) + b"garbage", 400), (gzip.compress(raw) + gzip.compress(b"{}"), 400)):
+            async with http.post(url + MESSAGES[0], data=data, headers={**key, "Content-Encoding": "gzip"}) as r:
+                assert r.status == status, await r.text()
+        async with http.post(url + MESSAGES[0], data=zlib.compress(raw) + b"\x00",
+                             headers={**key, "Content-Encoding": "deflate"}) as r:
+            assert r.status == 400 and "follow" in (await r.json())["error"]["message"]
         for coding, available in (("br", False), ("zstd", zstd_decompressor() is not None)):
             if available:
                 continue  # decoded by the installed module; nothing to refuse
@@ -566,3 +575,16 @@ def test_engine_refusals_of_a_long_prompt_are_recognised():
     # a 4xx that merely names a number is not a context refusal
     assert refusal({"error": {"message": "lora adapter: context length of 5 unsupported"}}) is None
     assert refusal({"error": {"message": sglang}}, status=500) is None
+
+
+def test_decode_body_members_and_limits():
+    raw = b'{"a": "' + b"x" * 5000 + b'"}'
+    two = gzip.compress(raw[:100]) + gzip.compress(raw[100:])
+    assert decode_body(two, "gzip", len(raw)) == raw
+    with pytest.raises(ApiError) as err:  # the limit counts every member
+        decode_body(two, "gzip", len(raw) - 1)
+    assert err.value.status == 413
+    with pytest.raises(ApiError) as err:
+        decode_body(gzip.compress(raw) + b"\x1f\x8b", "gzip", 10**6)  # a second member cut short
+    assert err.value.status == 400
+    assert decode_body(zlib.compress(raw), "gzip, identity", 10**6) == raw  # zlib framing under gzip, as before
