@@ -6,7 +6,8 @@
   tool-call arguments → JSON text. Invalid input raises `ValueError` naming the message.
 - `parse_completion` splits a completion's text into reasoning (`<think>…</think>`),
   content, and tool calls (`<tool_call>{"name": …, "arguments": {…}}</tool_call>`).
-  It never raises: a malformed or unclosed block stays in the content as plain text.
+  It never raises: a malformed or unclosed block stays in the content as plain text (but
+  a completion cut short inside its opening `<think>` is reasoning).
 
 - `render_appended` / `render_assistant_turn` render only what a conversation's tail adds,
   for gyre's own template (`uses_gyre_template`); `is_query` / `shows_reasoning` are the
@@ -267,8 +268,10 @@ def parse_completion(text: str, *, id_prefix: str = "call") -> Parsed:
     """Split a Qwen3-format completion into content, reasoning and tool calls.
 
     `text` is the decoded completion; a trailing <|im_end|> / <|endoftext|> is dropped.
-    Reasoning is recognised only with a closing </think> (the opening <think> may sit in
-    the prompt); an unclosed <think> stays in the content. Each `<tool_call>` block whose
+    Reasoning is what precedes a closing </think> (after an opening <think>, which may sit
+    in the prompt); a completion that opens with <think> and never closes it (cut short by
+    `max_tokens` or a stop string) is all reasoning, as SGLang's Qwen3 reasoning parser
+    reads it; an unclosed <think> after other text stays in the content. Each `<tool_call>` block whose
     body is a JSON object with a string "name" and an object "arguments" (or a JSON string
     of one) becomes a ToolCall with id "<id_prefix>_<i>"; other blocks stay in the content.
     When tool calls are found the remaining content is stripped of surrounding whitespace.
@@ -296,6 +299,8 @@ def _parse(text: str, id_prefix: str) -> Parsed:
         reasoning = inner.strip() or None
         before, tail = before.strip(), tail.lstrip("\n")
         content = f"{before}\n\n{tail}" if before and tail else (before or tail)
+    elif text.lstrip().startswith("<think>"):  # cut short while thinking (max_tokens, a stop string)
+        return Parsed(content="", reasoning=text.lstrip()[len("<think>"):].strip() or None, tool_calls=())
 
     calls: list[ToolCall] = []
     kept: list[str] = []

@@ -212,7 +212,11 @@ def test_parse_think():
     # An empty think block is no reasoning.
     assert parse_completion("<think>\n\n</think>\n\nok").reasoning is None
     # Unclosed: truncated reasoning stays plain text.
-    assert parse_completion("<think>\nstill thinking") == Parsed(content="<think>\nstill thinking", reasoning=None, tool_calls=())
+    # cut short while thinking: reasoning, never template markup in the visible text
+    assert parse_completion("<think>\nstill thinking") == Parsed(content="", reasoning="still thinking", tool_calls=())
+    assert parse_completion("\n<think>\n<tool_call>\n{") == Parsed(content="", reasoning="<tool_call>\n{", tool_calls=())
+    assert parse_completion("<think>") == Parsed(content="", reasoning=None, tool_calls=())
+    assert parse_completion("ok <think> hm") == Parsed(content="ok <think> hm", reasoning=None, tool_calls=())
 
 
 def test_parse_tool_calls():

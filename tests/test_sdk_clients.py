@@ -291,3 +291,30 @@ async def test_a_fitting_prompt_refused_for_its_completion_cap_is_retried_capped
     assert caps == [200 - 2 - len(engine.requests[0]["input_ids"])] * 2 + [1000, 1000]
     assert local.state.context_tokens == 200
     assert [r.call for r in local.store("ex7").calls] == ["ex7:0"]
+
+
+async def test_an_answer_cut_while_thinking_is_reasoning_in_every_api(local, tok):  # noqa: F811
+    thinking = "<think>\nhmm let me think about this a lot\n</think>\n\nDone."
+    engine = await local.engine([thinking] * 4)
+    await local.proxy(engine=engine)
+    task = [{"role": "user", "content": "go"}]
+    a = local.anthropic("ex-cut")
+    reply = await a.messages.create(model="x", max_tokens=6, messages=task)
+    assert reply.stop_reason == "max_tokens" and [b.type for b in reply.content] == ["thinking"]
+    cut = reply.content[0].thinking
+    assert cut and "<think>" not in cut and thinking[len("<think>\n"):].startswith(cut)
+    async with a.messages.stream(model="x", max_tokens=6, messages=task) as s:
+        streamed = await s.get_final_message()
+    assert [b.type for b in streamed.content] == ["thinking"] and streamed.content[0].thinking == cut
+    # The harness echoes the cut thinking: the call extends the latest such answer, token for token.
+    rec1 = local.store("ex-cut").calls[1]
+    echo = [*task, {"role": "assistant", "content": [{"type": "thinking", "thinking": cut,
+                                                       "signature": reply.content[0].signature}]},
+            {"role": "user", "content": [{"type": "text", "text": "<tool_response>\nok\n</tool_response>"}]}]
+    await a.messages.create(model="x", max_tokens=6, messages=echo)
+    rec2 = local.store("ex-cut").calls[2]
+    assert (rec2.parent, rec2.prefix_len, rec2.drift) == (rec1, rec1.full_len, 0)
+    chat = await local.client("ex-cut-chat").chat.completions.create(model="x", max_tokens=6, messages=task)
+    choice = chat.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.content
+    assert choice.message.model_extra["reasoning_content"] == cut
