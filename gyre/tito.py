@@ -60,8 +60,11 @@ every `<|im_end|>`), so a sampled span that re-tokenises to a different length s
 nothing after it. Within a message chunk that holds sampled positions only the positions
 before the first sampled one are compared (the template part `<|im_start|>assistant\\n`);
 a chunk without sampled positions is compared in full, a length difference counting as
-disagreement; an unpaired chunk counts all its unsampled positions. It is 0 for a
-BPE-stable template (every template boundary is a special token). A branch is a fresh
+disagreement; an unpaired chunk counts all its unsampled positions. The template id just
+before a sampled span does not count where the fresh tokenisation joined it with the span's
+start (the header's "\n" and a completion opening with "\n" encode as one "\n\n" id): that
+id holds sampled text. It is 0 for a BPE-stable template (every template boundary is a
+special token, or a join of that kind). A branch is a fresh
 tokenisation, so its drift is 0.
 Counted incrementally with gyre's template: every rendered message starts right after a
 `<|im_end|>`, a special token, and the tokenizer splits special tokens out before BPE, so
@@ -481,11 +484,16 @@ def _chunks(ids: np.ndarray) -> list[tuple[int, int]]:
     return [(s, e) for s, e in zip(starts, ends) if e > s]
 
 
-def count_drift(recorded: np.ndarray, sampled: np.ndarray, rendered: np.ndarray) -> int:
+def count_drift(recorded: np.ndarray, sampled: np.ndarray, rendered: np.ndarray,
+                joins: Callable[[int, int], bool] | None = None) -> int:
     """Prompt positions outside sampled spans where recorded and re-rendered ids disagree.
 
     recorded: (P,) int ids sent to the engine; sampled: (P,) bool, True where the model
     sampled the id; rendered: (R,) int, a fresh tokenisation of the rendered request.
+    joins(r, f): True when id f's text is id r's text followed by more; with it, the
+    template id just before a sampled span is not counted where the fresh tokenisation
+    joined it with the span's first characters (a completion opening with "\n" after the
+    header's "\n": one "\n\n" id), since that id then spans sampled text.
     Alignment and counting rules: module docstring ("Drift").
     """
     if len(recorded) == len(rendered) and np.array_equal(recorded, rendered):
@@ -508,6 +516,8 @@ def count_drift(recorded: np.ndarray, sampled: np.ndarray, rendered: np.ndarray)
             n = int(hits[0])
             m = min(n, len(b))
             drift += int((a[:m] != b[:m]).sum()) + (n - m)
+            if joins is not None and 0 < n == m and a[n - 1] != b[n - 1] and joins(int(a[n - 1]), int(b[n - 1])):
+                drift -= 1
         else:
             m = min(len(a), len(b))
             drift += int((a[:m] != b[:m]).sum()) + abs(len(a) - len(b))
@@ -618,6 +628,12 @@ class CallStore:
             else None)
 
     # -- helpers
+    def _joins(self, recorded: int, fresh: int) -> bool:
+        """Id `fresh`'s text is id `recorded`'s followed by more (`count_drift`'s `joins`),
+        compared as the vocabulary writes them (byte-level BPE: one character a byte)."""
+        a, b = self.tokenizer.convert_ids_to_tokens([recorded, fresh])
+        return isinstance(a, str) and isinstance(b, str) and len(b) > len(a) and b.startswith(a)
+
     def encode_list(self, text: str) -> list[int]:
         """Ids of `text` as a list, no special tokens added (special-token text is parsed)."""
         if self._fast_encode is not None:  # same ids, several times faster (gyre.tokenizer.fast_encoder)
@@ -799,7 +815,7 @@ class CallStore:
             if prepared.reference_ids is not None:
                 sampled = np.zeros(len(prompt), bool)
                 sampled[: c.full_len] = c.sampled_mask(c.full_len)
-                drift = count_drift(prompt, sampled, prepared.reference_ids)
+                drift = count_drift(prompt, sampled, prepared.reference_ids, self._joins)
             return Match(parent=c, prefix_len=c.full_len, prompt_ids=prompt, extended=True, drift=drift,
                          messages=(*c.messages, c.answer, *pending.rest), tools=tools, digest=pending.digest)
         prompt_ids = prepared.prompt_ids
@@ -883,7 +899,7 @@ class CallStore:
                     and int(ids[-1]) == IM_END:
                 n = int(hits[0])
                 return int(np.count_nonzero(ids[:n] != head[:n]))
-        return count_drift(ids, sampled, self.encode(text))
+        return count_drift(ids, sampled, self.encode(text), self._joins)
 
     def _turn_head(self, text: str) -> np.ndarray | None:
         """`encode(TURN_HEADER + token)` when `text` is TURN_HEADER + body + "<|im_end|>"
@@ -914,7 +930,8 @@ class CallStore:
             return 0
         sampled = np.zeros(len(match.prompt_ids), bool)
         sampled[: match.prefix_len] = match.parent.sampled_mask(match.prefix_len)
-        return count_drift(match.prompt_ids, sampled, self.encode(self._render(match.messages, match.tools, True)))
+        return count_drift(match.prompt_ids, sampled, self.encode(self._render(match.messages, match.tools, True)),
+                           self._joins)
 
     # -- recording
     def record(self, match: Match, *, call: str, seq: int, answer: dict,

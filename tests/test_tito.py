@@ -373,6 +373,25 @@ def test_count_drift_by_hand():
     assert count_drift(rec, sam, ren2) == 1
     # An extra rendered chunk counts in full.
     assert count_drift(rec, sam, np.concatenate([rec, [4, 4, E]])) == 3
+    # The id before a sampled span joined with the span's start by the fresh encoding
+    # (id 3 = id 5's text and more): not counted with `joins`, counted without.
+    ren3 = np.array([1, 2, E, 3, 6, 7, E, 8, 9, E])
+    assert count_drift(rec, sam, ren3, lambda r, f: (r, f) == (5, 3)) == 0
+    assert count_drift(rec, sam, ren3, lambda r, f: False) == 1
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+@pytest.mark.parametrize("text", ["\nHello", "\n\nHello", "\n", " Hello", "Hello"])
+def test_an_answer_opening_with_a_newline_extends_without_drift(tok, incremental, text):
+    """The header's "\n" and a completion's leading "\n" encode as one "\n\n" id when the
+    conversation is tokenised afresh: a join at the sampled span's edge, not drift."""
+    store = CallStore(tok) if incremental else CallStore(tok, render=render)
+    turn1 = [SYSTEM, TASK]
+    _, c1, answer1 = serve(store, tok, turn1, TOOLS, text, "e:0", 0)
+    turn2 = [*turn1, answer1, {"role": "user", "content": "<tool_response>\nok\n</tool_response>"}]
+    m = store.match(turn2, TOOLS)
+    assert (m.parent, m.extended, m.drift, store.full_drift(m)) == (c1, True, 0, 0)
+    assert m.prompt_ids[:c1.full_len].tolist() == c1.full_ids().tolist()
 
 
 def test_anthropic_harness_noise_still_extends_verbatim(tok):
@@ -803,7 +822,7 @@ def test_turn_drift_shortcut_equals_the_full_count(tok, data):
     store = CallStore(tok)
     text, ids, sampled = data.draw(_turn_case(store))
     event("shortcut" if store._turn_head(text) is not None else "full encoding")
-    assert store._turn_drift(ids, sampled, text) == count_drift(ids, sampled, store.encode(text))
+    assert store._turn_drift(ids, sampled, text) == count_drift(ids, sampled, store.encode(text), store._joins)
 
 
 def test_tool_arguments_nested_deeper_than_orjson_writes_are_compared_as_text(tok):
