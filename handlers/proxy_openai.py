@@ -30,7 +30,9 @@ are always `[]`, which would read as an answer of no tokens). `text.format` (a J
 (one `output_text` part) and `function_call` (ids `fc_…`, call ids `call_…`); a stream is
 `response.created`, `response.in_progress`, per item `response.output_item.added`,
 (`response.content_part.added`, `response.output_text.delta`…, `response.output_text.done`,
-`response.content_part.done` | `response.function_call_arguments.delta`…, `.done`),
+`response.content_part.done` | `response.function_call_arguments.delta`…, `.done` |
+`response.reasoning_summary_part.added`, `response.reasoning_summary_text.delta`…, `.done`,
+`response.reasoning_summary_part.done`),
 `response.output_item.done`, then `response.completed` with usage — also when the
 completion hit the token cap: status `incomplete`, `incomplete_details.reason`
 `max_output_tokens` (Codex retries a `response.incomplete` event as a broken stream).
@@ -312,7 +314,9 @@ def parse_responses_request(body: Any, defaults: SamplingParams, memo: Any = Non
     json_output = isinstance(fmt, dict) and fmt.get("type") in ("json_schema", "json_object")
     model = body.get("model") if isinstance(body.get("model"), str) else ""
     echo = {k: body.get(k) for k in ("instructions", "tool_choice", "parallel_tool_calls", "reasoning",
-                                     "metadata", "prompt_cache_key", "store") if k in body}
+                                     "metadata", "prompt_cache_key", "store", "tools") if k in body}
+    if isinstance(fmt, dict):
+        echo["text"] = text
     return ModelRequest(api="responses", messages=messages, tools=tools, stream=flag(body, "stream"),
                         sampling=sampling, model=model, json_output=json_output, options={"echo": echo})
 
@@ -336,9 +340,9 @@ class ResponsesApi(Api):
             "output": output, "usage": usage, "error": error, "incomplete_details": incomplete,
             "instructions": echo.get("instructions"), "metadata": echo.get("metadata") or {},
             "parallel_tool_calls": echo.get("parallel_tool_calls", True), "tool_choice": echo.get("tool_choice", "auto"),
-            "tools": [], "temperature": req.sampling.temperature, "top_p": req.sampling.top_p,
+            "tools": echo.get("tools") or [], "temperature": req.sampling.temperature, "top_p": req.sampling.top_p,
             "max_output_tokens": req.sampling.max_tokens, "reasoning": echo.get("reasoning"),
-            "store": echo.get("store", False), "text": {"format": {"type": "text"}},
+            "store": echo.get("store", False), "text": echo.get("text", {"format": {"type": "text"}}),
         }
 
     def preamble(self, start: StreamStart, req: ModelRequest) -> list[bytes]:
@@ -422,8 +426,19 @@ class ResponsesApi(Api):
                     emit("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=p)
                 emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                      name=item["name"], arguments=item["arguments"])
-            else:
-                emit("response.output_item.added", output_index=index, item={**item, "summary": []})
+            else:  # reasoning: its summary part streamed as OpenAI streams one (Codex shows these deltas)
+                part = item["summary"][0]
+                emit("response.output_item.added", output_index=index,
+                     item={**item, "status": "in_progress", "summary": []})
+                emit("response.reasoning_summary_part.added", item_id=item["id"], output_index=index,
+                     summary_index=0, part={**part, "text": ""})
+                for p in pieces(part["text"]):
+                    emit("response.reasoning_summary_text.delta", item_id=item["id"], output_index=index,
+                         summary_index=0, delta=p)
+                emit("response.reasoning_summary_text.done", item_id=item["id"], output_index=index,
+                     summary_index=0, text=part["text"])
+                emit("response.reasoning_summary_part.done", item_id=item["id"], output_index=index,
+                     summary_index=0, part=part)
             emit("response.output_item.done", output_index=index, item=item)
         emit("response.completed", response=final)
         return frames

@@ -139,9 +139,13 @@ async def test_responses_stream_helper_events_and_echo_extends(local, tok):  # n
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
     for needed in ("response.content_part.added", "response.output_text.delta", "response.output_text.done",
                    "response.content_part.done", "response.function_call_arguments.delta",
-                   "response.function_call_arguments.done"):
+                   "response.function_call_arguments.done", "response.reasoning_summary_part.added",
+                   "response.reasoning_summary_text.delta", "response.reasoning_summary_text.done",
+                   "response.reasoning_summary_part.done"):
         assert needed in kinds
     assert [o.type for o in final.output] == ["reasoning", "message", "function_call"]
+    assert final.output[0].summary[0].text == "I should list the files first."
+    assert [t.type for t in final.tools] == [t["type"] for t in TOOLS_RESPONSES]  # echoed as asked
     call = final.output[2]
     assert call.arguments == RAW_ARGS and call.call_id.startswith("call_") and call.name == "bash"
     assert final.output_text == "Let me look." and final.status == "completed"
