@@ -1082,11 +1082,12 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
 
 
 def _reasoning_tokens(output_ids: list[int]) -> int:
-    """Completion tokens up to and including the first `</think>` (0 when there is none)."""
+    """Completion tokens up to and including the first `</think>`; all of them when there is
+    none (a completion with reasoning cut short while thinking: `gyre.chat.parse_completion`)."""
     try:
         return output_ids.index(THINK_END) + 1
     except ValueError:
-        return 0
+        return len(output_ids)
 
 
 def _fit(req: ModelRequest, prompt_tokens: int, context: int) -> ModelRequest:

@@ -322,3 +322,4 @@ async def test_an_answer_cut_while_thinking_is_reasoning_in_every_api(local, tok
     choice = chat.choices[0]
     assert choice.finish_reason == "length" and not choice.message.content
     assert choice.message.model_extra["reasoning_content"] == cut
+    assert chat.usage.completion_tokens_details.reasoning_tokens == chat.usage.completion_tokens == 6
