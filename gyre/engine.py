@@ -40,6 +40,7 @@ import structlog
 import torch
 
 from gyre.tokenizer import fast_decoder, stop_hit, stop_window
+from schemas.call import GREEDY_BELOW
 
 log = structlog.get_logger(__name__)
 
@@ -180,11 +181,12 @@ def sample_token(logits: torch.Tensor, sp: SamplingParams, generator: torch.Gene
     """Draws the next id from `logits: (V,) float32`.
 
     Returns (id, behaviour log-prob) where the log-prob is log_softmax(logits / T)[id],
-    i.e. before top-k/top-p truncation; for T == 0 the id is argmax and the log-prob is
-    under T = 1. Truncation: keep the k most likely ids, renormalise, then keep the
-    smallest prefix (by descending probability) whose mass reaches top_p (always >= 1 id).
+    i.e. before top-k/top-p truncation; for T below `schemas.call.GREEDY_BELOW` (0 among
+    them) the id is argmax and the log-prob is under T = 1, as SGLang does. Truncation:
+    keep the k most likely ids, renormalise, then keep the smallest prefix (by descending
+    probability) whose mass reaches top_p (always >= 1 id).
     """
-    if sp.temperature == 0.0:
+    if sp.temperature < GREEDY_BELOW:  # greedy, as SGLang samples T below it
         token = int(torch.argmax(logits))
         return token, float(torch.log_softmax(logits, dim=-1)[token])
     logp = torch.log_softmax(logits / sp.temperature, dim=-1)  # (V,)

@@ -1038,7 +1038,8 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
         answer = Answer(content=parsed.content, reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
                         finish=result.finish, prompt_tokens=len(prompt), completion_tokens=len(result.output_ids),
                         rid=start.rid, created=start.created, stop_sequence=hit,
-                        reasoning_tokens=_reasoning_tokens(result.output_ids) if parsed.reasoning else 0,
+                        reasoning_tokens=_reasoning_tokens(result.output_ids, cut="</think>" not in text)
+                        if parsed.reasoning else 0,
                         token_logprobs=tuple(zip(state.token_bytes(result.output_ids), result.logprobs))
                         if req.options.get("logprobs") else None)
         # Built before the answer goes out: an answer that cannot be recorded is never sent.
@@ -1081,13 +1082,17 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
         await reply.stop_keepalive()
 
 
-def _reasoning_tokens(output_ids: list[int]) -> int:
-    """Completion tokens up to and including the first `</think>`; all of them when there is
-    none (a completion with reasoning cut short while thinking: `gyre.chat.parse_completion`)."""
+def _reasoning_tokens(output_ids: list[int], cut: bool) -> int:
+    """Completion tokens up to and including the first `</think>` id. cut: the completion's
+    text has no `</think>` (its reasoning was cut short while thinking:
+    `gyre.chat.parse_completion`), so all of them; 0 when the text has one but not as that
+    id (sampled in pieces: where the reasoning ends in tokens is not known)."""
+    if cut:
+        return len(output_ids)
     try:
         return output_ids.index(THINK_END) + 1
     except ValueError:
-        return len(output_ids)
+        return 0
 
 
 def _fit(req: ModelRequest, prompt_tokens: int, context: int) -> ModelRequest:

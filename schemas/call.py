@@ -17,13 +17,18 @@ Role = Literal["main", "main-summary", "sub-agent", "sub-agent-summary", "auxili
 CallStatus = Literal["ok", "aborted", "error"]
 
 
+GREEDY_BELOW = 1e-6
+"""Temperatures below this are greedy decoding (argmax), as SGLang samples them
+(`_SAMPLING_EPS`): their behaviour log-probs are under T = 1."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
     """Sampling parameters the engine used for this call.
 
     temperature: softmax temperature (>= 0); behaviour log-probs are of logits / temperature,
-      but for 0 (greedy decoding, the argmax id) they are under T = 1, as SGLang samples
-      greedy as top-k 1 at T = 1: `logprob_temperature` is the T they are under.
+      but below `GREEDY_BELOW` (0: greedy decoding, the argmax id) they are under T = 1, as
+      SGLang samples greedy as top-k 1 at T = 1: `logprob_temperature` is the T they are under.
     top_p: nucleus mass in (0, 1]; 1 = off. top_k: -1 = off. max_tokens: completion cap.
     stop: stop strings (OpenAI `stop`, Anthropic `stop_sequences`): generation ends with
       the token that completes one; those sampled ids stay in the completion (finish
@@ -40,9 +45,9 @@ class SamplingParams:
     @property
     def logprob_temperature(self) -> float:
         """The T of the behaviour log-probs, log_softmax(logits / T): `temperature`, and 1.0
-        for greedy decoding (temperature 0). The trainer's log-probs must use the same T
-        (GSPO's importance ratio, Zheng et al. 2025, eq. 7, compares the two)."""
-        return self.temperature or 1.0
+        for greedy decoding (below `GREEDY_BELOW`). The trainer's log-probs must use the same
+        T (GSPO's importance ratio, Zheng et al. 2025, eq. 7, compares the two)."""
+        return self.temperature if self.temperature >= GREEDY_BELOW else 1.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

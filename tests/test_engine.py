@@ -88,8 +88,9 @@ def test_sample_token_logprob_is_before_truncation():
     tok, lp = sample_token(logits, SamplingParams(temperature=2.0, top_p=0.3), g)
     assert tok == 0 and lp == pytest.approx(want, abs=1e-6)
     # greedy: argmax, log-prob under T = 1: 2 - ln(e^2 + e + 1)
-    tok, lp = sample_token(logits, SamplingParams(temperature=0.0), g)
-    assert tok == 0 and lp == pytest.approx(2.0 - math.log(math.exp(2) + math.e + 1.0), abs=1e-6)
+    for greedy in (0.0, 1e-300, 9e-7):  # below GREEDY_BELOW, as SGLang: not a division by ~0 (NaN)
+        tok, lp = sample_token(logits, SamplingParams(temperature=greedy), g)
+        assert tok == 0 and lp == pytest.approx(2.0 - math.log(math.exp(2) + math.e + 1.0), abs=1e-6)
     # top-k = 2 then top-p over the renormalised pair: p = (e, e^.5)/(e + e^.5) = 0.62, 0.38
     seen = {sample_token(logits, SamplingParams(temperature=2.0, top_k=2, top_p=0.7), g)[0] for _ in range(200)}
     assert seen == {0, 1}

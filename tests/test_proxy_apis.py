@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gzip
 import json
+import os
 import zlib
 from collections.abc import Callable
 
@@ -18,7 +19,7 @@ from aiohttp import web
 
 from gyre.harness import execution_key
 from handlers.proxy_anthropic import parse_messages_request
-from handlers.proxy_api import ApiError, decode_body, unique_hex, zstd_decompressor
+from handlers.proxy_api import MEMBERS, ApiError, decode_body, unique_hex, zstd_decompressor
 from handlers.proxy_http import STREAM_OPEN_S
 from handlers.proxy_routing import MAX_ENGINE_ABORTS, Attempt, Router, race
 from schemas import ids
@@ -588,3 +589,16 @@ def test_decode_body_members_and_limits():
         decode_body(gzip.compress(raw) + b"\x1f\x8b", "gzip", 10**6)  # a second member cut short
     assert err.value.status == 400
     assert decode_body(zlib.compress(raw), "gzip, identity", 10**6) == raw  # zlib framing under gzip, as before
+    # NUL padding after a member is skipped, as gzip.decompress skips it; other bytes are not
+    assert decode_body(gzip.compress(raw) + b"\x00" * 8, "gzip", 10**6) == raw
+    with pytest.raises(ApiError, match="member 2"):
+        decode_body(gzip.compress(raw) + b"\x00garbage", "gzip", 10**6)
+    # members bigger than one feed (`_FEED`), split anywhere: the concatenation
+    noise = os.urandom(3 << 20)
+    body = gzip.compress(noise[:5]) + gzip.compress(noise[5:], compresslevel=0) + gzip.compress(b"")
+    assert decode_body(body, "gzip", len(noise)) == noise
+    # a body of many (empty) members is refused after MEMBERS of them, whatever its length
+    empty = gzip.compress(b"")
+    assert decode_body(empty * (MEMBERS - 1) + gzip.compress(raw), "gzip", 10**6) == raw
+    with pytest.raises(ApiError, match=f"more than {MEMBERS}"):
+        decode_body(empty * 200_000 + gzip.compress(raw), "gzip", 64 << 20)

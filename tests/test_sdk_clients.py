@@ -323,3 +323,12 @@ async def test_an_answer_cut_while_thinking_is_reasoning_in_every_api(local, tok
     assert choice.finish_reason == "length" and not choice.message.content
     assert choice.message.model_extra["reasoning_content"] == cut
     assert chat.usage.completion_tokens_details.reasoning_tokens == chat.usage.completion_tokens == 6
+
+
+def test_reasoning_tokens_end_at_the_think_end_id_or_span_a_cut_completion():
+    from gyre.tokenizer import THINK_END
+    from handlers.proxy import _reasoning_tokens
+
+    assert _reasoning_tokens([5, 6, THINK_END, 7, 8], cut=False) == 3
+    assert _reasoning_tokens([5, 6, 7], cut=True) == 3  # cut short while thinking: all reasoning
+    assert _reasoning_tokens([5, 6, 7, 8], cut=False) == 0  # "</think>" sampled in pieces: not known where

@@ -233,13 +233,17 @@ def test_greedy_call_trains_under_temperature_one():
 
     from gyre.trainer import head_logprobs
 
-    a = mk(0, None, 0, [1, 2], [3, 4], lp=[-0.5, -0.25], temperature=0.0)
-    assert a.sampling.temperature == 0.0 and a.sampling.logprob_temperature == 1.0
-    (t,) = trajectories(build_tree("e0", [a]))
-    assert t.temperatures.tolist() == [1, 1, 1, 1]
-    head = torch.nn.Linear(4, 8, bias=False)
-    lp = head_logprobs(head, torch.randn(2, 4), torch.tensor([3, 4]), torch.as_tensor(t.temperatures[t.loss_mask]))
-    assert torch.isfinite(lp).all()
+    # SGLang samples any T below 1e-6 greedily too (`GREEDY_BELOW`); a float32 temperature
+    # that small would underflow to 0 in the trainer.
+    for temperature in (0.0, 1e-300, 1e-39, 9e-7):
+        a = mk(0, None, 0, [1, 2], [3, 4], lp=[-0.5, -0.25], temperature=temperature)
+        assert a.sampling.logprob_temperature == 1.0
+        (t,) = trajectories(build_tree("e0", [a]))
+        assert t.temperatures.tolist() == [1, 1, 1, 1]
+        head = torch.nn.Linear(4, 8, bias=False)
+        lp = head_logprobs(head, torch.randn(2, 4), torch.tensor([3, 4]), torch.as_tensor(t.temperatures[t.loss_mask]))
+        assert torch.isfinite(lp).all()
+    assert mk(0, None, 0, [1], [2], temperature=1e-6).sampling.logprob_temperature == 1e-6
 
 
 @pytest.mark.parametrize("temperature", [-0.5, float("nan"), float("inf")])
