@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", help="run id: runs/ID (default: runs/latest), or with GYRE_NATS_URL set that "
                                  "server's run ID (then required, or --all-runs)")
     p.add_argument("--all-runs", action="store_true", help="events of every run on that server")
-    p.add_argument("--width", type=int, default=200, help="cut lines at this many characters")
+    p.add_argument("--width", type=int, default=200, help="cut lines at this many characters (default 200)")
     a = p.parse_args(argv)
     import logging
 
