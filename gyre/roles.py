@@ -17,8 +17,9 @@ from the request headers (names lower-case):
 
 Rules (`classify`), in order:
 1. `auxiliary`: `count_tokens`; for `claude-code`, a call asking for a JSON-schema
-   answer with no tools (its title generation) and a model name containing `haiku` (the
-   small side model). Other harnesses' schema-constrained calls stay agent calls: an
+   answer with no tools (its title generation) and, without an agent-id header, a model
+   name containing `haiku` (the small side model; the Explore sub-agent runs on haiku and
+   is a `sub-agent`). Other harnesses' schema-constrained calls stay agent calls: an
    agent built on structured outputs may send nothing else, and none of them was seen
    making titles.
 2. Agent: `claude-code` calls with an `x-claude-code-agent-id` header are `sub-agent`;
@@ -202,8 +203,8 @@ def _classify(facts: CallFacts, profile: str | None) -> Classification:
     if harness == "claude-code" and facts.json_output and facts.tools == 0:
         meta.setdefault("request_kind", "title")
         return Classification("auxiliary", harness, meta)
-    if harness == "claude-code" and any(m in facts.model.lower() for m in SMALL_MODEL_MARKERS):
-        return Classification("auxiliary", harness, meta)
+    if harness == "claude-code" and not sub and any(m in facts.model.lower() for m in SMALL_MODEL_MARKERS):
+        return Classification("auxiliary", harness, meta)  # the main agent's side calls; a sub-agent's own model may be haiku
     if sub:
         return Classification("sub-agent-summary" if summary else "sub-agent", harness, meta)
     return Classification("main-summary" if summary else "main", harness, meta)

@@ -20,11 +20,14 @@ log = structlog.get_logger()
 
 
 def key_of(request: web.Request) -> str | None:
+    """The execution key: `Authorization: Bearer` or `x-api-key`; None when neither holds
+    one, or when both do and differ (which of two executions is meant is not known: a 401)."""
     auth = request.headers.get("Authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip() or None
+    bearer = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
     key = request.headers.get("x-api-key", "").strip()
-    return key or None
+    if bearer and key and bearer != key:
+        return None
+    return bearer or key or None
 
 
 async def read_json(request: web.Request, limit: int, raw_bodies: bool,

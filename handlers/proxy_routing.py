@@ -438,7 +438,8 @@ class Dispatcher:
         `prompt_tokens` = P, for error messages). attempt: filled with the request in flight
         (for an abort upstream if the caller is cancelled).
 
-        Raises ApiError(503) when no engine answered within retry_timeout_s or none is left
+        Raises ApiError(503) when no engine answered within retry_timeout_s (time spent waiting
+        for one: an attempt that generated and was lost adds its time back) or none is left
         once the proxy stops (`stop`), ApiError(400|502)
         when the engine refused the request (`proxy_api.context_exceeded` when it refused a
         prompt its context cannot hold).
@@ -471,6 +472,7 @@ class Dispatcher:
             attempt.client, attempt.rid, attempt.cell, attempt.evicted = client, rid, cell, False
             self.router.track(attempt)
             bound = generate_bound_s(sampling)
+            t_engine = time.monotonic()
             try:
                 async with slots:  # a full engine queues the call (its requests end within `bound`)
                     t_engine = time.monotonic()
@@ -489,7 +491,8 @@ class Dispatcher:
                     # The attempt ran out its bound, not the wait for an engine: wait afresh.
                     deadline = max(deadline, time.monotonic() + self.retry_timeout_s)
                     remaining = deadline - time.monotonic()
-                backoff = await self._avoid(avoid, cell, backoff, remaining)
+                deadline += time.monotonic() - t_engine  # the window counts waiting, not generating
+                backoff = await self._avoid(avoid, cell, backoff, deadline - time.monotonic())
                 continue
             except EngineRequestError as exc:
                 attempt.client = None
@@ -509,6 +512,7 @@ class Dispatcher:
                 attempt.client = None
                 self.spawn(self.abort_upstream(client, rid))
                 avoid.add(cell)
+                deadline += time.monotonic() - t_engine  # the window counts waiting, not generating
                 continue
             attempt.client = None
             engine_s = time.monotonic() - t_engine
@@ -523,6 +527,7 @@ class Dispatcher:
                 if aborts > MAX_ENGINE_ABORTS:
                     raise ApiError(502, "the engine aborted the generation repeatedly", "server_error",
                                    code="engine_aborted")
-                backoff = await self._avoid(avoid, cell, backoff, remaining)
+                deadline += time.monotonic() - t_engine  # the window counts waiting, not generating
+                backoff = await self._avoid(avoid, cell, backoff, deadline - time.monotonic())
                 continue
             return dataclasses.replace(reply, cell=cell, queue_s=t_engine - t0, engine_s=engine_s)

@@ -602,3 +602,39 @@ def test_decode_body_members_and_limits():
     assert decode_body(empty * (MEMBERS - 1) + gzip.compress(raw), "gzip", 10**6) == raw
     with pytest.raises(ApiError, match=f"more than {MEMBERS}"):
         decode_body(empty * 200_000 + gzip.compress(raw), "gzip", 64 << 20)
+
+
+async def test_a_call_lost_after_generating_longer_than_the_retry_window_is_retried(local):
+    # retry_timeout_s counts waiting for an engine, not generating: a switch after a long
+    # generation still moves the call to the healthy cell (a reviewer's find: 503 before)
+    slow = await local.engine(["from slow"], delay_s=30.0)
+    fast = await local.engine(["from fast"])
+    await local.proxy(retry_timeout_s=1.0, keepalive_s=30.0)
+    st = local.state
+    await st.handle_event(switched("c0", "rollout", slow.url))
+    await st.handle_event(RouteUpdated(event_id=ids.route(local.run_id, 0), seq=0,
+                                       routes=(Route(execution="exw", cell="c0", reason="t"),)))
+    call = asyncio.ensure_future(local.client("exw").chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}]))
+    await wait_for(lambda: slow.requests)
+    await asyncio.sleep(1.5)  # longer than retry_timeout_s
+    await st.handle_event(switched("c1", "rollout", fast.url))
+    await st.handle_event(switched("c0", "training", seq=1))
+    answer = await asyncio.wait_for(call, 10)
+    assert answer.choices[0].message.content == "from fast" and len(fast.requests) == 1
+
+
+async def test_two_keys_that_disagree_are_refused(local):
+    engine = await local.engine(["ok"])
+    url = await local.proxy(engine=engine)
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/messages", json=body, headers={
+                "x-api-key": execution_key(SECRET, "mine"),
+                "Authorization": "Bearer " + execution_key(SECRET, "other")}) as r:
+            assert r.status == 401 and (await r.json())["type"] == "error"
+        same = execution_key(SECRET, "mine")
+        async with http.post(url + "/v1/messages", json=body,
+                             headers={"x-api-key": same, "Authorization": "Bearer " + same}) as r:
+            assert r.status == 200
+    assert not engine.requests[1:]

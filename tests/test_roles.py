@@ -1,6 +1,8 @@
 """Roles of calls per harness profile (gyre.roles), from the request facts HARNESSES.md records."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import pytest
@@ -67,6 +69,10 @@ def test_auxiliary_calls():
     # JSON output with tools is a main call (a harness may constrain a tool-using agent).
     assert classify(facts(CC, user("fix it"), tools=2, json_output=True)).role == "main"
     assert classify(facts(CC, user("explore"), model="claude-haiku-4-5-20251001")).role == "auxiliary"
+    # Claude Code's Explore sub-agent runs on haiku: with its agent-id header it is a sub-agent
+    explore = facts(CC, user("explore"), model="claude-haiku-4-5-20251001")
+    explore = dataclasses.replace(explore, headers={**explore.headers, "x-claude-code-agent-id": "a7"})
+    assert classify(explore).role == "sub-agent"
     counted = classify(facts(CC, user("fix it"), api="count_tokens"))
     assert counted.role == "auxiliary" and counted.meta["request_kind"] == "count_tokens"
     # Elsewhere a schema-constrained call without tools is the agent's own (structured-output
