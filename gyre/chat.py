@@ -299,8 +299,8 @@ def _parse(text: str, id_prefix: str) -> Parsed:
         reasoning = inner.strip() or None
         before, tail = before.strip(), tail.lstrip("\n")
         content = f"{before}\n\n{tail}" if before and tail else (before or tail)
-    elif text.lstrip().startswith("<think>"):  # cut short while thinking (max_tokens, a stop string)
-        return Parsed(content="", reasoning=text.lstrip()[len("<think>"):].strip() or None, tool_calls=())
+    elif (opened := text.lstrip()).startswith("<think>"):  # cut short while thinking (max_tokens, a stop string)
+        return Parsed(content="", reasoning=opened[len("<think>"):].strip() or None, tool_calls=())
 
     calls: list[ToolCall] = []
     kept: list[str] = []

@@ -391,14 +391,13 @@ def _decoded(raw: bytes, coding: str, limit: int) -> bytes:
         # wbits 47: zlib or gzip header detected (raw deflate retried with -15); a further
         # gzip member: gzip only (31).
         d = zstd_decompressor() if coding == "zstd" else zlib.decompressobj(31 if member else 47)
-        start = pos
         try:
             while not d.eof and pos < len(raw):
                 chunk = view[pos:pos + _FEED]
                 try:
                     out = d.decompress(chunk, limit + 1 - size)
                 except zlib.error:
-                    if coding != "deflate" or pos != start or member:
+                    if coding != "deflate" or pos:  # raw deflate shows at the body's first bytes only
                         raise
                     d = zlib.decompressobj(-15)
                     out = d.decompress(chunk, limit + 1 - size)

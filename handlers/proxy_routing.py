@@ -472,7 +472,6 @@ class Dispatcher:
             attempt.client, attempt.rid, attempt.cell, attempt.evicted = client, rid, cell, False
             self.router.track(attempt)
             bound = generate_bound_s(sampling)
-            t_engine = time.monotonic()
             try:
                 async with slots:  # a full engine queues the call (its requests end within `bound`)
                     t_engine = time.monotonic()
@@ -490,8 +489,8 @@ class Dispatcher:
                                        code="engine_unavailable") from exc
                     # The attempt ran out its bound, not the wait for an engine: wait afresh.
                     deadline = max(deadline, time.monotonic() + self.retry_timeout_s)
-                    remaining = deadline - time.monotonic()
-                deadline += time.monotonic() - t_engine  # the window counts waiting, not generating
+                else:
+                    deadline += time.monotonic() - t_engine  # the window counts waiting, not generating
                 backoff = await self._avoid(avoid, cell, backoff, deadline - time.monotonic())
                 continue
             except EngineRequestError as exc:
