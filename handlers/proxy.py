@@ -33,7 +33,8 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   cell known, `Config.engine_url` (cell `Config.static_cell`) serves. When the engine
   answers 503 / refuses the connection / drops it (`EngineUnavailable`), takes longer
   than `proxy_routing.generate_bound_s` (10 min + max_tokens at 5 tokens/s: it counts as
-  hung), ends a generation with `abort`, or its cell leaves rollout while the request is
+  hung), answers another 5xx (a few times: `proxy_routing.MAX_ENGINE_ERRORS`), ends a
+  generation with `abort`, or its cell leaves rollout while the request is
   in flight (the request is then aborted upstream, `/abort_request`), the proxy retries
   on another rollout cell, or waits for one, for up to `retry_timeout_s`; the harness
   sees no error (`handlers.proxy_routing.Dispatcher`). At most `concurrency` requests
@@ -1136,14 +1137,21 @@ def _parse_count_tokens(body: Any, defaults: SamplingParams, memo: MessageMemo |
 
 async def count_tokens(request: web.Request) -> web.Response:
     """`{"input_tokens": n}`: the rendered prompt's length (system + tools + messages), with
-    the same renderer and tokenizer as a call; published as an `auxiliary` call."""
+    the same renderer and tokenizer as a call; published as an `auxiliary` call. Counted
+    in the concurrency bounds like a model call (its rendering may take the branch thread
+    for a while): over them, a 429."""
     state: ProxyState = request.app[STATE]
     t0 = time.monotonic()
     execution = ""
+    ex = None
     try:
         execution, ex, req = await _parsed(request, state, _parse_count_tokens, "messages")
         roles = state.classify(ex, request.headers, req, "count_tokens")
-        match = await _match(ex.store, req, True, execution, state.branch_thread())
+        state.admit(ex)
+        try:
+            match = await _match(ex.store, req, True, execution, state.branch_thread())
+        finally:
+            state.release(ex)
     except ApiError as err:
         return error_response(MESSAGES, err)
     except Exception as exc:  # noqa: BLE001 - ours or the machine's (MemoryError): a 500 in the API's shape

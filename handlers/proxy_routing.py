@@ -36,6 +36,11 @@ MAX_ENGINE_ABORTS = 16
 MAX_ENGINE_TIMEOUTS = 2
 """Attempts of one call past `generate_bound_s` retried (each with a fresh `retry_timeout_s`
 to find an engine) before the call fails."""
+MAX_ENGINE_ERRORS = 2
+"""Server errors (HTTP 5xx other than 503) of one call retried, on another rollout cell
+when there is one, before the call fails with 502: a crashed scheduler or a gateway in
+front of a dead worker (SGLang's router answers 502/504) heals elsewhere, and a request
+that fails every engine the same way is not sent a dozen times."""
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -372,8 +377,9 @@ class Dispatcher:
 
     At most `concurrency` requests in flight per engine (the rest wait their turn; a hung
     engine does not hold up the others). When the
-    engine answers 503 / refuses the connection / drops it (`EngineUnavailable`), ends a
-    generation with `abort` (up to MAX_ENGINE_ABORTS times), or its cell leaves rollout
+    engine answers 503 / refuses the connection / drops it (`EngineUnavailable`), answers
+    another 5xx (up to MAX_ENGINE_ERRORS times), ends a generation with `abort` (up to
+    MAX_ENGINE_ABORTS times), or its cell leaves rollout
     while the request runs (the request is then aborted upstream with `/abort_request`),
     the call goes to another rollout cell at once, or to the same engine after a backoff
     (`retry_backoff_s` doubling to `retry_backoff_max_s`), or waits for a cell, for up to
@@ -441,7 +447,7 @@ class Dispatcher:
         Raises ApiError(503) when no engine answered within retry_timeout_s (time spent waiting
         for one: an attempt that generated and was lost adds its time back) or none is left
         once the proxy stops (`stop`), ApiError(400|502)
-        when the engine refused the request (`proxy_api.context_exceeded` when it refused a
+        when the engine refused the request (a 4xx; a 5xx after MAX_ENGINE_ERRORS retries) (`proxy_api.context_exceeded` when it refused a
         prompt its context cannot hold).
         """
         if prompt_tokens is None and not isinstance(prompt_ids, orjson.Fragment):
@@ -450,7 +456,7 @@ class Dispatcher:
         deadline = t0 + self.retry_timeout_s
         backoff = self.retry_backoff_s
         avoid: set[str] = set()
-        tries = aborts = timeouts = 0
+        tries = aborts = timeouts = errors = 0
         ctx = {"execution": execution, "call": call_id}  # log context
         while True:
             remaining = deadline - time.monotonic()
@@ -499,6 +505,11 @@ class Dispatcher:
                 too_long = prompt_too_long(exc)
                 if too_long is not None:
                     raise context_exceeded(prompt_tokens, too_long[0], too_long[1]) from exc
+                if exc.status >= 500 and errors < MAX_ENGINE_ERRORS:  # the engine failed, not the request
+                    errors += 1
+                    deadline += time.monotonic() - t_engine  # the window counts waiting, not generating
+                    backoff = await self._avoid(avoid, cell, backoff, deadline - time.monotonic())
+                    continue
                 status = 400 if 400 <= exc.status < 500 else 502
                 raise ApiError(status, f"the engine refused the request: {exc.body}",
                                "invalid_request_error" if status == 400 else "server_error",

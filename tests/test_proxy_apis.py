@@ -21,7 +21,7 @@ from gyre.harness import execution_key
 from handlers.proxy_anthropic import parse_messages_request
 from handlers.proxy_api import MEMBERS, ApiError, decode_body, unique_hex, zstd_decompressor
 from handlers.proxy_http import STREAM_OPEN_S
-from handlers.proxy_routing import MAX_ENGINE_ABORTS, Attempt, Router, race
+from handlers.proxy_routing import MAX_ENGINE_ABORTS, MAX_ENGINE_ERRORS, Attempt, Router, race
 from schemas import ids
 from schemas.cell import CellSwitched, Route, RouteUpdated
 from schemas.execution import ExecutionInfo, ExecutionStarted
@@ -89,6 +89,25 @@ async def test_errors_in_each_api_shape(local, api):
             assert error_type(api, await r.json()) == "rate_limit_error"
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
+
+
+async def test_count_tokens_is_held_to_the_concurrency_bounds(local):
+    """count_tokens renders and tokenises like a call (on the branch thread when long): an
+    execution at its bound of calls in flight gets a 429 for it too, and once the call is
+    done its count is answered."""
+    engine = await local.engine(["slow"], delay_s=1.0)
+    await local.proxy(engine=engine, max_active_calls_per_execution=1, retry_after_s=2)
+    client = local.anthropic("ex-count")
+    messages = [{"role": "user", "content": "How long is this?"}]
+    busy = asyncio.ensure_future(client.messages.create(model="x", max_tokens=5, messages=messages))
+    await wait_for(lambda: engine.requests)
+    with pytest.raises(anthropic.RateLimitError) as err:
+        await client.messages.count_tokens(model="x", messages=messages)
+    assert err.value.response.headers["Retry-After"] == "2"
+    await asyncio.wait_for(busy, 10)
+    counted = await client.messages.count_tokens(model="x", messages=messages)
+    assert counted.input_tokens == len(engine.requests[0]["input_ids"])
+    assert local.state.active == 0 and local.state.executions["ex-count"].active == 0
 
 
 async def test_sdks_raise_their_own_error_classes(local):
@@ -312,6 +331,72 @@ async def test_repeated_engine_aborts_back_off_then_fail_with_502(local):
         times = [t for t, _ in seen]
         assert len(times) == MAX_ENGINE_ABORTS + 1
         assert min(b - a for a, b in zip(times, times[1:])) >= 0.015
+
+
+@contextlib.asynccontextmanager
+async def failing_engine(status: int):
+    """An engine answering every `/generate` with HTTP `status` and an error body (as
+    SGLang's server or a gateway in front of it does); yields (an object with its `url`,
+    [loop time of each request])."""
+    seen: list[float] = []
+
+    async def generate(request):
+        await request.read()
+        seen.append(asyncio.get_running_loop().time())
+        return web.json_response({"error": {"message": f"boom {status}"}}, status=status)
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner, url = await serve(app)
+    try:
+        yield type("Engine", (), {"url": url})(), seen
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_engine_server_error_is_retried_on_another_cell(local):
+    """A 500 or 502 from the cell an execution is routed to (a crashed scheduler, a gateway
+    in front of a dead worker) is retried on the other rollout cell at once: the harness
+    gets that cell's answer, not an error."""
+    good = await local.engine(["from the healthy cell"])
+    await local.proxy(retry_backoff_s=30.0)  # a long backoff: moving to another cell never waits for it
+    state = local.state
+    for n, status in enumerate((500, 502)):
+        async with failing_engine(status) as (bad, seen):
+            await state.handle_event(switched(f"bad{n}", "rollout", bad.url))
+            await state.handle_event(switched(f"good{n}", "rollout", good.url))
+            await state.handle_event(RouteUpdated(event_id=ids.route("apis", n), seq=n, routes=(
+                Route(execution=f"ex-5xx-{n}", cell=f"bad{n}", reason="test"),)))
+            reply = await asyncio.wait_for(local.client(f"ex-5xx-{n}").chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}]), 10)
+            assert reply.choices[0].message.content == "from the healthy cell"
+            assert len(seen) == 1 and len(good.requests) == n + 1
+            await state.handle_event(switched(f"bad{n}", "training", seq=1))
+            await state.handle_event(switched(f"good{n}", "training", seq=1))
+
+
+async def test_repeated_engine_server_errors_fail_with_502(local):
+    """The only engine answering 500 every time is retried MAX_ENGINE_ERRORS times, after a
+    backoff each, then the call fails with 502 `engine_error` carrying the engine's message."""
+    async with failing_engine(500) as (engine, seen):
+        await local.proxy(engine=engine, retry_backoff_s=0.02, retry_backoff_max_s=0.02)
+        with pytest.raises(openai.APIStatusError) as err:
+            await local.client("ex-500").chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}])
+        assert err.value.status_code == 502 and err.value.code == "engine_error"
+        assert "boom 500" in err.value.message
+        assert len(seen) == MAX_ENGINE_ERRORS + 1
+        assert min(b - a for a, b in zip(seen, seen[1:])) >= 0.015
+
+
+async def test_an_engine_client_error_is_not_retried(local):
+    """A 4xx from the engine refuses the request itself: a 400 at once, never retried."""
+    async with failing_engine(422) as (engine, seen):
+        await local.proxy(engine=engine)
+        with pytest.raises(openai.BadRequestError) as err:
+            await local.client("ex-422").chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}])
+        assert err.value.code == "engine_error" and len(seen) == 1
 
 
 async def test_a_scheduler_abort_for_a_long_prompt_is_a_prompt_too_long_error(local):  # noqa: F811
