@@ -2,8 +2,10 @@
 
 One method per endpoint. Errors:
 - `EngineUnavailable` (retryable): 503 (engine not serving, e.g. its cell left
-  rollout), connection refused or reset, read timeout (on `/generate`, the caller's
-  `timeout_s`). The caller retries, possibly on another cell.
+  rollout), 429 and 408 (overloaded: SGLang's model gateway answers 429 when its queue is
+  full and 408 when a request waited in it too long), connection refused or reset, read
+  timeout (on `/generate`, the caller's `timeout_s`). The caller retries, possibly on
+  another cell.
 - `EngineRequestError`: any other error status; `.status` and `.body` (the upstream
   error body, parsed JSON when possible) are attached. Not retryable as such.
 
@@ -31,7 +33,7 @@ class EngineClientError(Exception):
 
 
 class EngineUnavailable(EngineClientError):
-    """The engine cannot take the request now (503, connection error, timeout): retry."""
+    """The engine cannot take the request now (`OVERLOADED`, connection error, timeout): retry."""
 
 
 class EngineRequestError(EngineClientError):
@@ -61,12 +63,16 @@ def _parse(raw: bytes) -> object:
         return raw.decode("utf-8", "replace")
 
 
+OVERLOADED = frozenset((408, 429, 503))
+"""Statuses that say the engine cannot take the request now, not that the request is wrong."""
+
+
 def _answer(method: str, url: str, status: int, raw: bytes) -> object:
-    """The parsed body of an answer with HTTP `status`; raises EngineUnavailable (503) or
-    EngineRequestError (any other status ≥ 400, its body attached)."""
+    """The parsed body of an answer with HTTP `status`; raises EngineUnavailable
+    (`OVERLOADED`) or EngineRequestError (any other status ≥ 400, its body attached)."""
     parsed = _parse(raw)
-    if status == 503:
-        raise EngineUnavailable(f"{method} {url}: 503 {parsed}")
+    if status in OVERLOADED:
+        raise EngineUnavailable(f"{method} {url}: {status} {parsed}")
     if status >= 400:
         raise EngineRequestError(f"{method} {url}: {status} {parsed}", status, parsed)
     return parsed

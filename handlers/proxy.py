@@ -31,10 +31,10 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   assignments from `route.updated`, both replayed from the bus. An execution without an
   assignment goes to the rollout cell with the fewest executions and sticks. With no
   cell known, `Config.engine_url` (cell `Config.static_cell`) serves. When the engine
-  answers 503 / refuses the connection / drops it (`EngineUnavailable`), takes longer
-  than `proxy_routing.generate_bound_s` (10 min + max_tokens at 5 tokens/s: it counts as
-  hung), answers another 5xx (a few times: `proxy_routing.MAX_ENGINE_ERRORS`), ends a
-  generation with `abort`, or its cell leaves rollout while the request is
+  answers 503, 429 or 408 / refuses the connection / drops it (`EngineUnavailable`),
+  takes longer than `proxy_routing.generate_bound_s` (10 min + max_tokens at 5 tokens/s:
+  it counts as hung), answers another 5xx (a few times: `proxy_routing.MAX_ENGINE_ERRORS`),
+  ends a generation with `abort`, or its cell leaves rollout while the request is
   in flight (the request is then aborted upstream, `/abort_request`), the proxy retries
   on another rollout cell, or waits for one, for up to `retry_timeout_s`; the harness
   sees no error (`handlers.proxy_routing.Dispatcher`). At most `concurrency` requests
@@ -1152,6 +1152,8 @@ async def count_tokens(request: web.Request) -> web.Response:
             match = await _match(ex.store, req, True, execution, state.branch_thread())
         finally:
             state.release(ex)
+        if ex.finished:  # while it was rendered: its record would land after the score
+            raise finished_error(execution)
     except ApiError as err:
         return error_response(MESSAGES, err)
     except Exception as exc:  # noqa: BLE001 - ours or the machine's (MemoryError): a 500 in the API's shape

@@ -376,11 +376,11 @@ class Dispatcher:
     """Runs calls' generations on the engines the router picks.
 
     At most `concurrency` requests in flight per engine (the rest wait their turn; a hung
-    engine does not hold up the others). When the
-    engine answers 503 / refuses the connection / drops it (`EngineUnavailable`), answers
-    another 5xx (up to MAX_ENGINE_ERRORS times), ends a generation with `abort` (up to
-    MAX_ENGINE_ABORTS times), or its cell leaves rollout
-    while the request runs (the request is then aborted upstream with `/abort_request`),
+    engine does not hold up the others). When the engine answers 503, 429 or 408 /
+    refuses the connection / drops it (`EngineUnavailable`), answers another 5xx (up to
+    MAX_ENGINE_ERRORS times), ends a generation with `abort` (up to MAX_ENGINE_ABORTS
+    times), or its cell leaves rollout while the request runs (the request is then aborted
+    upstream with `/abort_request`),
     the call goes to another rollout cell at once, or to the same engine after a backoff
     (`retry_backoff_s` doubling to `retry_backoff_max_s`), or waits for a cell, for up to
     `retry_timeout_s` seconds. session: the process's engine `aiohttp.ClientSession`.

@@ -24,7 +24,7 @@ from handlers.proxy_http import STREAM_OPEN_S
 from handlers.proxy_routing import MAX_ENGINE_ABORTS, MAX_ENGINE_ERRORS, Attempt, Router, race
 from schemas import ids
 from schemas.cell import CellSwitched, Route, RouteUpdated
-from schemas.execution import ExecutionInfo, ExecutionStarted
+from schemas.execution import ExecutionFinished, ExecutionInfo, ExecutionStarted
 from tests.test_proxy import SECRET, Stack, bus, tok  # noqa: F401 - fixtures
 
 CHAT = ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
@@ -108,6 +108,34 @@ async def test_count_tokens_is_held_to_the_concurrency_bounds(local):
     counted = await client.messages.count_tokens(model="x", messages=messages)
     assert counted.input_tokens == len(engine.requests[0]["input_ids"])
     assert local.state.active == 0 and local.state.executions["ex-count"].active == 0
+
+
+async def test_count_tokens_rendered_while_its_execution_finished_is_refused(local):
+    """A count_tokens whose rendering waited on the branch thread while `execution.finished`
+    arrived is answered 403 `execution_finished` and not recorded, as a model call is: its
+    record would land after the execution's score."""
+    import threading
+
+    from gyre.tito import HEAVY_CHARS
+
+    await local.proxy(engine=await local.engine(["ok"]))
+    gate = threading.Event()
+    local.state.branch_thread().submit(gate.wait)  # the branch thread is busy
+    try:
+        counting = asyncio.ensure_future(local.anthropic("ex-ct").messages.count_tokens(
+            model="x", messages=[{"role": "user", "content": "word " * (HEAVY_CHARS // 4)}]))
+        await wait_for(lambda: "ex-ct" in local.state.executions)
+        info = ExecutionInfo(execution="ex-ct", task="t", group="s0-g0", step=0, harness="claude-code",
+                             group_size=1, step_groups=1)
+        await local.state.handle_event(ExecutionFinished(event_id=ids.finished("apis", "ex-ct"), info=info,
+                                                         status="ok", workspace=""))
+    finally:
+        gate.set()
+    with pytest.raises(anthropic.PermissionDeniedError) as err:
+        await asyncio.wait_for(counting, 10)
+    assert err.value.body["error"]["type"] == "permission_error"
+    assert "has finished" in err.value.message
+    assert local.state.executions["ex-ct"].next_seq == 0 and local.state.active == 0
 
 
 async def test_sdks_raise_their_own_error_classes(local):
@@ -354,14 +382,15 @@ async def failing_engine(status: int):
         await runner.cleanup()
 
 
-async def test_an_engine_server_error_is_retried_on_another_cell(local):
+async def test_an_engine_server_error_or_overload_is_retried_on_another_cell(local):
     """A 500 or 502 from the cell an execution is routed to (a crashed scheduler, a gateway
-    in front of a dead worker) is retried on the other rollout cell at once: the harness
-    gets that cell's answer, not an error."""
+    in front of a dead worker), or a 429 / 408 (SGLang's gateway: its queue is full, a
+    request waited in it too long) is retried on the other rollout cell at once: the
+    harness gets that cell's answer, not an error."""
     good = await local.engine(["from the healthy cell"])
     await local.proxy(retry_backoff_s=30.0)  # a long backoff: moving to another cell never waits for it
     state = local.state
-    for n, status in enumerate((500, 502)):
+    for n, status in enumerate((500, 502, 429, 408)):
         async with failing_engine(status) as (bad, seen):
             await state.handle_event(switched(f"bad{n}", "rollout", bad.url))
             await state.handle_event(switched(f"good{n}", "rollout", good.url))
