@@ -60,10 +60,15 @@ def _short(v) -> str:
     return str(v)
 
 
+def run_dir_of(args) -> Path:
+    """The run directory `--run-dir` or `--run` names (default `runs/latest`)."""
+    return Path(args.run_dir) if args.run_dir else runs_root() / (args.run or "latest")
+
+
 def _locate(args) -> tuple[str, str | None, str | None, dict | None]:
     """(url, token, run, the owning `gyre run`'s identity from nats.json or None) of the run to tap."""
     if args.run_dir or not os.environ.get("GYRE_NATS_URL"):
-        run_dir = Path(args.run_dir) if args.run_dir else runs_root() / (args.run or "latest")
+        run_dir = run_dir_of(args)
         info = read_nats_info(run_dir)
         if not run_owner_alive(info):
             raise RuntimeError(ended_run_message(run_dir.resolve(), info))
@@ -128,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConnectError as exc:
         if exc.stopped:  # Ctrl-C while connecting
             return 0
+        if owner is not None:  # the run's own server: gone with its run, or going
+            ended = not run_owner_alive(owner)
+            print(f"gyre tap: {ended_run_message(run_dir_of(a).resolve(), owner) if ended else exc}"
+                  f"{'' if ended else ' (the run may be ending: its nats-server stops with it)'}", file=sys.stderr)
+            return 1
         print(f"gyre tap: {exc}", file=sys.stderr)
         return 1
     except ValueError as exc:  # a pattern NATS refuses

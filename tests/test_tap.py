@@ -114,6 +114,36 @@ def test_tap_refuses_an_ended_run_at_once(tmp_path):
     assert "run ended has ended" in proc.stderr and "summary.json" in proc.stderr, proc.stderr
 
 
+def test_tap_whose_runs_server_does_not_answer_says_why(tmp_path):
+    """The run's own nats-server refusing the connection: while the run's `gyre run` lives,
+    tap says the run may be ending; once it is gone by the time the connect gives up, that
+    the run has ended, as when it was gone from the start."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for n, lives in enumerate((True, False)):
+        owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            run_dir = _run_dir(tmp_path, f"ending{n}", f"nats://127.0.0.1:{port}", None, owner.pid)
+            tap = subprocess.Popen([sys.executable, "-m", "handlers.cli", "tap", "--run-dir", str(run_dir)],
+                                   cwd=ROOT, env=_env(), stderr=subprocess.PIPE, text=True)
+            if not lives:
+                time.sleep(1.0)  # tap is connecting by now
+                owner.kill()
+                owner.wait()
+            err = tap.communicate(timeout=60)[1]
+        finally:
+            owner.kill()
+            owner.wait()
+        assert tap.returncode == 1 and "Traceback" not in err, err
+        if lives:
+            assert "could not connect" in err and "the run may be ending" in err, err
+        else:
+            assert f"run ending{n} has ended" in err, err
+
+
 def test_tap_run_names_a_run_directory_under_the_runs_root(tmp_path):
     """`gyre tap --run ID` (no GYRE_NATS_URL) taps runs/ID, not runs/latest's run."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
