@@ -85,7 +85,7 @@ class _Node:
     start: int  # offset of this call's new ids in the token store
     n_new: int  # prompt + completion ids of this call
     full_len: int  # prefix_len + n_new
-    covered: bool = False  # a trained child extends the whole full sequence
+    covered: bool = False  # a trained child of the same role extends the whole full sequence
 
 
 class CallTree:
@@ -174,7 +174,10 @@ class CallTree:
             prefix_len=call.prefix_len, start=self._size, n_new=n_new, full_len=full_len,
         )
         self._size += n_new
-        if trained and parent is not None and call.prefix_len == parent.full_len:
+        if trained and parent is not None and call.prefix_len == parent.full_len and call.role == parent.role:
+            # A child of another role (Claude Code's compaction request extends the main line's
+            # last call) leaves its parent a leaf of its own role: role priority keeps the main
+            # line first, and masking trains the shared tokens once.
             parent.covered = True
 
     # -- inspection -----------------------------------------------------------------
@@ -196,7 +199,8 @@ class CallTree:
         return self._size
 
     def leaves(self) -> list[str]:
-        """Call ids of the leaves: trained calls whose full sequence no trained call extends."""
+        """Call ids of the leaves: trained calls whose full sequence no trained call of the
+        same role extends."""
         return [n.call for n in sorted(self._nodes.values(), key=lambda n: n.seq) if n.trained and not n.covered]
 
     def role(self, call: str) -> str:

@@ -133,13 +133,33 @@ def test_role_priority_and_j_max():
     calls = [root, mk(1, 0, 2, [3], [4], role="sub-agent"), mk(2, 0, 2, [5], [6, 7, 8, 9], role="sub-agent-summary"),
              mk(3, 0, 2, [10], [11], role="main-summary")]
     tree = build_tree("e0", calls)
-    assert [t.role for t in trajectories(tree, j_max=None)] == ["main-summary", "sub-agent", "sub-agent-summary"]
-    assert [t.role for t in trajectories(tree, j_max=1)] == ["main-summary"]
+    # Children of other roles extending the whole root leave it a `main` leaf of its own.
+    assert [t.role for t in trajectories(tree, j_max=None)] == ["main", "main-summary", "sub-agent",
+                                                                "sub-agent-summary"]
+    assert [t.role for t in trajectories(tree, j_max=1)] == ["main"]
     many = build_tree("e0", [root] + [mk(i, 0, 2, [i], [i + 100]) for i in range(1, 9)])
     assert len(trajectories(many)) == 5  # J_max default
     assert len(trajectories(many, j_max=None)) == 8
     with pytest.raises(ValueError):
         trajectories(many, j_max=0)
+
+
+def test_a_compaction_extending_the_main_line_keeps_a_main_leaf():
+    """Claude Code's compaction request is the whole history + the summary instruction in
+    the last user message: with no thinking shown it extends the main line's last call
+    exactly (a `main-summary` child). That call stays a `main` leaf, so J_max = 1 keeps the
+    main line whole, and the summary's leaf trains only the summary."""
+    calls = [mk(0, None, 0, [1, 2], [3, 4]), mk(1, 0, 4, [5], [6, 7]),
+             mk(2, 1, 7, [8], [9, 10, 11], role="main-summary"),  # the compaction request
+             mk(3, 0, 2, [12], [13], role="main-summary")]  # the continuation after it (a branch)
+    tree = build_tree("e0", calls)
+    assert tree.leaves() == ["e0:1", "e0:2", "e0:3"]
+    for seed in range(20):
+        (t,) = trajectories(tree, j_max=1, rng=random.Random(seed))
+        assert t.leaf == "e0:1" and t.role == "main" and t.n_trained == 4
+    kept = by_leaf(trajectories(tree, j_max=None))
+    assert [t.role for t in kept.values()][0] == "main"
+    assert kept["e0:2"].loss_mask.tolist() == [False] * 7 + [False, True, True, True]
 
 
 def test_leaf_choice_is_proportional_to_unmasked_tokens():
