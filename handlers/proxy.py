@@ -1241,8 +1241,8 @@ def make_app(state: ProxyState) -> web.Application:
         app.router.add_post(prefix + "/responses", responses)
         app.router.add_post(prefix + "/messages", messages)
         app.router.add_post(prefix + "/messages/count_tokens", count_tokens)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model}", model)
+        app.router.add_get(prefix + "/models", models)
+        app.router.add_get(prefix + "/models/{model:.+}", model)  # a raw "Qwen/Qwen3-8B" too
     app.router.add_get("/health", health)
     app.router.add_get("/", root)
     app.router.add_route("*", "/{tail:.*}", not_found)

@@ -394,6 +394,9 @@ class ResponsesApi(Api):
                  "total_tokens": answer.prompt_tokens + answer.completion_tokens}
         items = self.output_items(answer)
         truncated = answer.finish == "length"
+        for item in items if truncated else ():  # the cap cut the message short, as OpenAI marks it
+            if item["type"] == "message":
+                item["status"] = "incomplete"
         final = self._response(answer.rid, answer.created, req, "incomplete" if truncated else "completed", items,
                                usage, {"reason": "max_output_tokens"} if truncated else None)
         if not req.stream:

@@ -138,6 +138,22 @@ async def test_count_tokens_rendered_while_its_execution_finished_is_refused(loc
     assert local.state.executions["ex-ct"].next_seq == 0 and local.state.active == 0
 
 
+async def test_models_are_listed_with_and_without_v1(local):
+    """Completions are served with and without `/v1`, so models are too (a client whose base
+    URL has no `/v1` lists them before calling); a model id holding a raw slash is one id."""
+    await local.proxy(engine=await local.engine(["hi"]))
+    bare = openai.AsyncOpenAI(base_url=local.url, api_key=execution_key(SECRET, "ex-models"), max_retries=0)
+    local.clients.append(bare)
+    assert (await bare.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+            ).choices[0].message.content == "hi"
+    assert [m.id async for m in bare.models.list()] == [m.id async for m in local.client("ex-models").models.list()]
+    auth = {"Authorization": f"Bearer {execution_key(SECRET, 'ex-models')}"}
+    async with aiohttp.ClientSession() as http:
+        for path in ("/v1/models/Qwen/Qwen3-8B", "/models/Qwen/Qwen3-8B"):
+            async with http.get(local.url + path, headers=auth) as r:
+                assert r.status == 200 and (await r.json())["id"] == "Qwen/Qwen3-8B", path
+
+
 async def test_sdks_raise_their_own_error_classes(local):
     engine = await local.engine(["ok"], delay_s=30.0)
     await local.proxy(engine=engine, max_active_calls=1)

@@ -173,6 +173,7 @@ async def test_responses_stream_helper_events_and_echo_extends(local, tok):  # n
     cut = await client.responses.create(model="gpt-unknown", input=turn3, tools=TOOLS_RESPONSES, max_output_tokens=2)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert cut.usage.output_tokens == 2
+    assert [(i.type, i.status) for i in cut.output] == [("message", "incomplete")]
     assert local.store("ex3").calls[2].parent is rec0  # the new user query drops turn 1's thinking: a branch
 
 
