@@ -4,7 +4,7 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
 - Routes: `POST /v1/chat/completions` and `POST /v1/responses` (OpenAI shapes,
   handlers/proxy_openai.py), `POST /v1/messages` and `POST /v1/messages/count_tokens`
   (Anthropic shapes, handlers/proxy_anthropic.py; a `?beta=true` query is ignored),
-  `GET /v1/models` and `/v1/models/{id}` (any id), each also without `/v1`; `GET
+  `GET /v1/models` and `/v1/models/{id}` (any id), all of them also without `/v1`; `GET
   /health`, `GET|HEAD /`. Any model name is accepted; unknown fields and
   `anthropic-beta` flags are ignored. Sampling:
   `temperature`/`top_p`/`top_k` honoured and recorded (Config defaults when absent), the
