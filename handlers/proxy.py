@@ -1144,7 +1144,6 @@ async def count_tokens(request: web.Request) -> web.Response:
     state: ProxyState = request.app[STATE]
     t0 = time.monotonic()
     execution = ""
-    ex = None
     try:
         execution, ex, req = await _parsed(request, state, _parse_count_tokens, "messages")
         roles = state.classify(ex, request.headers, req, "count_tokens")

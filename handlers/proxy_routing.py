@@ -446,9 +446,9 @@ class Dispatcher:
 
         Raises ApiError(503) when no engine answered within retry_timeout_s (time spent waiting
         for one: an attempt that generated and was lost adds its time back) or none is left
-        once the proxy stops (`stop`), ApiError(400|502)
-        when the engine refused the request (a 4xx; a 5xx after MAX_ENGINE_ERRORS retries) (`proxy_api.context_exceeded` when it refused a
-        prompt its context cannot hold).
+        once the proxy stops (`stop`), ApiError(400) when the engine refused the request (a
+        4xx: `proxy_api.context_exceeded` when it refused a prompt its context cannot hold),
+        ApiError(502) when it failed it MAX_ENGINE_ERRORS + 1 times (a 5xx other than 503).
         """
         if prompt_tokens is None and not isinstance(prompt_ids, orjson.Fragment):
             prompt_tokens = len(prompt_ids)
@@ -507,6 +507,7 @@ class Dispatcher:
                     raise context_exceeded(prompt_tokens, too_long[0], too_long[1]) from exc
                 if exc.status >= 500 and errors < MAX_ENGINE_ERRORS:  # the engine failed, not the request
                     errors += 1
+                    self.spawn(self.abort_upstream(client, rid))  # a gateway's 504: the worker may generate on
                     deadline += time.monotonic() - t_engine  # the window counts waiting, not generating
                     backoff = await self._avoid(avoid, cell, backoff, deadline - time.monotonic())
                     continue

@@ -133,12 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConnectError as exc:
         if exc.stopped:  # Ctrl-C while connecting
             return 0
-        if owner is not None:  # the run's own server: gone with its run, or going
-            ended = not run_owner_alive(owner)
-            print(f"gyre tap: {ended_run_message(run_dir_of(a).resolve(), owner) if ended else exc}"
-                  f"{'' if ended else ' (the run may be ending: its nats-server stops with it)'}", file=sys.stderr)
+        if owner is not None and not run_owner_alive(owner):  # the run's own server went with it
+            print(f"gyre tap: {ended_run_message(run_dir_of(a).resolve(), owner)}", file=sys.stderr)
             return 1
-        print(f"gyre tap: {exc}", file=sys.stderr)
+        hint = " (the run may be ending: its nats-server stops with it)" if owner is not None else ""
+        print(f"gyre tap: {exc}{hint}", file=sys.stderr)
         return 1
     except ValueError as exc:  # a pattern NATS refuses
         print(f"gyre tap: {exc}", file=sys.stderr)
