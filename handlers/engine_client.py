@@ -33,7 +33,12 @@ class EngineClientError(Exception):
 
 
 class EngineUnavailable(EngineClientError):
-    """The engine cannot take the request now (`OVERLOADED`, connection error, timeout): retry."""
+    """The engine cannot take the request now (`OVERLOADED`, connection error, timeout): retry.
+    `status`: the HTTP status it answered (`OVERLOADED`), None when it gave no answer."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class EngineRequestError(EngineClientError):
@@ -72,7 +77,7 @@ def _answer(method: str, url: str, status: int, raw: bytes) -> object:
     (`OVERLOADED`) or EngineRequestError (any other status ≥ 400, its body attached)."""
     parsed = _parse(raw)
     if status in OVERLOADED:
-        raise EngineUnavailable(f"{method} {url}: {status} {parsed}")
+        raise EngineUnavailable(f"{method} {url}: {status} {parsed}", status)
     if status >= 400:
         raise EngineRequestError(f"{method} {url}: {status} {parsed}", status, parsed)
     return parsed

@@ -495,8 +495,9 @@ class Dispatcher:
                                        code="engine_unavailable") from exc
                     # The attempt ran out its bound, not the wait for an engine: wait afresh.
                     deadline = max(deadline, time.monotonic() + self.retry_timeout_s)
-                else:
+                elif exc.status is None:  # dropped mid-request: it may have generated
                     deadline += time.monotonic() - t_engine  # the window counts waiting, not generating
+                # An answered 503/429/408 generated nothing: its time (a gateway's queue) was waiting.
                 backoff = await self._avoid(avoid, cell, backoff, deadline - time.monotonic())
                 continue
             except EngineRequestError as exc:

@@ -65,18 +65,19 @@ def run_dir_of(args) -> Path:
     return Path(args.run_dir) if args.run_dir else runs_root() / (args.run or "latest")
 
 
-def _locate(args) -> tuple[str, str | None, str | None, dict | None]:
-    """(url, token, run, the owning `gyre run`'s identity from nats.json or None) of the run to tap."""
+def _locate(args) -> tuple[str, str | None, str | None, dict | None, Path | None]:
+    """(url, token, run, the owning `gyre run`'s identity from nats.json or None, its run
+    directory resolved or None) of the run to tap."""
     if args.run_dir or not os.environ.get("GYRE_NATS_URL"):
-        run_dir = run_dir_of(args)
+        run_dir = run_dir_of(args).resolve()  # once: a new run repoints runs/latest
         info = read_nats_info(run_dir)
         if not run_owner_alive(info):
-            raise RuntimeError(ended_run_message(run_dir.resolve(), info))
-        return info["url"], info.get("token"), None if args.all_runs else (args.run or info["run"]), info
+            raise RuntimeError(ended_run_message(run_dir, info))
+        return info["url"], info.get("token"), None if args.all_runs else (args.run or info["run"]), info, run_dir
     if not (args.run or args.all_runs or args.pattern.startswith(PREFIX + ".")):  # no "current" run there
         raise RuntimeError("GYRE_NATS_URL is set: name the run to tap with --run ID (or --all-runs)")
     return (os.environ["GYRE_NATS_URL"], os.environ.get("GYRE_NATS_TOKEN"),
-            None if args.all_runs else args.run, None)
+            None if args.all_runs else args.run, None, None)
 
 
 async def _tap(url: str, token: str | None, run: str | None, pattern: str, width: int, owner: dict | None) -> None:
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     from handlers.daemon import configure_logging
     configure_logging("tap", level=logging.ERROR)  # its own lines say what matters; not the bus's retries
     try:
-        url, token, run, owner = _locate(a)
+        url, token, run, owner, run_dir = _locate(a)
     except Exception as exc:  # noqa: BLE001 - tell the user, exit 2
         print(f"gyre tap: {exc}", file=sys.stderr)
         return 2
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         if exc.stopped:  # Ctrl-C while connecting
             return 0
         if owner is not None and not run_owner_alive(owner):  # the run's own server went with it
-            print(f"gyre tap: {ended_run_message(run_dir_of(a).resolve(), owner)}", file=sys.stderr)
+            print(f"gyre tap: {ended_run_message(run_dir, owner)}", file=sys.stderr)
             return 1
         hint = " (the run may be ending: its nats-server stops with it)" if owner is not None else ""
         print(f"gyre tap: {exc}{hint}", file=sys.stderr)

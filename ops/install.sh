@@ -3,9 +3,10 @@
 #  - The venv is made from an interpreter that an unprivileged uid can read, because
 #    harnesses run confined under such a uid (DESIGN.md "Processes", runner); a Python
 #    under /root (pyenv) is unreadable to them.
-#  - torch 2.13.0, the CPU build, goes in first so nothing pulls a CUDA build: a local
-#    `2.13.0+cpu` wheel where pip finds one (the project's VM), else PyTorch's CPU index
-#    (PyPI's Linux wheel is the CUDA build).
+#  - torch 2.13.0 goes in first so nothing pulls a CUDA build: the CPU build, a local
+#    `2.13.0+cpu` wheel where pip finds one (the project's VM), else from PyTorch's CPU
+#    index (PyPI's Linux wheel is the CUDA build). A torch 2.13.0 already in the venv (a
+#    CUDA build put there for the `gpu` tests) is kept.
 #  - bubblewrap confines harness processes; installed from Debian when we are root.
 #  - Claude Code and Codex CLI (npm) go into ./.harnesses (world-readable, so the
 #    sandbox uid can run them), pinned to the versions docs/tasks.md names; skipped when
@@ -41,7 +42,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
-if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__ != "2.13.0+cpu")' 2>/dev/null; then
+if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
   "$VENV/bin/python" -m pip install -q "torch==2.13.0+cpu" 2>/dev/null \
     || "$VENV/bin/python" -m pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 fi

@@ -378,15 +378,16 @@ async def test_repeated_engine_aborts_back_off_then_fail_with_502(local):
 
 
 @contextlib.asynccontextmanager
-async def failing_engine(status: int):
+async def failing_engine(status: int, delay_s: float = 0.0):
     """An engine answering every `/generate` with HTTP `status` and an error body (as
-    SGLang's server or a gateway in front of it does); yields (an object with its `url`,
-    [loop time of each request])."""
+    SGLang's server or a gateway in front of it does), after `delay_s` (a gateway's queue
+    timeout); yields (an object with its `url`, [loop time of each request])."""
     seen: list[float] = []
 
     async def generate(request):
         await request.read()
         seen.append(asyncio.get_running_loop().time())
+        await asyncio.sleep(delay_s)
         return web.json_response({"error": {"message": f"boom {status}"}}, status=status)
 
     app = web.Application()
@@ -432,6 +433,21 @@ async def test_repeated_engine_server_errors_fail_with_502(local):
         assert "boom 500" in err.value.message
         assert len(seen) == MAX_ENGINE_ERRORS + 1
         assert min(b - a for a, b in zip(seen, seen[1:])) >= 0.015
+
+
+async def test_time_in_a_gateways_queue_counts_against_the_retry_window(local):
+    """A gateway answering 408 after its queue timeout: that time was spent waiting for an
+    engine, which `retry_timeout_s` bounds (only an attempt that may have generated adds
+    its time back), so the call fails with 503 once the window is out, not hours later."""
+    async with failing_engine(408, delay_s=0.3) as (engine, seen):
+        await local.proxy(engine=engine, retry_timeout_s=1.0, retry_backoff_s=0.05, retry_backoff_max_s=0.05)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(openai.APIStatusError) as err:
+            await local.client("ex-408").chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}])
+        took = asyncio.get_running_loop().time() - t0
+        assert err.value.status_code == 503 and err.value.code == "engine_unavailable"
+        assert took < 2.5 and len(seen) <= 5, (took, len(seen))
 
 
 async def test_an_engine_client_error_is_not_retried(local):

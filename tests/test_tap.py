@@ -137,11 +137,11 @@ def test_tap_whose_runs_server_does_not_answer_says_why(tmp_path):
         finally:
             owner.kill()
             owner.wait()
-        assert tap.returncode == 1 and "Traceback" not in err, err
+        assert "Traceback" not in err, err
         if lives:
-            assert "could not connect" in err and "the run may be ending" in err, err
-        else:
-            assert f"run ending{n} has ended" in err, err
+            assert tap.returncode == 1 and "could not connect" in err and "the run may be ending" in err, err
+        else:  # 2 when tap was slower to start than the owner to go (it then sees it gone before connecting)
+            assert tap.returncode in (1, 2) and f"run ending{n} has ended" in err, err
 
 
 def test_tap_run_names_a_run_directory_under_the_runs_root(tmp_path):
