@@ -34,7 +34,8 @@ class EngineClientError(Exception):
 
 class EngineUnavailable(EngineClientError):
     """The engine cannot take the request now (`OVERLOADED`, connection error, timeout): retry.
-    `status`: the HTTP status it answered (`OVERLOADED`), None when it gave no answer."""
+    `status`: the HTTP status it answered (`OVERLOADED`; a 408 says the request only
+    waited in a queue), None when it gave no answer."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)

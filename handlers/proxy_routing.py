@@ -495,9 +495,9 @@ class Dispatcher:
                                        code="engine_unavailable") from exc
                     # The attempt ran out its bound, not the wait for an engine: wait afresh.
                     deadline = max(deadline, time.monotonic() + self.retry_timeout_s)
-                elif exc.status is None:  # dropped mid-request: it may have generated
+                elif exc.status != 408:  # dropped, or a 503 mid-request: it may have generated
                     deadline += time.monotonic() - t_engine  # the window counts waiting, not generating
-                # An answered 503/429/408 generated nothing: its time (a gateway's queue) was waiting.
+                # A 408 is a gateway's queue timeout: that time was waiting for an engine, and counts.
                 backoff = await self._avoid(avoid, cell, backoff, deadline - time.monotonic())
                 continue
             except EngineRequestError as exc:
