@@ -167,7 +167,8 @@ class ChatApi(Api):
                 out["usage"] = None
             return sse(out)
 
-        frames = [chunk({"role": "assistant", "content": ""})]
+        # Content null for an answer of only tool calls, as non-streamed (`answer_message`).
+        frames = [chunk({"role": "assistant", "content": "" if message.get("content") is not None else None})]
         frames += [chunk({"reasoning_content": p}) for p in pieces(answer.reasoning or "")]
         frames += [chunk({"content": p}) for p in pieces(answer.content)]
         for i, tc in enumerate(message.get("tool_calls") or ()):

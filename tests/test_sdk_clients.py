@@ -192,6 +192,23 @@ async def test_chat_stream_helper_parses_tool_calls(local, tok):  # noqa: F811
     assert tc.function.arguments == RAW_ARGS and json.loads(tc.function.arguments)["note"] == "café ✓"
 
 
+async def test_a_tool_only_answer_has_null_content_streamed_or_not(local, tok):  # noqa: F811
+    """An answer of only tool calls has `content: null` as OpenAI sends it, and the stream
+    helper assembles the same message as the non-streamed answer."""
+    call = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'
+    engine = await local.engine([call, call])
+    await local.proxy(engine=engine)
+    client = local.client("ex-null")
+    tools = [{"type": "function", "function": {"name": "bash", "parameters": TOOLS_ANTHROPIC[0]["input_schema"]}}]
+    messages = [{"role": "user", "content": "go"}]
+    plain = (await client.chat.completions.create(model="m", messages=messages, tools=tools)).choices[0].message
+    async with client.chat.completions.stream(model="m", messages=messages, tools=tools) as s:
+        streamed = (await s.get_final_completion()).choices[0].message
+    assert plain.content is None and streamed.content is None
+    assert [(t.function.name, t.function.arguments) for t in streamed.tool_calls] == \
+        [(t.function.name, t.function.arguments) for t in plain.tool_calls] == [("bash", '{"command": "ls"}')]
+
+
 async def test_state_kept_server_side_is_refused_and_any_model_can_be_retrieved(local, tok):  # noqa: F811
     """The proxy stores no responses: a `previous_response_id` (or `conversation`) would
     otherwise be answered without the history it stands for and recorded as a new root."""
