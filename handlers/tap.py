@@ -60,16 +60,12 @@ def _short(v) -> str:
     return str(v)
 
 
-def run_dir_of(args) -> Path:
-    """The run directory `--run-dir` or `--run` names (default `runs/latest`)."""
-    return Path(args.run_dir) if args.run_dir else runs_root() / (args.run or "latest")
-
-
 def _locate(args) -> tuple[str, str | None, str | None, dict | None, Path | None]:
     """(url, token, run, the owning `gyre run`'s identity from nats.json or None, its run
     directory resolved or None) of the run to tap."""
     if args.run_dir or not os.environ.get("GYRE_NATS_URL"):
-        run_dir = run_dir_of(args).resolve()  # once: a new run repoints runs/latest
+        # Resolved once: a new run repoints runs/latest.
+        run_dir = (Path(args.run_dir) if args.run_dir else runs_root() / (args.run or "latest")).resolve()
         info = read_nats_info(run_dir)
         if not run_owner_alive(info):
             raise RuntimeError(ended_run_message(run_dir, info))

@@ -301,6 +301,19 @@ async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
 
 
 @contextlib.asynccontextmanager
+async def generate_only(generate: Callable):
+    """An engine serving only `/generate` with the handler `generate`; yields an object with
+    its `url`."""
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner, url = await serve(app)
+    try:
+        yield type("Engine", (), {"url": url})()
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
 async def aborting_engine(message: Callable[[dict], str]):
     """An engine that finishes every `/generate` with SGLang's `abort` (its message
     `message(body)`); yields (an object with its `url`, [(loop time, body) received])."""
@@ -313,13 +326,8 @@ async def aborting_engine(message: Callable[[dict], str]):
             "id": "x", "finish_reason": {"type": "abort", "message": message(body)}, "prompt_tokens": 1,
             "completion_tokens": 0, "output_token_logprobs": []}})
 
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    runner, url = await serve(app)
-    try:
-        yield type("Engine", (), {"url": url})(), seen
-    finally:
-        await runner.cleanup()
+    async with generate_only(generate) as engine:
+        yield engine, seen
 
 
 def switched(cell: str, to_role: str, url: str = "", seq: int = 0) -> CellSwitched:
@@ -390,13 +398,8 @@ async def failing_engine(status: int, delay_s: float = 0.0):
         await asyncio.sleep(delay_s)
         return web.json_response({"error": {"message": f"boom {status}"}}, status=status)
 
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    runner, url = await serve(app)
-    try:
-        yield type("Engine", (), {"url": url})(), seen
-    finally:
-        await runner.cleanup()
+    async with generate_only(generate) as engine:
+        yield engine, seen
 
 
 async def test_an_engine_server_error_or_overload_is_retried_on_another_cell(local):
