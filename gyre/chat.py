@@ -109,10 +109,12 @@ def content_text(content: Any, where: str = "content") -> str:
 
 
 def _arguments_text(arguments: Any, where: str) -> str:
+    """A tool call's arguments as JSON text; none (None, "", blank: what some clients send
+    for a call without arguments) is `{}`, so the template writes valid JSON."""
     if arguments is None:
         return "{}"
     if isinstance(arguments, str):
-        return arguments
+        return arguments if arguments.strip() else "{}"
     if isinstance(arguments, Mapping):
         return _DUMPS(arguments)
     raise ValueError(f"{where} must be a JSON string or an object, got {type(arguments).__name__}")
@@ -264,7 +266,7 @@ def _tool_call(body: str, call_id: str) -> ToolCall | None:
     return ToolCall(id=call_id, name=name, arguments=arguments)
 
 
-def parse_completion(text: str, *, id_prefix: str = "call") -> Parsed:
+def parse_completion(text: str, *, id_prefix: str = "call", cut: bool = False) -> Parsed:
     """Split a Qwen3-format completion into content, reasoning and tool calls.
 
     `text` is the decoded completion; a trailing <|im_end|> / <|endoftext|> is dropped.
@@ -275,15 +277,18 @@ def parse_completion(text: str, *, id_prefix: str = "call") -> Parsed:
     body is a JSON object with a string "name" and an object "arguments" (or a JSON string
     of one) becomes a ToolCall with id "<id_prefix>_<i>"; other blocks stay in the content.
     When tool calls are found the remaining content is stripped of surrounding whitespace.
-    Never raises.
+    `cut`: the completion was cut short (`max_tokens`, a stop string): a last `<tool_call>`
+    it never closed is a call the cap interrupted, not text, and is left out of the content
+    (what SGLang's Qwen tool parser does with it); the ids keep it. Without `cut` an
+    unclosed block is malformed output and stays text. Never raises.
     """
     try:
-        return _parse(text, id_prefix)
+        return _parse(text, id_prefix, cut)
     except Exception:  # defensive: parsing policy output must never fail a call
         return Parsed(content=text if isinstance(text, str) else str(text), reasoning=None, tool_calls=())
 
 
-def _parse(text: str, id_prefix: str) -> Parsed:
+def _parse(text: str, id_prefix: str, cut: bool = False) -> Parsed:
     stripped = True
     while stripped:
         stripped = False
@@ -302,6 +307,8 @@ def _parse(text: str, id_prefix: str) -> Parsed:
     elif (opened := text.lstrip()).startswith("<think>"):  # cut short while thinking (max_tokens, a stop string)
         return Parsed(content="", reasoning=opened[len("<think>"):].strip() or None, tool_calls=())
 
+    if cut and (start := content.rfind("<tool_call>")) >= 0 and "</tool_call>" not in content[start:]:
+        content = content[:start].rstrip()
     calls: list[ToolCall] = []
     kept: list[str] = []
     pos = 0

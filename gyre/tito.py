@@ -181,7 +181,7 @@ class _Unparsed:
 
 def _args_text(arguments: Any) -> str:
     if isinstance(arguments, str):
-        return arguments
+        return arguments if arguments.strip() else "{}"  # as gyre.chat renders a call without arguments
     return orjson.dumps(arguments).decode()
 
 

@@ -1,8 +1,9 @@
 """Proxy daemon: the harness's model endpoint, with token-in/token-out capture.
 
 Contract (DESIGN.md "Processes", "Token-in, token-out"):
-- Routes: `POST /v1/chat/completions` and `POST /v1/responses` (OpenAI shapes,
-  handlers/proxy_openai.py), `POST /v1/messages` and `POST /v1/messages/count_tokens`
+- Routes: `POST /v1/chat/completions`, `POST /v1/responses` and `POST
+  /v1/responses/input_tokens` (OpenAI shapes, handlers/proxy_openai.py; `/v1/responses/{id}`
+  is a 404: no response is stored), `POST /v1/messages` and `POST /v1/messages/count_tokens`
   (Anthropic shapes, handlers/proxy_anthropic.py; a `?beta=true` query is ignored),
   `GET /v1/models` and `/v1/models/{id}` (any id), all of them also without `/v1`; `GET
   /health`, `GET|HEAD /`. Any model name is accepted; unknown fields and
@@ -26,7 +27,9 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   (learnt from `execution.started`'s harness, else `Config.harness`, else detected from
   the headers); role and session metadata go on `call.completed`. `auxiliary` calls
   (count_tokens, titles, small side models) are answered and published but never enter
-  the call store: they are rendered alone (parent None) and never shape the tree.
+  the call store: they are rendered alone (parent None) and never shape the tree; a token
+  count is attached as a model call with its body would be, so it equals that call's
+  input tokens, and published as a root all the same.
 - Routing: sticky per execution. Rollout cells are learnt from `cell.switched`
   (`to_role` rollout with an `engine_url`; any other role removes the cell) and
   assignments from `route.updated`, both replayed from the bus. An execution without an
@@ -60,8 +63,8 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   `<run>:<execution>:call:<seq>`) is published in the background after delivery or a
   definitive failure, status `ok`, `aborted` (the client went away: the upstream request
   is aborted; or it took none of its answer for `deliver_timeout_s`, 120 s, and its
-  connection was cut) or `error`. count_tokens is published as an `auxiliary` call with the
-  counted prompt, no completion, finish `stop`. An event whose encoding exceeds
+  connection was cut) or `error`. A token count (count_tokens, Responses' input_tokens) is
+  published as an `auxiliary` call with the counted prompt, no completion, finish `stop`. An event whose encoding exceeds
   `object_threshold_bytes` carries its token arrays in the object store under
   `calls/<execution>/<seq>` (orjson `{"prompt_ids", "completion_ids", "logprobs"}`) and
   the key in `tokens_ref`. A `call.completed` without its PubAck after `retry_timeout_s`,
@@ -1036,7 +1039,8 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
             text = text.partition(hit)[0]  # the answer ends before the string, as hosted APIs do
         else:
             hit = None
-        parsed = parse_completion(text, id_prefix=api.tool_id_prefix(f"{cfg.run}:{call_id}"))
+        parsed = parse_completion(text, id_prefix=api.tool_id_prefix(f"{cfg.run}:{call_id}"),
+                                  cut=result.finish == "length" or hit is not None)
         answer = Answer(content=parsed.content, reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
                         finish=result.finish, prompt_tokens=len(prompt), completion_tokens=len(result.output_ids),
                         rid=start.rid, created=start.created, stop_sequence=hit,
@@ -1136,34 +1140,62 @@ def _parse_count_tokens(body: Any, defaults: SamplingParams, memo: MessageMemo |
     return parse_messages_request(body, defaults, memo)
 
 
-async def count_tokens(request: web.Request) -> web.Response:
-    """`{"input_tokens": n}`: the rendered prompt's length (system + tools + messages), with
-    the same renderer and tokenizer as a call; published as an `auxiliary` call. Counted
-    in the concurrency bounds like a model call (its rendering may take the branch thread
-    for a while): over them, a 429."""
+async def _count(request: web.Request, api: Api,
+                 parse: Callable[[Any, SamplingParams, MessageMemo | None], ModelRequest]) -> int | web.Response:
+    """The prompt length a model call with this body would have in its execution: attached
+    as the call would be (an extension reuses the ids the policy sampled, so the count is
+    its `usage` input tokens to the token), published as an `auxiliary` call holding the
+    whole prompt (a root: it shapes no tree). Counted in the concurrency bounds like a
+    model call (its rendering may take the branch thread for a while): over them, a 429.
+    Returns the count, or the error response in `api`'s shape."""
     state: ProxyState = request.app[STATE]
     t0 = time.monotonic()
     execution = ""
     try:
-        execution, ex, req = await _parsed(request, state, _parse_count_tokens, "messages")
+        execution, ex, req = await _parsed(request, state, parse, api.history)
         roles = state.classify(ex, request.headers, req, "count_tokens")
         state.admit(ex)
         try:
-            match = await _match(ex.store, req, True, execution, state.branch_thread())
+            match = await _match(ex.store, req, False, execution, state.branch_thread())
         finally:
             state.release(ex)
         if ex.finished:  # while it was rendered: its record would land after the score
             raise finished_error(execution)
     except ApiError as err:
-        return error_response(MESSAGES, err)
+        return error_response(api, err)
     except Exception as exc:  # noqa: BLE001 - ours or the machine's (MemoryError): a 500 in the API's shape
-        return error_response(MESSAGES, _internal_error(exc, execution, "count_tokens"))
+        return error_response(api, _internal_error(exc, execution, "count_tokens"))
     seq = ex.next_seq
     ex.next_seq += 1
+    root = dataclasses.replace(match, parent=None, prefix_len=0, extended=False, drift=0)
     state.publish_later(state.call_event(
-        execution=execution, seq=seq, match=match, sampling=req.sampling, result=None, status="ok",
-        total_s=time.monotonic() - t0, cell="", api="messages", role=roles.role, meta=roles.meta))
-    return web.json_response({"input_tokens": len(match.prompt_ids)})
+        execution=execution, seq=seq, match=root, sampling=req.sampling, result=None, status="ok",
+        total_s=time.monotonic() - t0, cell="", api=api.name, role=roles.role, meta=roles.meta))
+    return len(match.prompt_ids)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """Anthropic's `POST /v1/messages/count_tokens`: `{"input_tokens": n}` (`_count`)."""
+    n = await _count(request, MESSAGES, _parse_count_tokens)
+    return n if isinstance(n, web.Response) else web.json_response({"input_tokens": n})
+
+
+async def responses_input_tokens(request: web.Request) -> web.Response:
+    """OpenAI's `POST /v1/responses/input_tokens` (the SDK's `responses.input_tokens.count`):
+    `{"object": "response.input_tokens", "input_tokens": n}` (`_count`)."""
+    n = await _count(request, RESPONSES, parse_responses_request)
+    return n if isinstance(n, web.Response) else web.json_response({"object": "response.input_tokens",
+                                                                    "input_tokens": n})
+
+
+async def response_not_stored(request: web.Request) -> web.Response:
+    """`/v1/responses/{id}` (retrieve, delete, cancel, input items): 404, the proxy stores
+    no responses (Codex CLI sends `store: false` and the whole conversation each call)."""
+    if request.path in MODEL_PATHS:  # /responses/input_tokens asked with another method than POST
+        return await not_found(request)
+    rid = request.match_info["rid"].split("/", 1)[0]
+    return error_response(RESPONSES, ApiError(404, f"Response with id {rid[:200]!r} not found: this proxy stores no "
+                                                   "responses", code="response_not_found"))
 
 
 def _model_entry(name: str) -> dict:
@@ -1212,7 +1244,7 @@ def _api_of(request: web.Request) -> Api:
 
 
 MODEL_PATHS = frozenset(prefix + path for prefix in ("/v1", "") for path in (
-    "/chat/completions", "/responses", "/messages", "/messages/count_tokens"))
+    "/chat/completions", "/responses", "/messages", "/messages/count_tokens", "/responses/input_tokens"))
 
 
 async def not_found(request: web.Request) -> web.Response:
@@ -1241,6 +1273,8 @@ def make_app(state: ProxyState) -> web.Application:
         app.router.add_post(prefix + "/responses", responses)
         app.router.add_post(prefix + "/messages", messages)
         app.router.add_post(prefix + "/messages/count_tokens", count_tokens)
+        app.router.add_post(prefix + "/responses/input_tokens", responses_input_tokens)
+        app.router.add_route("*", prefix + "/responses/{rid:.+}", response_not_stored)
         app.router.add_get(prefix + "/models", models)
         app.router.add_get(prefix + "/models/{model:.+}", model)  # a raw "Qwen/Qwen3-8B" too
     app.router.add_get("/health", health)

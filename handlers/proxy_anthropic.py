@@ -6,7 +6,9 @@ Requests → internal chat messages (handlers/proxy_api.py):
   it is transport metadata, not an instruction, so it is neither rendered nor matched
   (the prompt ids are what the model sees, and the model never sees it).
 - `messages[i]`: content a string or blocks. User: `text` (blocks of one message joined
-  with a blank line), `image`/`document` → a placeholder, `tool_result` {tool_use_id,
+  with a blank line), `document` → its text (a `text` source's data, a `content`
+  source's text blocks; a PDF or URL source a placeholder), `search_result` → its content's
+  text, `image` → a placeholder, `tool_result` {tool_use_id,
   content string|blocks, is_error → "Error: " prefix} → a `tool` message, in block order
   (texts around tool results become user messages). Assistant: `thinking` →
   `reasoning_content`, `text` → content, `tool_use` {id, name, input} → a tool call whose
@@ -76,11 +78,27 @@ def _blocks_text(content: Any, where: str) -> str:
                 if not isinstance(block.get("text"), str):
                     raise ApiError(400, f"{where} has a text block whose 'text' is not a string")
                 texts.append(block["text"])
-            elif block.get("type") in ("image", "document"):
-                texts.append(f"[{block['type']}]")
+            elif block.get("type") == "document":
+                texts.append(_document_text(block, where))
+            elif block.get("type") == "search_result":
+                texts.append(_blocks_text(block.get("content"), f"{where} (search_result content)"))
+            elif block.get("type") == "image":
+                texts.append("[image]")
         else:
             raise ApiError(400, f"{where} has a block that is not an object")
     return "\n\n".join(texts)
+
+
+def _document_text(block: dict, where: str) -> str:
+    """A `document` block's text: a plain-text source's `data`, a content source's text
+    blocks; other sources (PDF as base64, URL, file id) are a placeholder, as images are."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "text" and isinstance(source.get("data"), str):
+        return source["data"]
+    if kind == "content":
+        return _blocks_text(source.get("content"), f"{where} (document content)")
+    return "[document]"
 
 
 def system_text(system: Any) -> str:

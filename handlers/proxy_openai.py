@@ -7,8 +7,10 @@ ends before the one the completion stopped on), `logprobs` (every sampled token'
 behaviour log-prob, as `call.completed` records it: `choices[].logprobs.content`, with the
 token's text and bytes, `top_logprobs` empty; all the completion's tokens, thinking and
 tool-call markup included, not only the content's; streamed, on the finish chunk); `n` > 1 and
-`top_logprobs` > 0 refused (the engine returns the sampled token's log-prob only); other
-fields ignored.
+`top_logprobs` > 0 refused (the engine returns the sampled token's log-prob only), and so
+are the deprecated `functions` / `function_call` (rather than dropped unseen); an
+assistant's `custom` tool call is rendered as a function call with arguments `{"input": …}`
+(as Responses' `custom_tool_call`); other fields ignored.
 Streams: a role chunk, reasoning (`reasoning_content`) and content deltas, tool-call
 deltas (index, id, type, name, then argument fragments), one finish chunk (`tool_calls` |
 `stop` | `length`), a usage chunk when asked, `data: [DONE]`.
@@ -18,7 +20,8 @@ chat messages: `message` items (roles user/assistant/system/developer → system
 `input_text`/`output_text`, images and files as placeholders), `function_call`
 {call_id, name, arguments} joined onto the preceding assistant message, `function_call_output`
 {call_id, output} → a tool message, `custom_tool_call`/`_output` likewise (input as
-`{"input": …}`), `reasoning` and unknown items dropped. Only `function` tools are rendered;
+`{"input": …}`), `reasoning` items' text (summary or content parts) → the reasoning of the
+assistant turn they precede (as a Messages `thinking` block), unknown items dropped. Only `function` tools are rendered;
 `namespace`, `web_search`, `custom`, … are tolerated. `max_output_tokens`,
 `temperature`, `top_p`. The proxy stores no responses or conversations: a request naming
 `previous_response_id` or `conversation` is refused (400, `previous_response_not_found`
@@ -69,6 +72,11 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ApiError(400, "'tools' must be a list", param="tools")
+    for legacy in ("functions", "function_call"):
+        if body.get(legacy) is not None:  # dropped silently, the policy would never see the functions
+            raise ApiError(400, f"'{legacy}' (deprecated by OpenAI) is not served; send 'tools' and "
+                                "'tool_choice'", param=legacy)
+    messages = _custom_calls_as_functions(messages)
     if body.get("n") not in (None, 1):
         raise ApiError(400, "only n = 1 is supported", param="n")
     top = body.get("top_logprobs")
@@ -88,6 +96,30 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
     return ModelRequest(api="chat", messages=messages, tools=tools or None, stream=flag(body, "stream"),
                         sampling=sampling, model=model, json_output=json_output,
                         options={"include_usage": include_usage, "logprobs": flag(body, "logprobs")})
+
+
+def _custom_calls_as_functions(messages: list) -> list:
+    """`messages` with each assistant tool call of type `custom` ({"custom": {"name",
+    "input"}}, OpenAI's shape for custom tools) as a function call whose arguments are
+    `{"input": …}`, as a Responses `custom_tool_call` item is rendered; the same list when
+    there is none (the usual case: one pass over the messages)."""
+    if not any(m.get("tool_calls") and _has_custom(m["tool_calls"]) for m in messages):
+        return messages
+    return [{**m, "tool_calls": [_function_form(tc) for tc in m["tool_calls"]]}
+            if m.get("tool_calls") and _has_custom(m["tool_calls"]) else m for m in messages]
+
+
+def _has_custom(calls: Any) -> bool:
+    return isinstance(calls, list) and any(isinstance(tc, dict) and tc.get("type") == "custom" for tc in calls)
+
+
+def _function_form(call: Any) -> Any:
+    custom = call.get("custom") if isinstance(call, dict) and call.get("type") == "custom" else None
+    if not isinstance(custom, dict):
+        return call
+    return {"id": call.get("id"), "type": "function",
+            "function": {"name": custom.get("name"),
+                         "arguments": json.dumps({"input": custom.get("input") or ""}, ensure_ascii=False)}}
 
 
 def answer_message(answer: Answer) -> dict:
@@ -216,6 +248,18 @@ def _parts_text(content: Any, where: str) -> str:
     return "\n\n".join(texts)
 
 
+def _reasoning_text(item: dict) -> str:
+    """The text of a `reasoning` input item: its `content` parts (`reasoning_text`) when it
+    has any, else its `summary` parts joined by a blank line; "" when only encrypted."""
+    for field in ("content", "summary"):
+        parts = item.get(field)
+        if isinstance(parts, list):
+            texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str) and p["text"]]
+            if texts:
+                return "\n\n".join(texts)
+    return ""
+
+
 def responses_messages(body: dict) -> list[dict]:
     """`instructions` + `input` → internal chat messages (module docstring). Raises ApiError(400)."""
     out: list[dict] = []
@@ -227,6 +271,7 @@ def responses_messages(body: dict) -> list[dict]:
         items = [{"type": "message", "role": "user", "content": items}]
     if not isinstance(items, list):
         raise ApiError(400, "'input' must be a string or a list of items", param="input")
+    reasoning: list[str] = []  # `reasoning` items' text, for the assistant turn they precede
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -240,6 +285,9 @@ def responses_messages(body: dict) -> list[dict]:
                                param="input")
             out.append({"role": "system" if role == "developer" else role,
                         "content": _parts_text(item.get("content"), f"{where}.content")})
+            if role == "assistant" and reasoning:
+                out[-1]["reasoning_content"] = "\n\n".join(reasoning)
+                reasoning = []
         elif kind in ("function_call", "custom_tool_call"):
             call_id, name = item.get("call_id"), item.get("name")
             if not isinstance(call_id, str) or not isinstance(name, str):
@@ -251,10 +299,13 @@ def responses_messages(body: dict) -> list[dict]:
             else:
                 args = json.dumps({"input": item.get("input") or ""}, ensure_ascii=False)
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
-            if out and out[-1]["role"] == "assistant":
+            if out and out[-1]["role"] == "assistant" and not reasoning:
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                if reasoning:
+                    out[-1]["reasoning_content"] = "\n\n".join(reasoning)
+                    reasoning = []
         elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
@@ -264,8 +315,12 @@ def responses_messages(body: dict) -> list[dict]:
         elif kind == "item_reference":  # a stored item: as `previous_response_id`, not to be dropped
             raise ApiError(400, f"{where}: item with id {str(item.get('id'))[:200]!r} not found: this proxy "
                                 "stores no items; send the item itself", param="input")
-        # `reasoning` items (our own summaries echoed back, possibly encrypted) and unknown
-        # kinds carry nothing the template renders: TITO restores recorded reasoning itself.
+        elif kind == "reasoning":  # its summary (ours is the whole reasoning) or its reasoning_text parts
+            text = _reasoning_text(item)
+            if text:
+                reasoning.append(text)
+        # Unknown kinds carry nothing the template renders. Reasoning only encrypted stays
+        # unseen here; TITO restores what the policy wrote from the call it extends.
     if not out:
         raise ApiError(400, "'input' holds no message", param="input")
     return out

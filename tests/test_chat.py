@@ -204,6 +204,18 @@ def test_parse_plain_text_is_unchanged():
     assert parse_completion("done<|endoftext|>").content == "done"
 
 
+def test_parse_a_cut_completion_leaves_out_its_unfinished_tool_call():
+    """Cut by the cap inside its second call: the first call stands, the second is neither
+    a call nor text. Not cut, the same unclosed block is malformed output and stays text."""
+    text = ('Two steps.\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "b", "argu')
+    cut = parse_completion(text, id_prefix="c", cut=True)
+    assert cut.content == "Two steps." and [c.name for c in cut.tool_calls] == ["a"]
+    whole = parse_completion(text, id_prefix="c")
+    assert whole.content.endswith('<tool_call>\n{"name": "b", "argu') and len(whole.tool_calls) == 1
+    assert parse_completion("<tool_call>\n{", cut=True) == Parsed(content="", reasoning=None, tool_calls=())
+
+
 def test_parse_think():
     p = parse_completion("<think>\nplan it\n</think>\n\nThe answer.<|im_end|>")
     assert p == Parsed(content="The answer.", reasoning="plan it", tool_calls=())

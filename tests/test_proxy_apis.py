@@ -787,3 +787,141 @@ async def test_two_keys_that_disagree_are_refused(local):
                              headers={"x-api-key": same, "Authorization": "Bearer " + same}) as r:
             assert r.status == 200
     assert not engine.requests[1:]
+
+
+# --------------------------------------------------------------------------- valid requests, unusual shapes
+
+
+def _prompt(tok, engine, i: int = -1) -> str:  # noqa: F811
+    return tok.decode(engine.requests[i]["input_ids"], skip_special_tokens=False)
+
+
+async def test_text_documents_and_search_results_reach_the_policy(local, tok):  # noqa: F811
+    """A `document` with a text or content source and a `search_result` block carry text
+    the model must read (in a user turn and inside a tool result); a PDF stays a placeholder."""
+    engine = await local.engine(["ok"])
+    await local.proxy(engine=engine)
+    doc = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "The code is 4711."}}
+    blocks = {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "Page two."}]}}
+    pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}
+    found = {"type": "search_result", "source": "https://x", "title": "T",
+             "content": [{"type": "text", "text": "Search says 42."}]}
+    client = local.anthropic("ex-docs")
+    await client.messages.create(model="x", max_tokens=5, messages=[
+        {"role": "user", "content": [doc, blocks, pdf, {"type": "text", "text": "What is the code?"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "search", "input": {"q": "x"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [found]}]}])
+    prompt = _prompt(tok, engine)
+    assert "The code is 4711.\n\nPage two.\n\n[document]\n\nWhat is the code?" in prompt
+    assert "<tool_response>\nSearch says 42.\n</tool_response>" in prompt
+
+
+async def test_chat_custom_tool_calls_and_calls_without_arguments_render_as_calls(local, tok):  # noqa: F811
+    """An assistant's `custom` tool call (OpenAI's shape for custom tools) is rendered as
+    a call with its input, as Responses renders `custom_tool_call`; a function call whose
+    arguments are "" is a call without arguments (`{}`), not broken markup. The deprecated
+    `functions` are refused rather than dropped unseen."""
+    engine = await local.engine(["ok", "ok"])
+    await local.proxy(engine=engine)
+    client = local.client("ex-custom")
+    await client.chat.completions.create(model="m", messages=[
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "custom", "custom": {"name": "apply_patch", "input": "*** Begin"}},
+            {"id": "c2", "type": "function", "function": {"name": "now", "arguments": ""}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r1"},
+        {"role": "tool", "tool_call_id": "c2", "content": "r2"}])
+    prompt = _prompt(tok, engine)
+    assert '<tool_call>\n{"name": "apply_patch", "arguments": {"input": "*** Begin"}}\n</tool_call>' in prompt
+    assert '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>' in prompt
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                             functions=[{"name": "f", "parameters": {"type": "object"}}])
+    assert err.value.body["param"] == "functions" and "tools" in err.value.message
+    assert len(engine.requests) == 1
+
+
+CUT_CALL = 'Running it.\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la /tmp && echo done"}}\n</tool_call>'
+
+
+async def test_a_tool_call_cut_by_the_cap_is_not_shown_as_text(local, tok):  # noqa: F811
+    """A completion cut by `max_tokens` inside a tool call answers the text before the call
+    (SGLang's tool parser drops the unfinished call), in every API; the ids keep the cut
+    call, and the harness's next request, resending the answer as it got it, extends it."""
+    engine = await local.engine([CUT_CALL] * 4)
+    await local.proxy(engine=engine)
+    tools = [{"name": "bash", "input_schema": {"type": "object"}}]
+    client = local.anthropic("ex-cut")
+    first = [{"role": "user", "content": "go"}]
+    got = await client.messages.create(model="x", max_tokens=12, tools=tools, messages=first)
+    assert got.stop_reason == "max_tokens" and [b.type for b in got.content] == ["text"]
+    assert got.content[0].text == "Running it."
+    store = local.store("ex-cut")
+    cut = store.calls[-1]
+    assert "<tool_call>" in tok.decode(cut.own_ids[-cut.completion_len:].tolist())
+    resent = first + [{"role": "assistant", "content": "Running it."}, {"role": "user", "content": "go on"}]
+    await client.messages.create(model="x", max_tokens=12, tools=tools, messages=resent)
+    assert store.calls[-1].parent is cut and store.calls[-1].prefix_len == cut.prefix_len + len(cut.own_ids)
+    chat = await local.client("ex-cut-chat").chat.completions.create(
+        model="m", max_tokens=12, messages=first, tools=[{"type": "function", "function": {"name": "bash"}}])
+    assert chat.choices[0].finish_reason == "length" and chat.choices[0].message.content == "Running it."
+    assert not chat.choices[0].message.tool_calls
+    whole = await local.client("ex-whole").chat.completions.create(model="m", max_tokens=200, messages=first)
+    assert whole.choices[0].message.tool_calls[0].function.name == "bash"
+
+
+async def test_a_token_count_is_the_input_tokens_of_the_same_request(local):
+    """count_tokens (and Responses' input_tokens) attach the request as its call would: when
+    it extends a call whose tool-call JSON the model wrote compactly, the count reuses the
+    sampled ids, as the call's `usage` does, instead of re-rendering them canonically."""
+    compact = 'Ok.\n<tool_call>\n{"name":"bash","arguments":{"c":"ls"}}\n</tool_call>'
+    engine = await local.engine([compact, "done", compact, "done"])
+    await local.proxy(engine=engine)
+    tools = [{"name": "bash", "input_schema": {"type": "object"}}]
+    client = local.anthropic("ex-ct-usage")
+    first = [{"role": "user", "content": "go"}]
+    got = await client.messages.create(model="x", max_tokens=200, messages=first, tools=tools)
+    blocks = [b.model_dump(exclude_none=True, include={"type", "text", "id", "name", "input"}) for b in got.content]
+    then = first + [{"role": "assistant", "content": blocks},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": got.content[-1].id,
+                                                  "content": "a"}]}]
+    counted = await client.messages.count_tokens(model="x", messages=then, tools=tools)
+    used = await client.messages.create(model="x", max_tokens=50, messages=then, tools=tools)
+    assert counted.input_tokens == used.usage.input_tokens == len(engine.requests[-1]["input_ids"])
+
+    oai = local.client("ex-it-usage")
+    ftools = [{"type": "function", "name": "bash", "parameters": {"type": "object"}}]
+    answer = await oai.responses.create(model="m", input="go", tools=ftools)
+    call = next(item for item in answer.output if item.type == "function_call")
+    items = [{"role": "user", "content": "go"}, call.model_dump(exclude_none=True),
+             {"type": "function_call_output", "call_id": call.call_id, "output": "a"}]
+    counted = await oai.responses.input_tokens.count(model="m", input=items, tools=ftools)
+    used = await oai.responses.create(model="m", input=items, tools=ftools)
+    assert counted.input_tokens == used.usage.input_tokens == len(engine.requests[-1]["input_ids"])
+    assert local.store("ex-it-usage").calls[-1].parent is local.store("ex-it-usage").calls[0]
+
+
+async def test_responses_reasoning_items_are_the_next_turns_reasoning(local, tok):  # noqa: F811
+    """A `reasoning` item sent back is rendered as the reasoning of the assistant turn it
+    precedes, as a Messages thinking block is, also where no recorded call restores it (a
+    new key, a restarted proxy); stored responses are a 404 in OpenAI's shape."""
+    from handlers.proxy_openai import responses_messages
+
+    engine = await local.engine(["ok"])
+    await local.proxy(engine=engine)
+    items = [{"role": "user", "content": "list"},
+             {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "I should run ls."}]},
+             {"type": "function_call", "call_id": "c1", "name": "bash", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "a.txt"}]
+    assert responses_messages({"input": items})[1]["reasoning_content"] == "I should run ls."
+    oai = local.client("ex-rs")
+    await oai.responses.create(model="m", input=items,
+                               tools=[{"type": "function", "name": "bash", "parameters": {"type": "object"}}])
+    assert "<think>\nI should run ls.\n</think>" in _prompt(tok, engine)
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {oai.api_key}"}) as http:
+        async with http.get(local.url + "/v1/responses/resp_123") as resp:
+            body = await resp.json()
+            assert resp.status == 404 and body["error"]["code"] == "response_not_found"
+            assert "resp_123" in body["error"]["message"]
+        async with http.get(local.url + "/v1/responses/input_tokens") as resp:
+            assert resp.status == 405 and resp.headers["Allow"] == "POST"
