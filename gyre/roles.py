@@ -17,9 +17,10 @@ from the request headers (names lower-case):
 
 Rules (`classify`), in order:
 1. `auxiliary`: `count_tokens`; for `claude-code`, a call asking for a JSON-schema
-   answer with no tools (its title generation) and, without an agent-id header, a model
-   name containing `haiku` (the small side model; the Explore sub-agent runs on haiku and
-   is a `sub-agent`). Other harnesses' schema-constrained calls stay agent calls: an
+   answer with no tools (its title generation) and, without an agent-id header, a call
+   with no tools to a model whose name contains `haiku` (the small side model; the
+   Explore sub-agent runs on haiku and is a `sub-agent`, and an agent run with `--model
+   haiku` sends its tools with every call: `main`). Other harnesses' schema-constrained calls stay agent calls: an
    agent built on structured outputs may send nothing else, and none of them was seen
    making titles.
 2. Agent: `claude-code` calls with an `x-claude-code-agent-id` header are `sub-agent`;
@@ -203,8 +204,11 @@ def _classify(facts: CallFacts, profile: str | None) -> Classification:
     if harness == "claude-code" and facts.json_output and facts.tools == 0:
         meta.setdefault("request_kind", "title")
         return Classification("auxiliary", harness, meta)
-    if harness == "claude-code" and not sub and any(m in facts.model.lower() for m in SMALL_MODEL_MARKERS):
-        return Classification("auxiliary", harness, meta)  # the main agent's side calls; a sub-agent's own model may be haiku
+    if harness == "claude-code" and not sub and facts.tools == 0 \
+            and any(m in facts.model.lower() for m in SMALL_MODEL_MARKERS):
+        # the main agent's side calls to its small model carry no tools; the agent itself may
+        # run on haiku (`--model haiku`), and a sub-agent's own model may be haiku
+        return Classification("auxiliary", harness, meta)
     if sub:
         return Classification("sub-agent-summary" if summary else "sub-agent", harness, meta)
     return Classification("main-summary" if summary else "main", harness, meta)

@@ -68,7 +68,12 @@ def test_auxiliary_calls():
     assert title.role == "auxiliary" and title.meta["request_kind"] == "title"
     # JSON output with tools is a main call (a harness may constrain a tool-using agent).
     assert classify(facts(CC, user("fix it"), tools=2, json_output=True)).role == "main"
-    assert classify(facts(CC, user("explore"), model="claude-haiku-4-5-20251001")).role == "auxiliary"
+    assert classify(facts(CC, user("quota"), model="claude-haiku-4-5-20251001", tools=0)).role == "auxiliary"
+    # The main agent run on haiku (`--model haiku`) sends its tools: main, trained
+    assert classify(facts(CC, user("fix it"), model="claude-haiku-4-5-20251001")).role == "main"
+    assert classify(facts(CC, user("fix it"), {"role": "assistant", "content": "x"}, user(
+        "go\n\nYour task is to create a detailed summary of the conversation so far"), model="haiku")).role \
+        == "main-summary"
     # Claude Code's Explore sub-agent runs on haiku: with its agent-id header it is a sub-agent
     explore = facts(CC, user("explore"), model="claude-haiku-4-5-20251001")
     explore = dataclasses.replace(explore, headers={**explore.headers, "x-claude-code-agent-id": "a7"})
