@@ -24,7 +24,8 @@ Rules (`classify`), in order:
    agent built on structured outputs may send nothing else, and none of them was seen
    making titles.
 2. Agent: `claude-code` calls with an `x-claude-code-agent-id` header are `sub-agent`;
-   `codex` calls with an `x-openai-subagent` header (unobserved; `compact` there means
+   `codex` calls with an `x-openai-subagent` header (`collab_spawn` on the calls of a
+   sub-agent spawned through its `multi_agent_v1` tools; `compact` there means
    compaction, anything else a sub-agent); everything else is `main`.
 3. Summary: `claude-code` — the last user message holds the compaction instruction
    ("Your task is to create a detailed summary of the conversation so far") or the

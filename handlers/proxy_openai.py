@@ -18,11 +18,15 @@ deltas (index, id, type, name, then argument fragments), one finish chunk (`tool
 Responses (`POST /v1/responses`): `input` (a string or items) and `instructions` become
 chat messages: `message` items (roles user/assistant/system/developer → system; parts
 `input_text`/`output_text`, images and files as placeholders), `function_call`
-{call_id, name, arguments} joined onto the preceding assistant message, `function_call_output`
+{call_id, name, arguments} joined onto the preceding assistant message (one with a `namespace`
+named by its flat name, below), `function_call_output`
 {call_id, output} → a tool message, `custom_tool_call`/`_output` likewise (input as
 `{"input": …}`), `reasoning` items' text (summary or content parts) → the reasoning of the
-assistant turn they precede (as a Messages `thinking` block), unknown items dropped. Only `function` tools are rendered;
-`namespace`, `web_search`, `custom`, … are tolerated. `max_output_tokens`,
+assistant turn they precede (as a Messages `thinking` block), unknown items dropped.
+Tools: `function` tools, and the functions of a `namespace` tool (Codex's sub-agent tools)
+under their flat name `namespace__name`, a call to one answered with `name` and
+`namespace` apart, as Codex dispatches it; `web_search`, `custom`, … are tolerated and
+not rendered. `max_output_tokens`,
 `temperature`, `top_p`. The proxy stores no responses or conversations: a request naming
 `previous_response_id` or `conversation` is refused (400, `previous_response_not_found`
 as the hosted API answers an unknown id), and so is an `item_reference` input item,
@@ -292,6 +296,8 @@ def responses_messages(body: dict) -> list[dict]:
             call_id, name = item.get("call_id"), item.get("name")
             if not isinstance(call_id, str) or not isinstance(name, str):
                 raise ApiError(400, f"{where} needs string 'call_id' and 'name'", param="input")
+            if isinstance(item.get("namespace"), str) and item["namespace"]:
+                name = flat_name(item["namespace"], name)  # as the policy wrote it (`responses_tools`)
             if kind == "function_call":
                 args = item.get("arguments")  # JSON text; an object is taken as what it stands for
                 args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False) if isinstance(
@@ -326,18 +332,38 @@ def responses_messages(body: dict) -> list[dict]:
     return out
 
 
-def responses_tools(tools: Any) -> list[dict] | None:
-    """Function tools in chat form; other tool types are tolerated and not rendered."""
+def flat_name(namespace: str, name: str) -> str:
+    """The name the policy sees for function `name` of a `namespace` tool: Codex's
+    canonical flat name (`multi_agent_v1__spawn_agent`), `__` between them."""
+    return namespace.rstrip("_") + "__" + name.lstrip("_")
+
+
+def responses_tools(tools: Any) -> tuple[list[dict] | None, dict[str, tuple[str, str]]]:
+    """(function tools in chat form, {flat name: (namespace, name)}). The functions of a
+    `namespace` tool (Codex's sub-agent tools: `{"type": "namespace", "name":
+    "multi_agent_v1", "tools": [functions]}`) are shown under their flat name (`flat_name`);
+    other tool types are tolerated and not rendered."""
     if tools is None:
-        return None
+        return None, {}
     if not isinstance(tools, list):
         raise ApiError(400, "'tools' must be a list", param="tools")
-    out = []
+    out: list[dict] = []
+    namespaces: dict[str, tuple[str, str]] = {}
     for tool in tools:
-        if isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("name"), str):
+        if not isinstance(tool, dict):
+            continue
+        if tool.get("type") == "function" and isinstance(tool.get("name"), str):
             params = tool.get("parameters")
             out.append(function_tool(tool, params if isinstance(params, dict) else {}))
-    return out or None
+        elif tool.get("type") == "namespace" and isinstance(tool.get("name"), str) and isinstance(tool.get("tools"), list):
+            for inner in tool["tools"]:
+                if isinstance(inner, dict) and inner.get("type", "function") == "function" \
+                        and isinstance(inner.get("name"), str):
+                    flat = flat_name(tool["name"], inner["name"])
+                    namespaces[flat] = (tool["name"], inner["name"])
+                    params = inner.get("parameters")
+                    out.append(function_tool({**inner, "name": flat}, params if isinstance(params, dict) else {}))
+    return out or None, namespaces
 
 
 def parse_responses_request(body: Any, defaults: SamplingParams, memo: Any = None) -> ModelRequest:
@@ -363,7 +389,7 @@ def parse_responses_request(body: Any, defaults: SamplingParams, memo: Any = Non
                             "output items); Chat Completions answers logprobs: true with every sampled token's",
                        param=asked)
     messages = responses_messages(body)
-    tools = responses_tools(body.get("tools"))
+    tools, namespaces = responses_tools(body.get("tools"))
     sampling = parse_sampling(body, defaults, ("max_output_tokens",))
     text = body.get("text")
     fmt = text.get("format") if isinstance(text, dict) else None
@@ -374,7 +400,8 @@ def parse_responses_request(body: Any, defaults: SamplingParams, memo: Any = Non
     if isinstance(fmt, dict):
         echo["text"] = text
     return ModelRequest(api="responses", messages=messages, tools=tools, stream=flag(body, "stream"),
-                        sampling=sampling, model=model, json_output=json_output, options={"echo": echo})
+                        sampling=sampling, model=model, json_output=json_output,
+                        options={"echo": echo, "namespaces": namespaces})
 
 
 class ResponsesApi(Api):
@@ -427,8 +454,10 @@ class ResponsesApi(Api):
         return sse({"type": "response.failed", "sequence_number": 2, "response": resp}, "response.failed")
 
     @staticmethod
-    def output_items(answer: Answer) -> list[dict]:
-        """The answer's output items, complete."""
+    def output_items(answer: Answer, namespaces: dict[str, tuple[str, str]]) -> list[dict]:
+        """The answer's output items, complete; a call to a function of a `namespace` tool
+        (`responses_tools`: its flat name → (namespace, name)) names both, as Codex
+        dispatches it."""
         key = answer.rid.removeprefix("resp_")
         items: list[dict] = []
         if answer.reasoning:
@@ -439,8 +468,11 @@ class ResponsesApi(Api):
                           "content": [{"type": "output_text", "text": answer.content, "annotations": [],
                                        "logprobs": []}]})
         for i, tc in enumerate(answer.tool_calls):
-            items.append({"type": "function_call", "id": f"fc_{key}_{i}", "call_id": tc.id, "name": tc.name,
-                          "arguments": tc.arguments, "status": "completed"})
+            item = {"type": "function_call", "id": f"fc_{key}_{i}", "call_id": tc.id, "name": tc.name,
+                    "arguments": tc.arguments, "status": "completed"}
+            if tc.name in namespaces:
+                item["namespace"], item["name"] = namespaces[tc.name]
+            items.append(item)
         return items
 
     def render(self, answer: Answer, req: ModelRequest) -> dict | list[bytes]:
@@ -448,7 +480,7 @@ class ResponsesApi(Api):
                  "output_tokens": answer.completion_tokens,
                  "output_tokens_details": {"reasoning_tokens": answer.reasoning_tokens},
                  "total_tokens": answer.prompt_tokens + answer.completion_tokens}
-        items = self.output_items(answer)
+        items = self.output_items(answer, req.options.get("namespaces", {}))
         truncated = answer.finish == "length"
         for item in items if truncated else ():  # the cap cut the message short, as OpenAI marks it
             if item["type"] == "message":

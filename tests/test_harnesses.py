@@ -10,6 +10,8 @@ concurrently behind one proxy, on a real nats-server:
   and `main-summary` leaves;
 - against the tiny random model behind the embedded engine (handlers/engine_server.py),
   each runs to its end (exits by itself, or its timeout stops it).
+Codex delegates to a sub-agent through its `multi_agent_v1` namespace tools, and the
+sub-agent's calls are recorded as `sub-agent`.
 Claude Code's interactive screen, typed into through tmux, brings the calls headless runs
 never make (a title call, `/context`'s count_tokens calls): they are recorded as
 `auxiliary`.
@@ -304,6 +306,70 @@ async def test_harnesses_complete_their_task_through_the_proxy(tok, nats_server,
             assert roles == sorted(roles, key=order.index), roles
             assert sum(t.n_trained for t in kept) == sum(
                 len(c.tokens.completion_ids) for c in calls if c.role != "auxiliary" and c.status == "ok")
+    finally:
+        await stack.close()
+        await engine.stop()
+
+
+CODEX_SUBTASK = "SUBTASK-cx9: write sub.txt holding the word delegated, then report back."
+
+
+def codex_delegation(tok, ws: Path, spawned: list[str]):
+    """A scripted Codex main agent that spawns a sub-agent through Codex's
+    `multi_agent_v1` namespace tools (their flat names, as the proxy shows them), waits
+    for it with the agent id the spawn returned, then writes add.py; the sub-agent writes
+    sub.txt. `spawned` collects the spawn tool's outputs (for a failure message)."""
+    from handlers.scripted_engine import split_turns
+
+    def cb(body: dict) -> str:
+        turns = split_turns(tok.decode(body["input_ids"], skip_special_tokens=False))
+        k = turns.assistant_turns
+        asked = [b for b in turns.text.split("<|im_start|>") if b.startswith("user\n") and "<tool_response>" not in b]
+        if any(CODEX_SUBTASK in b for b in asked):  # the sub-agent: its task is a user message
+            return (tool_call("exec_command", {"cmd": "printf delegated > sub.txt && echo ok"}),
+                    "sub.txt written.")[min(k, 1)]
+        if k == 0:
+            return tool_call("multi_agent_v1__spawn_agent", {"message": CODEX_SUBTASK})
+        if k == 1:
+            spawned.append(turns.last)
+            found = re.search(r'"(?:agent_id|id|target)"\s*:\s*"([^"]+)"', turns.last)
+            return tool_call("multi_agent_v1__wait_agent",
+                             {"targets": [found.group(1) if found else "?"], "timeout_ms": 60000})
+        if k == 2:
+            return tool_call("exec_command", {"cmd": write_add(ws)})
+        return "The task is complete: add.py defines add(a, b); the sub-agent wrote sub.txt."
+    return cb
+
+
+async def test_codex_delegates_to_a_sub_agent_through_its_namespace_tools(tok, nats_server, run_id, run_dir):
+    """Codex CLI offers its sub-agent tools as a `namespace` tool (`multi_agent_v1`): the
+    policy sees them under flat names, and its calls are answered with the namespace, so
+    Codex spawns the sub-agent, whose own calls reach the proxy; both finish their files,
+    every call is recorded ok with drift 0, and no response is an error."""
+    wanted(["codex"])
+    spawned: list[str] = []
+    engine = ScriptedEngine(tok, callback=codex_delegation(tok, Paths.of(run_dir, "codex-sub").workspace, spawned))
+    await engine.start()
+    stack = Stack(tok, nats_server, run_id, run_dir)
+    try:
+        await stack.start(engine.url)
+        await stack.dispatch("codex-sub", "codex", timeout_s=150.0, max_calls=12)
+        await stack.wait_finished(["codex-sub"], 200.0)
+        done = stack.finished["codex-sub"]
+        log = stack.log("codex-sub")
+        assert (done.status, done.exit_code) == ("ok", 0), f"{done.status} {done.exit_code}\n{log}"
+        ws = Paths.of(run_dir, "codex-sub").workspace
+        assert (ws / "sub.txt").read_text() == "delegated", f"spawn said {spawned}\n{log}"
+        assert (ws / "add.py").read_text() == ADD_PY, log
+        calls = await stack.recorded_calls("codex-sub")
+        assert_recorded(stack, "codex-sub", calls)
+        assert_no_proxy_errors(stack)
+        subs = [c for c in calls if c.role == "sub-agent"]
+        assert subs, [(c.seq, c.role, c.meta) for c in calls]
+        assert spawned and re.search(r'"(?:agent_id|id|target)"\s*:\s*"[^"?]+"', spawned[0]), spawned
+        tree = build_tree("codex-sub", calls)
+        assert {tree.role(leaf) for leaf in tree.leaves()} == {"main", "sub-agent"}, [
+            (c.seq, c.role, c.parent_call, c.meta.get("agent_id")) for c in calls]
     finally:
         await stack.close()
         await engine.stop()

@@ -925,3 +925,33 @@ async def test_responses_reasoning_items_are_the_next_turns_reasoning(local, tok
             assert "resp_123" in body["error"]["message"]
         async with http.get(local.url + "/v1/responses/input_tokens") as resp:
             assert resp.status == 405 and resp.headers["Allow"] == "POST"
+
+
+async def test_codex_namespace_tools_are_shown_and_their_calls_name_the_namespace(local, tok):  # noqa: F811
+    """Codex offers its sub-agent tools as a `namespace` tool; the policy sees each function
+    under its flat name (`multi_agent_v1__spawn_agent`), a call to one is answered with
+    `name` and `namespace` apart (Codex rejects it otherwise: "unsupported call"), and the
+    item echoed back with its namespace extends the call."""
+    spawn = '<tool_call>\n{"name": "multi_agent_v1__spawn_agent", "arguments": {"task": "count files"}}\n</tool_call>'
+    engine = await local.engine([spawn, "done"])
+    await local.proxy(engine=engine)
+    tools = [{"type": "function", "name": "exec_command", "parameters": {"type": "object"}},
+             {"type": "namespace", "name": "multi_agent_v1", "description": "sub-agents", "tools": [
+                 {"type": "function", "name": "spawn_agent", "description": "Spawn a sub-agent.",
+                  "parameters": {"type": "object", "properties": {"task": {"type": "string"}}}},
+                 {"type": "function", "name": "wait_agent", "parameters": {"type": "object"}}]}]
+    body = {"model": "m", "input": [{"role": "user", "content": "go"}], "tools": tools, "stream": False}
+    oai = local.client("ex-ns")
+    got = await oai.post("/responses", body=body, cast_to=object)
+    (call,) = [item for item in got["output"] if item["type"] == "function_call"]
+    assert (call["name"], call["namespace"], json.loads(call["arguments"])) == (
+        "spawn_agent", "multi_agent_v1", {"task": "count files"})
+    prompt = _prompt(tok, engine)
+    assert '"name": "multi_agent_v1__spawn_agent"' in prompt and '"name": "multi_agent_v1__wait_agent"' in prompt
+    assert "Spawn a sub-agent." in prompt
+    echoed = {**body, "input": body["input"] + [
+        {k: call[k] for k in ("type", "call_id", "name", "namespace", "arguments")},
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "spawned"}]}
+    await oai.post("/responses", body=echoed, cast_to=object)
+    store = local.store("ex-ns")
+    assert store.calls[-1].parent is store.calls[0] and store.calls[-1].drift == 0
