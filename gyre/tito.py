@@ -41,7 +41,9 @@ Contract:
   JSON, in C) with the few latest requests of the execution, and only the messages after
   the common part are normalised and hashed again.
 - `CallStore.fresh(messages, tools) -> Match`: the request rendered alone, parent None
-  (auxiliary calls: counted, answered and published, never recorded).
+  (auxiliary calls: counted, answered and published, never recorded). A token count is
+  attached as its call would be (`attach(..., remember=False)`: the same prompt ids, the
+  memo of latest requests left as it was) and never recorded either.
 - A branch or fresh request's first turn (the system prompt and tool definitions, up to
   and including the first `<|im_end|>`) is encoded once per store: the latest
   `FIRST_TURNS` distinct ones used are kept with their ids. Branches (a compaction, the main
@@ -666,9 +668,9 @@ class CallStore:
 
     def _prompt(self, c: CallRecord, suffix: Sequence[int] | np.ndarray) -> np.ndarray:
         """The prompt extending c: c's full ids (+ <|im_end|> unless c stopped) + suffix.
-        c's cached prompt and completion (`TIP_CACHE`) are used when present (c leaves the
-        cache: its extension holds the newest), so no walk over the call chain runs."""
-        parts = list(self._tips.pop(c.call, None) or (c.full_ids(),))
+        c's cached prompt and completion (`TIP_CACHE`) are used when present, so no walk over
+        the call chain runs (c leaves the cache when its extension is recorded: `record`)."""
+        parts = list(self._tips.get(c.call) or (c.full_ids(),))
         if not c.stopped:
             parts.append(_IM_END_IDS)
         parts.append(np.asarray(suffix, np.int32))
@@ -680,9 +682,11 @@ class CallStore:
     def normalise(self, messages: Iterable[dict]) -> list[dict]:
         return normalise(messages, self.tool_args)
 
-    def _normalised(self, messages: Sequence[dict], tools: Any) -> tuple[list[dict], tuple[dict, ...], list[bytes]]:
+    def _normalised(self, messages: Sequence[dict], tools: Any,
+                    remember: bool = True) -> tuple[list[dict], tuple[dict, ...], list[bytes]]:
         """(normalised messages, normalised tools, cumulative digests), reusing the latest
-        requests' work for the messages they share with this one (module docstring)."""
+        requests' work for the messages they share with this one (module docstring); the
+        request becomes the newest remembered one unless `remember` is False."""
         if not isinstance(messages, list):
             messages = list(messages)
         args = self.tool_args
@@ -704,7 +708,8 @@ class CallStore:
             tools_n, digests = best.tools, best.digests[: n + 1]
             raw, norm = best.raw[:n], best.norm[:n]
             unknown = {i: x for i, x in best.unknown.items() if x < n}
-            self._seen.remove(best)
+            if remember:
+                self._seen.remove(best)
         else:
             tools_n = tuple(normalise_tools(tools))
             digests = _chain(orjson.dumps(list(tools_n), option=orjson.OPT_SORT_KEYS), ())
@@ -717,9 +722,10 @@ class CallStore:
             raw.append(m)
             norm.append(nm)
             digests.append(hashlib.sha256(digests[-1] + message_key(nm)).digest())
-        self._seen.insert(0, _Seen(tools_raw=tools, tools=tools_n, raw=raw, norm=norm, digests=digests,
-                                   unknown=unknown))
-        del self._seen[MEMO_REQUESTS:]
+        if remember:
+            self._seen.insert(0, _Seen(tools_raw=tools, tools=tools_n, raw=raw, norm=norm, digests=digests,
+                                       unknown=unknown))
+            del self._seen[MEMO_REQUESTS:]
         return list(norm), tools_n, digests
 
     # -- matching
@@ -732,23 +738,25 @@ class CallStore:
 
     def fresh(self, messages: Sequence[dict], tools: Any = None) -> Match:
         """A request rendered and encoded on its own, attached to nothing (parent None):
-        for auxiliary calls (token counting, titles) that must not shape the trajectory
-        tree. Raises like `match`."""
+        for auxiliary calls (titles, small-model side calls) that must not shape the
+        trajectory tree. Raises like `match`."""
         return self.complete(self.attach(messages, tools, fresh=True))
 
-    def attach(self, messages: Sequence[dict], tools: Any = None, *, fresh: bool = False) -> Match | Pending:
+    def attach(self, messages: Sequence[dict], tools: Any = None, *, fresh: bool = False,
+               remember: bool = True) -> Match | Pending:
         """The extension `match` finds with gyre's template (only new messages rendered), or
         a `Pending` request: one whose prompt needs whole conversations rendered (a branch,
         any request when `fresh`, with another template every request that may extend a
         call), or a gyre-template extension by heavy new messages (`Pending`). Raises
         ValueError on malformed messages or tools, and whatever `render` raises while
-        extending."""
+        extending. remember=False (a token count: the request is attached as its call would
+        be, and forgotten) leaves the normalisation memo's latest requests as they were."""
         if fresh:
             msgs = self.normalise(messages)
             tools_n = tuple(normalise_tools(tools))
             return Pending(messages=tuple(msgs), tools=tools_n, digest=b"", fresh=True,
                            heavy=_text_chars(msgs, tools_n) > HEAVY_CHARS)
-        msgs, tools_n, digests = self._normalised(messages, tools)
+        msgs, tools_n, digests = self._normalised(messages, tools, remember)
         extends: CallRecord | None = None
         k = 0
         for k in range(len(msgs), 0, -1):
@@ -970,6 +978,8 @@ class CallStore:
         self.calls.append(rec)
         self._by_conv[conv_key] = rec
         self._by_call[call] = rec
+        if match.parent is not None and match.prefix_len == match.parent.full_len:
+            self._tips.pop(match.parent.call, None)  # its extension holds the newest ids
         self._tips[call] = (match.prompt_ids, comp)
         while len(self._tips) > TIP_CACHE:
             del self._tips[next(iter(self._tips))]

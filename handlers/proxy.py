@@ -904,15 +904,16 @@ def _prepared_or_error(store: CallStore, pending: Pending) -> Prepared | Excepti
 
 
 async def _match(store: CallStore, req: ModelRequest, auxiliary: bool, execution: str,
-                 thread: concurrent.futures.Executor) -> Match:
+                 thread: concurrent.futures.Executor, remember: bool = True) -> Match:
     """TITO attachment of a request (a fresh root for auxiliary calls). A heavy one whose
     prompt needs whole conversations rendered (`gyre.tito.Pending.heavy`: a branch of a long
     conversation, ≈ 0.2 s for 600k tokens; with a template other than gyre's, any long
     request) is rendered and encoded in `thread` (the proxy's `ProxyState.branch_thread()`),
     so the event loop goes on serving other calls. Raises ApiError(400) for a request the
-    template cannot render."""
+    template cannot render. remember=False: a token count, which leaves the store's
+    normalisation memo as it was (`gyre.tito.CallStore.attach`)."""
     try:
-        found = store.attach(req.messages, req.tools, fresh=auxiliary)
+        found = store.attach(req.messages, req.tools, fresh=auxiliary, remember=remember)
     except MemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - _render_error
@@ -1040,7 +1041,7 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
         else:
             hit = None
         parsed = parse_completion(text, id_prefix=api.tool_id_prefix(f"{cfg.run}:{call_id}"),
-                                  cut=result.finish == "length" or hit is not None)
+                                  cut=result.finish == "length" and bool(req.tools))
         answer = Answer(content=parsed.content, reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
                         finish=result.finish, prompt_tokens=len(prompt), completion_tokens=len(result.output_ids),
                         rid=start.rid, created=start.created, stop_sequence=hit,
@@ -1156,7 +1157,7 @@ async def _count(request: web.Request, api: Api,
         roles = state.classify(ex, request.headers, req, "count_tokens")
         state.admit(ex)
         try:
-            match = await _match(ex.store, req, False, execution, state.branch_thread())
+            match = await _match(ex.store, req, False, execution, state.branch_thread(), remember=False)
         finally:
             state.release(ex)
         if ex.finished:  # while it was rendered: its record would land after the score

@@ -6,9 +6,10 @@ Requests → internal chat messages (handlers/proxy_api.py):
   it is transport metadata, not an instruction, so it is neither rendered nor matched
   (the prompt ids are what the model sees, and the model never sees it).
 - `messages[i]`: content a string or blocks. User: `text` (blocks of one message joined
-  with a blank line), `document` → its text (a `text` source's data, a `content`
-  source's text blocks; a PDF or URL source a placeholder), `search_result` → its content's
-  text, `image` → a placeholder, `tool_result` {tool_use_id,
+  with a blank line), `document` → its title and context, one a line, a blank line, its
+  text (a `text` source's data, a `content` source's text blocks; a PDF or URL source a
+  placeholder), `search_result` → its title and source, a blank line, its content's text,
+  `image` → a placeholder, `tool_result` {tool_use_id,
   content string|blocks, is_error → "Error: " prefix} → a `tool` message, in block order
   (texts around tool results become user messages). Assistant: `thinking` →
   `reasoning_content`, `text` → content, `tool_use` {id, name, input} → a tool call whose
@@ -81,7 +82,8 @@ def _blocks_text(content: Any, where: str) -> str:
             elif block.get("type") == "document":
                 texts.append(_document_text(block, where))
             elif block.get("type") == "search_result":
-                texts.append(_blocks_text(block.get("content"), f"{where} (search_result content)"))
+                texts.append(_titled(block, ("title", "source"),
+                                     _blocks_text(block.get("content"), f"{where} (search_result content)")))
             elif block.get("type") == "image":
                 texts.append("[image]")
         else:
@@ -89,16 +91,25 @@ def _blocks_text(content: Any, where: str) -> str:
     return "\n\n".join(texts)
 
 
+def _titled(block: dict, fields: tuple[str, ...], text: str) -> str:
+    """`text` after the block's string `fields` that are set, one a line, and a blank line."""
+    head = "\n".join(block[f] for f in fields if isinstance(block.get(f), str) and block[f])
+    return f"{head}\n\n{text}" if head else text
+
+
 def _document_text(block: dict, where: str) -> str:
-    """A `document` block's text: a plain-text source's `data`, a content source's text
-    blocks; other sources (PDF as base64, URL, file id) are a placeholder, as images are."""
+    """A `document` block's text after its `title` and `context`: a plain-text source's
+    `data`, a content source's text blocks; other sources (PDF as base64, URL, file id) are
+    a placeholder, as images are."""
     source = block.get("source")
     kind = source.get("type") if isinstance(source, dict) else None
     if kind == "text" and isinstance(source.get("data"), str):
-        return source["data"]
-    if kind == "content":
-        return _blocks_text(source.get("content"), f"{where} (document content)")
-    return "[document]"
+        text = source["data"]
+    elif kind == "content":
+        text = _blocks_text(source.get("content"), f"{where} (document content)")
+    else:
+        text = "[document]"
+    return _titled(block, ("title", "context"), text)
 
 
 def system_text(system: Any) -> str:

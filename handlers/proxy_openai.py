@@ -291,7 +291,7 @@ def responses_messages(body: dict) -> list[dict]:
                         "content": _parts_text(item.get("content"), f"{where}.content")})
             if role == "assistant" and reasoning:
                 out[-1]["reasoning_content"] = "\n\n".join(reasoning)
-                reasoning = []
+            reasoning = []  # reasoning not followed by its turn's answer belongs to no later turn
         elif kind in ("function_call", "custom_tool_call"):
             call_id, name = item.get("call_id"), item.get("name")
             if not isinstance(call_id, str) or not isinstance(name, str):
@@ -318,6 +318,7 @@ def responses_messages(body: dict) -> list[dict]:
                 raise ApiError(400, f"{where} needs a string 'call_id'", param="input")
             out.append({"role": "tool", "tool_call_id": call_id,
                         "content": _parts_text(item.get("output"), f"{where}.output")})
+            reasoning = []
         elif kind == "item_reference":  # a stored item: as `previous_response_id`, not to be dropped
             raise ApiError(400, f"{where}: item with id {str(item.get('id'))[:200]!r} not found: this proxy "
                                 "stores no items; send the item itself", param="input")
@@ -349,6 +350,8 @@ def responses_tools(tools: Any) -> tuple[list[dict] | None, dict[str, tuple[str,
         raise ApiError(400, "'tools' must be a list", param="tools")
     out: list[dict] = []
     namespaces: dict[str, tuple[str, str]] = {}
+    names = {t["name"] for t in tools if isinstance(t, dict) and t.get("type") == "function"
+             and isinstance(t.get("name"), str)}
     for tool in tools:
         if not isinstance(tool, dict):
             continue
@@ -360,6 +363,9 @@ def responses_tools(tools: Any) -> tuple[list[dict] | None, dict[str, tuple[str,
                 if isinstance(inner, dict) and inner.get("type", "function") == "function" \
                         and isinstance(inner.get("name"), str):
                     flat = flat_name(tool["name"], inner["name"])
+                    if flat in names or flat in namespaces:  # the policy could not tell them apart
+                        raise ApiError(400, f"tool {inner['name']!r} of namespace {tool['name']!r} is shown to the "
+                                            f"model as {flat!r}, the name of another tool", param="tools")
                     namespaces[flat] = (tool["name"], inner["name"])
                     params = inner.get("parameters")
                     out.append(function_tool({**inner, "name": flat}, params if isinstance(params, dict) else {}))

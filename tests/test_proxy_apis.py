@@ -801,7 +801,8 @@ async def test_text_documents_and_search_results_reach_the_policy(local, tok):  
     the model must read (in a user turn and inside a tool result); a PDF stays a placeholder."""
     engine = await local.engine(["ok"])
     await local.proxy(engine=engine)
-    doc = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "The code is 4711."}}
+    doc = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "The code is 4711."},
+           "title": "Q3 report", "context": "Written by the CFO."}
     blocks = {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "Page two."}]}}
     pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}
     found = {"type": "search_result", "source": "https://x", "title": "T",
@@ -812,8 +813,9 @@ async def test_text_documents_and_search_results_reach_the_policy(local, tok):  
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "search", "input": {"q": "x"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [found]}]}])
     prompt = _prompt(tok, engine)
-    assert "The code is 4711.\n\nPage two.\n\n[document]\n\nWhat is the code?" in prompt
-    assert "<tool_response>\nSearch says 42.\n</tool_response>" in prompt
+    assert ("Q3 report\nWritten by the CFO.\n\nThe code is 4711.\n\nPage two.\n\n[document]\n\n"
+            "What is the code?") in prompt
+    assert "<tool_response>\nT\nhttps://x\n\nSearch says 42.\n</tool_response>" in prompt
 
 
 async def test_chat_custom_tool_calls_and_calls_without_arguments_render_as_calls(local, tok):  # noqa: F811
@@ -868,6 +870,14 @@ async def test_a_tool_call_cut_by_the_cap_is_not_shown_as_text(local, tok):  # n
     assert not chat.choices[0].message.tool_calls
     whole = await local.client("ex-whole").chat.completions.create(model="m", max_tokens=200, messages=first)
     assert whole.choices[0].message.tool_calls[0].function.name == "bash"
+    # Without tools offered, or cut by the harness's own stop string, the text is the answer
+    plain = await local.client("ex-plain").chat.completions.create(model="m", max_tokens=12, messages=first)
+    assert plain.choices[0].message.content.startswith("Running it.\n<tool_call>\n")
+    stopped = await local.client("ex-stop").chat.completions.create(model="m", messages=first, stop=["ls -la"],
+                                                                    tools=[{"type": "function",
+                                                                            "function": {"name": "bash"}}])
+    assert stopped.choices[0].message.content == 'Running it.\n<tool_call>\n{"name": "bash", "arguments": {"command": "'
+
 
 
 async def test_a_token_count_is_the_input_tokens_of_the_same_request(local):
@@ -885,7 +895,10 @@ async def test_a_token_count_is_the_input_tokens_of_the_same_request(local):
     then = first + [{"role": "assistant", "content": blocks},
                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": got.content[-1].id,
                                                   "content": "a"}]}]
+    store = local.store("ex-ct-usage")
+    memo = list(store._seen)
     counted = await client.messages.count_tokens(model="x", messages=then, tools=tools)
+    assert store._seen == memo  # a count leaves the execution's memo of latest requests alone
     used = await client.messages.create(model="x", max_tokens=50, messages=then, tools=tools)
     assert counted.input_tokens == used.usage.input_tokens == len(engine.requests[-1]["input_ids"])
 
@@ -914,6 +927,12 @@ async def test_responses_reasoning_items_are_the_next_turns_reasoning(local, tok
              {"type": "function_call", "call_id": "c1", "name": "bash", "arguments": "{}"},
              {"type": "function_call_output", "call_id": "c1", "output": "a.txt"}]
     assert responses_messages({"input": items})[1]["reasoning_content"] == "I should run ls."
+    # Reasoning its turn's answer does not follow (an interrupted turn) goes with no later turn
+    stray = [items[0], items[1], {"role": "user", "content": "q2"}, *items[2:],
+             {"type": "reasoning", "summary": [{"type": "summary_text", "text": "R2"}]},
+             {"type": "function_call_output", "call_id": "c0", "output": "x"},
+             {"type": "function_call", "call_id": "c2", "name": "bash", "arguments": "{}"}]
+    assert not any("reasoning_content" in m for m in responses_messages({"input": stray}))
     oai = local.client("ex-rs")
     await oai.responses.create(model="m", input=items,
                                tools=[{"type": "function", "name": "bash", "parameters": {"type": "object"}}])
@@ -955,3 +974,8 @@ async def test_codex_namespace_tools_are_shown_and_their_calls_name_the_namespac
     await oai.post("/responses", body=echoed, cast_to=object)
     store = local.store("ex-ns")
     assert store.calls[-1].parent is store.calls[0] and store.calls[-1].drift == 0
+    # Two tools the policy would see under one name: refused, not answered to the wrong one
+    clash = [{"type": "function", "name": "multi_agent_v1__wait_agent", "parameters": {}}, *tools]
+    with pytest.raises(openai.BadRequestError) as err:
+        await oai.post("/responses", body={**body, "tools": clash}, cast_to=object)
+    assert err.value.body["param"] == "tools" and "multi_agent_v1__wait_agent" in err.value.message
