@@ -1048,11 +1048,41 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="gyre-bench-proxy-") as d:
             result = asyncio.run(bench(cfg, Path(d)))
     result["wall_s"] = round(time.perf_counter() - t0, 1)
-    text = orjson.dumps(result, option=orjson.OPT_INDENT_2).decode()
-    print(text)
+    print(format_table(result))
     if a.json:
-        Path(a.json).write_text(text + "\n")
+        Path(a.json).write_text(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() + "\n")
+        print(f"wrote {a.json}")
     return 0
+
+
+def format_table(result: dict) -> str:
+    """The figures as a table (BENCHMARKS.md: each bench prints one; `--json` has them all):
+    per variant the added latency p50 / p99 (ms) and calls/s, medians with [min–max] over
+    the repetitions, and the proxy's CPU ms per call (latency run, saturated); then the
+    targets and the machine."""
+    def cell(fig: dict, key: str, fmt: str, spread: bool = True) -> str:
+        value = fig.get(key)
+        if value is None:
+            return "—"
+        lo, hi = fig.get(f"{key}_min"), fig.get(f"{key}_max")
+        shown = spread and lo is not None and hi is not None and lo != hi
+        return f"{value:{fmt}}" + (f" [{lo:{fmt}}–{hi:{fmt}}]" if shown else "")
+
+    head = f"{'variant':<17}{'added p50 ms':>22}{'added p99 ms':>22}{'calls/s':>26}{'CPU ms/call':>14}{'saturated':>11}"
+    lines = [head, "-" * len(head)]
+    for name in (*VARIANTS, *EXTRA_VARIANTS, "floor"):
+        fig = result.get(name)
+        if not isinstance(fig, dict):
+            continue
+        lines.append(f"{name:<17}{cell(fig, 'added_latency_ms_p50', '.2f'):>22}"
+                     f"{cell(fig, 'added_latency_ms_p99', '.1f'):>22}{cell(fig, 'calls_per_s', ',.0f'):>26}"
+                     f"{cell(fig, 'proxy_cpu_ms_per_call', '.2f', False):>14}"
+                     f"{cell(fig, 'proxy_cpu_ms_per_call_saturated', '.2f', False):>11}")
+    lines.append("targets: added p50 ≤ 1 ms, p99 ≤ 5 ms; ≥ 1,000 calls/s (floor: a bare aiohttp pass-through)")
+    m = result.get("machine") or {}
+    lines.append(f"machine: {m.get('cpus')} cores ({m.get('cpu')}), Python {m.get('python')}, torch {m.get('torch')}; "
+                 f"wall {result.get('wall_s', 0):.0f} s")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,16 @@ import pytest
 from handlers import bench_proxy
 
 
-def test_bench_proxy_smoke(tmp_path):
+def test_bench_proxy_smoke(tmp_path, capsys):
     out = tmp_path / "bench.json"
     variants = bench_proxy.VARIANTS + bench_proxy.EXTRA_VARIANTS
     assert bench_proxy.main(["--smoke", "--json", str(out), "--workdir", str(tmp_path / "work"),
                              "--variants", ",".join(variants)]) == 0
     result = json.loads(out.read_text())
+    table = capsys.readouterr().out.splitlines()  # the table BENCHMARKS.md asks every bench to print
+    rows = {line.split()[0]: line.split() for line in table if line and line.split()[0] in (*variants, "floor")}
+    assert set(rows) == {*variants, "floor"} and table[-1] == f"wrote {out}"
+    assert float(rows["chat"][1]) == round(result["chat"]["added_latency_ms_p50"], 2)
     assert result["machine"]["cpus"] >= 1
     assert result["config"]["completion_tokens"] == bench_proxy.COMPLETION_TOKENS
     for variant in variants:
