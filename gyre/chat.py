@@ -120,6 +120,19 @@ def _arguments_text(arguments: Any, where: str) -> str:
     raise ValueError(f"{where} must be a JSON string or an object, got {type(arguments).__name__}")
 
 
+def call_function(call: Any) -> Any:
+    """The `function` ({"name", "arguments"}) of a Chat tool call; a call of type `custom`
+    (OpenAI's shape for custom tools: {"custom": {"name", "input"}}) as a function whose
+    arguments are `{"input": …}`, as a Responses `custom_tool_call` is rendered. None when
+    `call` is not an object."""
+    if not isinstance(call, Mapping):
+        return None
+    custom = call.get("custom") if call.get("type") == "custom" else None
+    if isinstance(custom, Mapping):
+        return {"name": custom.get("name"), "arguments": _DUMPS({"input": custom.get("input") or ""})}
+    return call.get("function")
+
+
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI-format messages → the plain dicts the chat template expects.
 
@@ -141,7 +154,7 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             calls = []
             for j, call in enumerate(msg.get("tool_calls") or ()):
                 where = f"messages[{i}].tool_calls[{j}]"
-                fn = call.get("function") if isinstance(call, Mapping) else None
+                fn = call_function(call)
                 if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
                     raise ValueError(f"{where}.function.name must be a string")
                 calls.append(

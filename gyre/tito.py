@@ -102,7 +102,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from gyre.chat import is_query, render_appended, render_assistant_turn, shows_reasoning, uses_gyre_template
+from gyre.chat import (
+    call_function, is_query, render_appended, render_assistant_turn, shows_reasoning, uses_gyre_template,
+)
 from gyre.tokenizer import IM_END, IM_END_TEXT, fast_encoder
 
 TURN_HEADER = "\n<|im_start|>assistant\n"
@@ -188,7 +190,7 @@ def _args_text(arguments: Any) -> str:
 
 
 def _tool_call(tc: dict, tool_args: dict[str, str]) -> dict:
-    fn = tc.get("function") or {}
+    fn = call_function(tc) or {}
     name = fn.get("name") if isinstance(fn, dict) else None
     args = _args_text(fn.get("arguments", "") if isinstance(fn, dict) else "")
     tc_id = tc.get("id") or ""

@@ -80,7 +80,6 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
         if body.get(legacy) is not None:  # dropped silently, the policy would never see the functions
             raise ApiError(400, f"'{legacy}' (deprecated by OpenAI) is not served; send 'tools' and "
                                 "'tool_choice'", param=legacy)
-    messages = _custom_calls_as_functions(messages)
     if body.get("n") not in (None, 1):
         raise ApiError(400, "only n = 1 is supported", param="n")
     top = body.get("top_logprobs")
@@ -100,30 +99,6 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
     return ModelRequest(api="chat", messages=messages, tools=tools or None, stream=flag(body, "stream"),
                         sampling=sampling, model=model, json_output=json_output,
                         options={"include_usage": include_usage, "logprobs": flag(body, "logprobs")})
-
-
-def _custom_calls_as_functions(messages: list) -> list:
-    """`messages` with each assistant tool call of type `custom` ({"custom": {"name",
-    "input"}}, OpenAI's shape for custom tools) as a function call whose arguments are
-    `{"input": …}`, as a Responses `custom_tool_call` item is rendered; the same list when
-    there is none (the usual case: one pass over the messages)."""
-    if not any(m.get("tool_calls") and _has_custom(m["tool_calls"]) for m in messages):
-        return messages
-    return [{**m, "tool_calls": [_function_form(tc) for tc in m["tool_calls"]]}
-            if m.get("tool_calls") and _has_custom(m["tool_calls"]) else m for m in messages]
-
-
-def _has_custom(calls: Any) -> bool:
-    return isinstance(calls, list) and any(isinstance(tc, dict) and tc.get("type") == "custom" for tc in calls)
-
-
-def _function_form(call: Any) -> Any:
-    custom = call.get("custom") if isinstance(call, dict) and call.get("type") == "custom" else None
-    if not isinstance(custom, dict):
-        return call
-    return {"id": call.get("id"), "type": "function",
-            "function": {"name": custom.get("name"),
-                         "arguments": json.dumps({"input": custom.get("input") or ""}, ensure_ascii=False)}}
 
 
 def answer_message(answer: Answer) -> dict:
