@@ -3,6 +3,8 @@ proxy process, load generator, JetStream count of stored calls) in seconds. The 
 of a smoke run mean nothing; only their presence and the stored-call check are asserted."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import time
@@ -12,13 +14,15 @@ import pytest
 from handlers import bench_proxy
 
 
-def test_bench_proxy_smoke(tmp_path, capsys):
+def test_bench_proxy_smoke(tmp_path):
     out = tmp_path / "bench.json"
     variants = bench_proxy.VARIANTS + bench_proxy.EXTRA_VARIANTS
-    assert bench_proxy.main(["--smoke", "--json", str(out), "--workdir", str(tmp_path / "work"),
-                             "--variants", ",".join(variants)]) == 0
+    printed = io.StringIO()  # not capsys: main configures structlog on the stderr it finds, which must outlive this test
+    with contextlib.redirect_stdout(printed):
+        assert bench_proxy.main(["--smoke", "--json", str(out), "--workdir", str(tmp_path / "work"),
+                                 "--variants", ",".join(variants)]) == 0
     result = json.loads(out.read_text())
-    table = capsys.readouterr().out.splitlines()  # the table BENCHMARKS.md asks every bench to print
+    table = printed.getvalue().splitlines()  # the table BENCHMARKS.md asks every bench to print
     rows = {line.split()[0]: line.split() for line in table if line and line.split()[0] in (*variants, "floor")}
     assert set(rows) == {*variants, "floor"} and table[-1] == f"wrote {out}"
     assert float(rows["chat"][1]) == round(result["chat"]["added_latency_ms_p50"], 2)
