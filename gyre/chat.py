@@ -129,7 +129,8 @@ def call_function(call: Any) -> Any:
         return None
     custom = call.get("custom") if call.get("type") == "custom" else None
     if isinstance(custom, Mapping):
-        return {"name": custom.get("name"), "arguments": _DUMPS({"input": custom.get("input") or ""})}
+        text = custom.get("input")
+        return {"name": custom.get("name"), "arguments": _DUMPS({"input": "" if text is None else text})}
     return call.get("function")
 
 

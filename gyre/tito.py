@@ -192,6 +192,8 @@ def _args_text(arguments: Any) -> str:
 def _tool_call(tc: dict, tool_args: dict[str, str]) -> dict:
     fn = call_function(tc) or {}
     name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):  # as gyre.chat renders it: a call must name its function
+        raise ValueError("a tool call's function name must be a string")
     args = _args_text(fn.get("arguments", "") if isinstance(fn, dict) else "")
     tc_id = tc.get("id") or ""
     raw = tool_args.get(tc_id) if tc_id else None

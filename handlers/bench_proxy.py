@@ -1058,8 +1058,9 @@ def main(argv: list[str] | None = None) -> int:
 def format_table(result: dict) -> str:
     """The figures as a table (BENCHMARKS.md: each bench prints one; `--json` has them all):
     per variant the added latency p50 / p99 (ms) and calls/s, medians with [min–max] over
-    the repetitions, and the proxy's CPU ms per call (latency run, saturated); then the
-    targets and the machine."""
+    the repetitions, the proxy's CPU ms per call (latency run, saturated), failed calls and
+    answered calls the bus does not hold (a skipped variant: why); then the targets and
+    the machine."""
     def cell(fig: dict, key: str, fmt: str, spread: bool = True) -> str:
         value = fig.get(key)
         if value is None:
@@ -1068,16 +1069,21 @@ def format_table(result: dict) -> str:
         shown = spread and lo is not None and hi is not None and lo != hi
         return f"{value:{fmt}}" + (f" [{lo:{fmt}}–{hi:{fmt}}]" if shown else "")
 
-    head = f"{'variant':<17}{'added p50 ms':>22}{'added p99 ms':>22}{'calls/s':>26}{'CPU ms/call':>14}{'saturated':>11}"
+    head = (f"{'variant':<17}{'added p50 ms':>22}{'added p99 ms':>22}{'calls/s':>26}{'CPU ms/call':>14}"
+            f"{'saturated':>11}{'errors':>8}{'unstored':>10}")
     lines = [head, "-" * len(head)]
     for name in (*VARIANTS, *EXTRA_VARIANTS, "floor"):
         fig = result.get(name)
         if not isinstance(fig, dict):
             continue
+        if fig.get("skipped"):
+            lines.append(f"{name:<17}skipped: {fig['skipped']}")
+            continue
         lines.append(f"{name:<17}{cell(fig, 'added_latency_ms_p50', '.2f'):>22}"
                      f"{cell(fig, 'added_latency_ms_p99', '.1f'):>22}{cell(fig, 'calls_per_s', ',.0f'):>26}"
                      f"{cell(fig, 'proxy_cpu_ms_per_call', '.2f', False):>14}"
-                     f"{cell(fig, 'proxy_cpu_ms_per_call_saturated', '.2f', False):>11}")
+                     f"{cell(fig, 'proxy_cpu_ms_per_call_saturated', '.2f', False):>11}"
+                     f"{fig.get('errors', 0):>8}{fig.get('unstored', '—') if name != 'floor' else '—':>10}")
     lines.append("targets: added p50 ≤ 1 ms, p99 ≤ 5 ms; ≥ 1,000 calls/s (floor: a bare aiohttp pass-through)")
     m = result.get("machine") or {}
     lines.append(f"machine: {m.get('cpus')} cores ({m.get('cpu')}), Python {m.get('python')}, torch {m.get('torch')}; "

@@ -935,16 +935,17 @@ async def _match(store: CallStore, req: ModelRequest, auxiliary: bool, execution
 
 async def _parsed(request: web.Request, state: ProxyState,
                   parse: Callable[[Any, SamplingParams, MessageMemo | None], ModelRequest], history: str,
-                  ) -> tuple[str, _Execution, ModelRequest]:
+                  remember: bool = True) -> tuple[str, _Execution, ModelRequest]:
     """Authenticate, read the body within the size limit (its `history` array parsed where
-    it is new: `_Execution.bodies`), parse it with the execution's memo. Raises ApiError
-    (401, 403, 400, 413, 415) for the caller to answer in its API's shape."""
+    it is new: `_Execution.bodies`), parse it with the execution's memo; remember=False (a
+    token count) reuses both memos and adds nothing to them. Raises ApiError (401, 403,
+    400, 413, 415) for the caller to answer in its API's shape."""
     execution = authenticate(state, request)
     ex = state.execution(execution)  # a live execution: its store, memo and bodies exist
     body = await read_json(request, state.cfg.body_limit_bytes, request.app.get(RAW_BODIES, False),
-                           functools.partial(ex.bodies.loads, field=history))
+                           functools.partial(ex.bodies.loads, field=history, remember=remember))
     try:
-        return execution, ex, parse(body, state.defaults, ex.memo)
+        return execution, ex, parse(body, state.defaults, ex.memo if remember else ex.memo.reader())
     except RecursionError:  # orjson reads ~1,000 levels; converting them in Python may not
         raise ApiError(400, "the request body nests too deeply") from None
 
@@ -1153,7 +1154,7 @@ async def _count(request: web.Request, api: Api,
     t0 = time.monotonic()
     execution = ""
     try:
-        execution, ex, req = await _parsed(request, state, parse, api.history)
+        execution, ex, req = await _parsed(request, state, parse, api.history, remember=False)
         roles = state.classify(ex, request.headers, req, "count_tokens")
         state.admit(ex)
         try:

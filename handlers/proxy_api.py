@@ -271,9 +271,10 @@ class MessageMemo:
         self.size = size
         self._seen: list[tuple[list, list[list[dict]]]] = []
 
-    def convert(self, raw: list, one: Callable[[int, Any], list[dict]]) -> list[dict]:
-        """Internal messages of `raw`, `one(i, raw[i])` converting message i. Raises what
-        `one` raises (the memo is then left as it was)."""
+    def convert(self, raw: list, one: Callable[[int, Any], list[dict]], remember: bool = True) -> list[dict]:
+        """Internal messages of `raw`, `one(i, raw[i])` converting message i; `raw` becomes
+        the newest request remembered unless `remember` is False. Raises what `one` raises
+        (the memo is then left as it was)."""
         best, n = -1, 0
         for j, (old, _) in enumerate(self._seen):
             if min(len(raw), len(old)) <= n:
@@ -287,6 +288,8 @@ class MessageMemo:
         else:
             kept_raw, kept = [], []
         new = [one(i, raw[i]) for i in range(n, len(raw))]
+        if not remember:
+            return list(itertools.chain.from_iterable(kept + new))
         if best >= 0:
             del self._seen[best]
         kept_raw.extend(raw[n:])
@@ -294,6 +297,19 @@ class MessageMemo:
         self._seen.insert(0, (kept_raw, kept))
         del self._seen[self.size:]
         return list(itertools.chain.from_iterable(kept))
+
+    def reader(self) -> "MessageMemo":
+        """This memo for a request that is converted and forgotten (a token count): its
+        `convert` reuses what is remembered and remembers nothing."""
+        return _MemoReader(self)  # type: ignore[return-value]
+
+
+class _MemoReader:
+    def __init__(self, memo: MessageMemo):
+        self._memo = memo
+
+    def convert(self, raw: list, one: Callable[[int, Any], list[dict]]) -> list[dict]:
+        return self._memo.convert(raw, one, remember=False)
 
 
 def parse_sampling(body: dict, defaults: SamplingParams, max_names: Iterable[str],

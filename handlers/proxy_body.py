@@ -206,9 +206,10 @@ class BodyMemo:
         self.reused = 0
         """Bodies parsed only in part (a counter for tests and diagnosis)."""
 
-    def loads(self, raw: bytes, field: str) -> Any:
+    def loads(self, raw: bytes, field: str, remember: bool = True) -> Any:
         """`orjson.loads(raw)`, reusing an earlier body's parsed history (module docstring).
-        raw: the request body (bytes, decompressed). Raises orjson.JSONDecodeError."""
+        raw: the request body (bytes, decompressed); remember=False: the body is not kept
+        as a latest one (a token count). Raises orjson.JSONDecodeError."""
         shared: list[tuple[int, int, _Body]] = []  # (-j, age, body): raw has its bytes through element j
         for age, old in enumerate(self._bodies):
             if old.field == field and (lay := old.layout_of()) is not None and lay.ends:
@@ -220,12 +221,16 @@ class BodyMemo:
             entry = _extend(raw, old, -neg_j)
             if entry is not None:
                 self.reused += 1
+                if not remember:
+                    return entry.body
                 self._bodies.remove(old)  # this line's tip moves on
                 break
         else:
             body = orjson.loads(raw)
             if not (isinstance(body, dict) and isinstance(body.get(field), list)):
                 return body  # not a history (an error for the caller to name): nothing to keep
+            if not remember:
+                return body
             entry = _Body(raw, field, body, seed=(shared[0][2].layout, -shared[0][0]) if shared else None)
         self._bodies.insert(0, entry)
         del self._bodies[self.size:]

@@ -301,6 +301,8 @@ def responses_messages(body: dict) -> list[dict]:
             text = _reasoning_text(item)
             if text:
                 reasoning.append(text)
+        else:
+            reasoning = []  # another item (a web search, a shell call) comes between it and its turn
         # Unknown kinds carry nothing the template renders. Reasoning only encrypted stays
         # unseen here; TITO restores what the policy wrote from the call it extends.
     if not out:

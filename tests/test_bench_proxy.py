@@ -50,6 +50,15 @@ def test_bench_proxy_smoke(tmp_path):
     assert not set(floor) & set(bench_proxy.CPU_KEYS)  # no proxy in the floor's path
 
 
+def test_the_table_shows_failed_and_unstored_calls_and_why_a_variant_was_skipped():
+    result = {"chat": {"added_latency_ms_p50": 1.5, "added_latency_ms_p99": 5.0, "calls_per_s": 1200.0,
+                       "errors": 7, "unstored": 42},
+              "messages": {"skipped": "the proxy answered 404"}, "machine": {}, "wall_s": 1.0}
+    rows = {line.split()[0]: line for line in bench_proxy.format_table(result).splitlines()}
+    assert rows["chat"].split()[-2:] == ["7", "42"]
+    assert rows["messages"].endswith("skipped: the proxy answered 404")
+
+
 def test_variant_figures_are_medians_over_repetitions():
     def rep(p50, p99, cps, cpu=None, cpu_sat=None):
         return {"added_latency_ms": {"p50": p50, "p90": 0.0, "p99": p99}, "calls_per_s": cps, "errors": 0,

@@ -840,7 +840,18 @@ async def test_chat_custom_tool_calls_and_calls_without_arguments_render_as_call
         await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
                                              functions=[{"name": "f", "parameters": {"type": "object"}}])
     assert err.value.body["param"] == "functions" and "tools" in err.value.message
+    for nameless in ({"id": "c3", "type": "custom", "custom": {"input": "a"}}, {"id": "c3", "custom": {"name": "f"}}):
+        with pytest.raises(openai.BadRequestError, match="name"):  # a call that names no function
+            await client.chat.completions.create(model="m", messages=[
+                {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [nameless]},
+                {"role": "tool", "tool_call_id": "c3", "content": "r"}])
     assert len(engine.requests) == 1
+    await client.chat.completions.create(model="m", messages=[
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c4", "type": "custom",
+                                                               "custom": {"name": "count", "input": 0}}]},
+        {"role": "tool", "tool_call_id": "c4", "content": "r"}])
+    assert '{"name": "count", "arguments": {"input": 0}}' in _prompt(tok, engine)
 
 
 CUT_CALL = 'Running it.\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la /tmp && echo done"}}\n</tool_call>'
@@ -895,10 +906,11 @@ async def test_a_token_count_is_the_input_tokens_of_the_same_request(local):
     then = first + [{"role": "assistant", "content": blocks},
                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": got.content[-1].id,
                                                   "content": "a"}]}]
-    store = local.store("ex-ct-usage")
-    memo = list(store._seen)
+    store, ex = local.store("ex-ct-usage"), local.state.executions["ex-ct-usage"]
+    memos = (list(store._seen), list(ex.memo._seen), list(ex.bodies._bodies))
     counted = await client.messages.count_tokens(model="x", messages=then, tools=tools)
-    assert store._seen == memo  # a count leaves the execution's memo of latest requests alone
+    # a count leaves the execution's memos of latest requests (TITO's, conversions, bodies) alone
+    assert (store._seen, ex.memo._seen, ex.bodies._bodies) == memos
     used = await client.messages.create(model="x", max_tokens=50, messages=then, tools=tools)
     assert counted.input_tokens == used.usage.input_tokens == len(engine.requests[-1]["input_ids"])
 
@@ -931,7 +943,10 @@ async def test_responses_reasoning_items_are_the_next_turns_reasoning(local, tok
     stray = [items[0], items[1], {"role": "user", "content": "q2"}, *items[2:],
              {"type": "reasoning", "summary": [{"type": "summary_text", "text": "R2"}]},
              {"type": "function_call_output", "call_id": "c0", "output": "x"},
-             {"type": "function_call", "call_id": "c2", "name": "bash", "arguments": "{}"}]
+             {"type": "function_call", "call_id": "c2", "name": "bash", "arguments": "{}"},
+             {"type": "reasoning", "summary": [{"type": "summary_text", "text": "R3"}]},
+             {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search"}},
+             {"type": "function_call", "call_id": "c5", "name": "bash", "arguments": "{}"}]
     assert not any("reasoning_content" in m for m in responses_messages({"input": stray}))
     oai = local.client("ex-rs")
     await oai.responses.create(model="m", input=items,
