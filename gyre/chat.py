@@ -120,6 +120,12 @@ def _arguments_text(arguments: Any, where: str) -> str:
     raise ValueError(f"{where} must be a JSON string or an object, got {type(arguments).__name__}")
 
 
+def custom_arguments(value: Any) -> str:
+    """The arguments a custom tool call's free-form `value` is rendered with: `{"input": value}`
+    as JSON text (Chat `custom` calls and Responses `custom_tool_call` items alike)."""
+    return _DUMPS({"input": value})
+
+
 def call_function(call: Any) -> Any:
     """The `function` ({"name", "arguments"}) of a Chat tool call; a call of type `custom`
     (OpenAI's shape for custom tools: {"custom": {"name", "input"}}) as a function whose
@@ -130,7 +136,7 @@ def call_function(call: Any) -> Any:
     custom = call.get("custom") if call.get("type") == "custom" else None
     if isinstance(custom, Mapping):
         text = custom.get("input")
-        return {"name": custom.get("name"), "arguments": _DUMPS({"input": "" if text is None else text})}
+        return {"name": custom.get("name"), "arguments": custom_arguments("" if text is None else text)}
     return call.get("function")
 
 

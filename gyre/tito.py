@@ -194,12 +194,12 @@ def _tool_call(tc: dict, tool_args: dict[str, str]) -> dict:
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):  # as gyre.chat renders it: a call must name its function
         raise ValueError("a tool call's function name must be a string")
-    args = _args_text(fn.get("arguments", "") if isinstance(fn, dict) else "")
+    args = _args_text(fn.get("arguments", ""))  # fn is a dict: it had a name
     tc_id = tc.get("id") or ""
     raw = tool_args.get(tc_id) if tc_id else None
     if raw is not None and raw != args and _parse_json(raw) == _parse_json(args):
         args = raw
-    return {"id": tc_id, "type": "function", "function": {"name": name or "", "arguments": args}}
+    return {"id": tc_id, "type": "function", "function": {"name": name, "arguments": args}}
 
 
 def normalise_message(message: dict, tool_args: dict[str, str] | None = None) -> dict:

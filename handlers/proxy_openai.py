@@ -52,7 +52,7 @@ from typing import Any
 
 import orjson
 
-from gyre.chat import call_id_prefix
+from gyre.chat import call_id_prefix, custom_arguments
 from handlers.proxy_api import (
     Answer, Api, ApiError, ModelRequest, StreamStart, flag, function_tool, internal_message, parse_sampling, pieces,
     sse, unique_hex,
@@ -278,7 +278,7 @@ def responses_messages(body: dict) -> list[dict]:
                 args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False) if isinstance(
                     args, dict) else "{}"
             else:
-                args = json.dumps({"input": item.get("input") or ""}, ensure_ascii=False)
+                args = custom_arguments(item.get("input") or "")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
             if out and out[-1]["role"] == "assistant" and not reasoning:
                 out[-1].setdefault("tool_calls", []).append(call)
