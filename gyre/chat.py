@@ -82,7 +82,8 @@ def content_text(content: Any, where: str = "content") -> str:
     as they are, images, audio and files as placeholders (`MEDIA_PLACEHOLDERS`), a
     refusal part as its text.
 
-    Errors: `ValueError` for a part of another type or an unsupported content type.
+    Errors: `ValueError` for a part of another type (or a `type` that is not a string) or
+    an unsupported content type.
     """
     if content is None:
         return ""
@@ -93,6 +94,8 @@ def content_text(content: Any, where: str = "content") -> str:
         for i, part in enumerate(content):
             if isinstance(part, str):
                 out.append(part)
+            elif isinstance(part, Mapping) and not isinstance(part.get("type", "text"), str):
+                raise ValueError(f"{where}[{i}].type must be a string, got {type(part.get('type')).__name__}")
             elif isinstance(part, Mapping) and part.get("type", "text") in TEXT_PART_TYPES:
                 text = part.get("text")
                 if not isinstance(text, str):

@@ -112,6 +112,24 @@ class EngineSection:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ProxySection:
+    # the run's proxy (handlers.proxy.Config has the same fields and documents each)
+    max_active_calls: int = 0  # model calls admitted at once, queued or generating; beyond: 429 (0 = no cap)
+    max_active_calls_per_execution: int = 0  # the same bound per execution key (0 = no cap)
+    retry_after_s: int = 1  # the 429's Retry-After, seconds
+    body_limit_bytes: int = 64 * 1024 * 1024  # largest request body, as sent and decompressed; beyond: 413
+    retry_timeout_s: float = 600.0  # how long a call waits for a rollout engine before a 503, seconds
+    keepalive_s: float = 15.0  # seconds between keep-alives to a harness whose call waits
+    deliver_timeout_s: float = 120.0  # a harness taking none of its answer this long is cut, seconds
+
+    def __post_init__(self) -> None:
+        _positive(self, "retry_after_s", "body_limit_bytes", "retry_timeout_s", "keepalive_s", "deliver_timeout_s")
+        for name in ("max_active_calls", "max_active_calls_per_execution"):
+            if getattr(self, name) < 0:
+                raise RecipeError(f"proxy.{name} must be >= 0 (0 = no cap), got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class TrainSection:
     lr: float = 1e-3  # AdamW learning rate
     weight_decay: float = 0.0
@@ -144,6 +162,7 @@ class Recipe:
     model: ModelSection = ModelSection()
     sampling: SamplingSection = SamplingSection()
     engine: EngineSection = EngineSection()
+    proxy: ProxySection = ProxySection()
     train: TrainSection = TrainSection()
     cells: CellsSection = CellsSection()
 

@@ -1538,7 +1538,8 @@ async def _resumed(state: ProxyState, bus: Any, stop: asyncio.Event) -> bool:
 
 
 def config_from_context(ctx: Any, args: Any) -> Config:
-    """The proxy of a run. Its context window is the recipe's `engine.max_context_tokens`
+    """The proxy of a run: the recipe's sampling, `harness.max_calls` and `[proxy]` table
+    (limits and timeouts, `gyre.config.ProxySection`). Its context window is the recipe's `engine.max_context_tokens`
     when the run's cells serve it; an engine given by `--engine-url` says its own."""
     r = ctx.recipe
     return Config(run=ctx.run, key_secret=ctx.key_secret, port=args.port, model_dir=str(ctx.checkpoint()),
@@ -1546,7 +1547,8 @@ def config_from_context(ctx: Any, args: Any) -> Config:
                   temperature=r.sampling.temperature, top_p=r.sampling.top_p, top_k=r.sampling.top_k,
                   max_completion_tokens=r.sampling.max_tokens, max_calls=r.harness.max_calls,
                   context_tokens=0 if args.engine_url else r.engine.max_context_tokens,
-                  url_file=str(ctx.run_dir / "proxy.json"), spill_file=str(ctx.run_dir / "proxy-unpublished.jsonl"))
+                  url_file=str(ctx.run_dir / "proxy.json"), spill_file=str(ctx.run_dir / "proxy-unpublished.jsonl"),
+                  **dataclasses.asdict(r.proxy))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,8 +17,9 @@ Requests → internal chat messages (handlers/proxy_api.py):
   `role: "system"` entries mid-conversation stay system messages. `cache_control` anywhere
   is ignored (so a moving cache marker, or a string that became one text block, does not
   change the conversation).
-- `tools`: `{name, description, input_schema}` → function tools; Anthropic-defined tools
-  without `input_schema` are not rendered.
+- `tools`: `{name, description, input_schema}` → function tools (a custom tool without a
+  string `name` or an `input_schema` object is a 400); Anthropic-defined tools (`type`
+  other than `custom`) are not rendered.
 - `max_tokens` (capped), `temperature`, `top_p`, `top_k`, `stop_sequences`; `stream`; `thinking`,
   `context_management`, `output_config` (a `json_schema` format marks a title call),
   `metadata` (its `user_id`, a JSON string holding `session_id`, becomes harness metadata),
@@ -75,6 +76,8 @@ def _blocks_text(content: Any, where: str) -> str:
         if isinstance(block, str):
             texts.append(block)
         elif isinstance(block, dict):
+            if not isinstance(block.get("type", "text"), str):
+                raise ApiError(400, f"{where} has a block whose 'type' is not a string")
             if block.get("type", "text") == "text":
                 if not isinstance(block.get("text"), str):
                     raise ApiError(400, f"{where} has a text block whose 'text' is not a string")
@@ -160,6 +163,8 @@ def _assistant(content: Any, where: str) -> dict:
         if not isinstance(block, dict):
             raise ApiError(400, f"{where}[{j}] must be an object", param="messages")
         kind = block.get("type")
+        if not isinstance(kind, str):
+            raise ApiError(400, f"{where}[{j}].type must be a string", param="messages")
         if kind == "text":
             if not isinstance(block.get("text"), str):
                 raise ApiError(400, f"{where}[{j}].text must be a string", param="messages")
@@ -216,15 +221,24 @@ def anthropic_messages(body: dict, memo: MessageMemo | None = None) -> list[dict
 
 
 def anthropic_tools(tools: Any) -> list[dict] | None:
-    """Custom tools in chat form; tools without an `input_schema` are not rendered."""
+    """Custom tools in chat form; Anthropic-defined tools (a `type` other than `custom`, e.g.
+    `web_search_20250305`) are not rendered. Raises ApiError(400) for a tool that is not an
+    object, or a custom tool without a string `name` and an `input_schema` object (as the
+    hosted API does: rendered without them, the policy would see another tool set)."""
     if tools is None:
         return None
     if not isinstance(tools, list):
         raise ApiError(400, "'tools' must be a list", param="tools")
     out = []
-    for tool in tools:
-        if isinstance(tool, dict) and isinstance(tool.get("name"), str) and isinstance(tool.get("input_schema"), dict):
-            out.append(function_tool(tool, tool["input_schema"]))
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise ApiError(400, f"tools.{i} must be an object", param="tools")
+        if tool.get("type", "custom") != "custom":
+            continue
+        if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
+            raise ApiError(400, f"tools.{i}: a custom tool needs a string 'name' and an 'input_schema' object",
+                           param="tools")
+        out.append(function_tool(tool, tool["input_schema"]))
     return out or None
 
 

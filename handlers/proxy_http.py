@@ -21,12 +21,14 @@ log = structlog.get_logger()
 
 def key_of(request: web.Request) -> str | None:
     """The execution key: `Authorization: Bearer` or `x-api-key`; None when neither holds
-    one, or when both do and differ (which of two executions is meant is not known: a 401)."""
+    one. Raises ApiError(401, code `conflicting_api_keys`) when both hold one and they
+    differ: which of two executions is meant is not known."""
     auth = request.headers.get("Authorization", "")
     bearer = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
     key = request.headers.get("x-api-key", "").strip()
     if bearer and key and bearer != key:
-        return None
+        raise ApiError(401, "'Authorization: Bearer' and 'x-api-key' carry different keys; send one key, or the "
+                            "same key in both", "authentication_error", code="conflicting_api_keys")
     return bearer or key or None
 
 

@@ -76,6 +76,13 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ApiError(400, "'tools' must be a list", param="tools")
+    for i, tool in enumerate(tools or ()):
+        if type(tool) is not dict:
+            raise ApiError(400, f"tools[{i}] must be an object", param=f"tools[{i}]")
+        fn = tool.get("function")
+        if tool.get("type", "function") == "function" and not (type(fn) is dict and isinstance(fn.get("name"), str)):
+            raise ApiError(400, f"tools[{i}] is a function tool without a 'function' object naming it",
+                           param=f"tools[{i}].function")
     for legacy in ("functions", "function_call"):
         if body.get(legacy) is not None:  # dropped silently, the policy would never see the functions
             raise ApiError(400, f"'{legacy}' (deprecated by OpenAI) is not served; send 'tools' and "

@@ -781,12 +781,49 @@ async def test_two_keys_that_disagree_are_refused(local):
         async with http.post(url + "/v1/messages", json=body, headers={
                 "x-api-key": execution_key(SECRET, "mine"),
                 "Authorization": "Bearer " + execution_key(SECRET, "other")}) as r:
-            assert r.status == 401 and (await r.json())["type"] == "error"
+            err = await r.json()  # says why: it read "no API key" when both headers carried one
+            assert r.status == 401 and err["type"] == "error" and "different keys" in err["error"]["message"], err
         same = execution_key(SECRET, "mine")
         async with http.post(url + "/v1/messages", json=body,
                              headers={"x-api-key": same, "Authorization": "Bearer " + same}) as r:
             assert r.status == 200
     assert not engine.requests[1:]
+
+
+@pytest.mark.parametrize("path,body,says", [
+    ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "without a 'function' object"),
+    ("/v1/chat/completions", {"tools": ["bash"]}, "tools[0] must be an object"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": [], "text": "hi"}]}]},
+     "content[0].type must be a string"),
+    ("/v1/messages", {"tools": [{"name": "f"}]}, "needs a string 'name' and an 'input_schema' object"),
+    ("/v1/messages", {"tools": [{"type": "custom", "input_schema": {"type": "object"}}]}, "needs a string 'name'"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": {}, "text": "hi"}]}]},
+     "'type' is not a string"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": 1, "text": "a"}]}, {"role": "user", "content": "go"}]}, "type must be a string"),
+])
+async def test_malformed_tools_and_parts_are_a_400_naming_them(local, path, body, says):
+    """A function tool with no function, a custom Anthropic tool with no name or schema, a
+    part whose type is not a string: each a 400 that names it, in the API's shape. They were
+    answered (the malformed tool rendered raw, or dropped: the policy saw another tool set
+    than the harness meant) or failed with a TypeError's repr."""
+    engine = await local.engine(["ok"])
+    url = await local.proxy(engine=engine)
+    base = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + path, json={**base, **body},
+                             headers={"Authorization": "Bearer " + execution_key(SECRET, "ex-bad")}) as r:
+            err = await r.json()
+            assert r.status == 400, err
+            assert error_type("messages" if "messages" in path else "chat", err) == "invalid_request_error"
+            assert says in err["error"]["message"] and "TypeError" not in err["error"]["message"], err
+    # Anthropic-defined tools (a type other than custom) are still accepted, and not rendered.
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/messages", json={**base, "tools": [{"type": "web_search_20250305",
+                                                                             "name": "web_search"}]},
+                             headers={"x-api-key": execution_key(SECRET, "ex-ok")}) as r:
+            assert r.status == 200, await r.text()
+    assert len(engine.requests) == 1
 
 
 # --------------------------------------------------------------------------- valid requests, unusual shapes
