@@ -45,8 +45,8 @@ from typing import Any
 import orjson
 
 from handlers.proxy_api import (
-    Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, flag, function_tool, parse_sampling, pieces,
-    sse, unique_hex,
+    Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, check_count, flag, function_tool, parse_sampling,
+    pieces, sse, unique_hex,
 )
 from schemas.call import SamplingParams
 
@@ -208,6 +208,7 @@ def anthropic_messages(body: dict, memo: MessageMemo | None = None) -> list[dict
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    check_count(messages, "messages")
     out: list[dict] = []
     system = system_text(body.get("system"))
     if system:

@@ -31,6 +31,22 @@ from gyre.tokenizer import parse_stop
 from schemas.call import SamplingParams
 
 
+MAX_MESSAGES = 100_000
+"""Messages (Responses: input items) one request may hold; beyond, a 400. The hosted
+Messages API's own limit ("a limit of 100,000 messages in a single request"); it bounds how
+long one request's per-message work (conversion, `gyre.tito` normalisation, ≈ 10 µs a
+message) holds the event loop, which the body limit alone left at seconds for a 64-MiB
+body of tiny messages."""
+
+
+def check_count(items: list, param: str) -> None:
+    """Raises ApiError(400) when `items` (a request's messages or input items) exceed
+    `MAX_MESSAGES`."""
+    if len(items) > MAX_MESSAGES:
+        raise ApiError(400, f"'{param}' holds {len(items):,} entries; at most {MAX_MESSAGES:,} in a single request",
+                       param=param)
+
+
 class ApiError(Exception):
     """An error answered to the harness, rendered in the API's own shape by `Api.error_body`.
 

@@ -54,8 +54,8 @@ import orjson
 
 from gyre.chat import call_id_prefix, custom_arguments
 from handlers.proxy_api import (
-    Answer, Api, ApiError, ModelRequest, StreamStart, flag, function_tool, internal_message, parse_sampling, pieces,
-    sse, unique_hex,
+    Answer, Api, ApiError, ModelRequest, StreamStart, check_count, flag, function_tool, internal_message,
+    parse_sampling, pieces, sse, unique_hex,
 )
 from schemas.call import SamplingParams
 
@@ -70,6 +70,7 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    check_count(messages, "messages")
     if not all(type(m) is dict for m in messages):
         i = next(i for i, m in enumerate(messages) if type(m) is not dict)
         raise ApiError(400, f"messages[{i}] must be an object", param=f"messages[{i}]")
@@ -257,6 +258,7 @@ def responses_messages(body: dict) -> list[dict]:
         items = [{"type": "message", "role": "user", "content": items}]
     if not isinstance(items, list):
         raise ApiError(400, "'input' must be a string or a list of items", param="input")
+    check_count(items, "input")
     reasoning: list[str] = []  # `reasoning` items' text, for the assistant turn they precede
     for i, item in enumerate(items):
         where = f"input[{i}]"

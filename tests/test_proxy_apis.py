@@ -826,6 +826,26 @@ async def test_malformed_tools_and_parts_are_a_400_naming_them(local, path, body
     assert len(engine.requests) == 1
 
 
+@pytest.mark.parametrize("path,field", [("/v1/chat/completions", "messages"), ("/v1/messages", "messages"),
+                                        ("/v1/responses", "input")])
+async def test_more_messages_than_the_hosted_limit_are_a_400(local, path, field):
+    """Beyond `MAX_MESSAGES` (the Messages API's own 100,000) a request is refused before
+    any per-message work: 300k tiny messages in a 64-MiB body held the event loop, and so
+    every other execution's calls, for seconds."""
+    from handlers.proxy_api import MAX_MESSAGES
+
+    engine = await local.engine(["ok"])
+    url = await local.proxy(engine=engine)
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": "x"} for i in range(MAX_MESSAGES + 1)]
+    body = {"model": "m", "max_tokens": 5, field: many}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + path, json=body,
+                             headers={"Authorization": "Bearer " + execution_key(SECRET, "ex-many")}) as r:
+            err = await r.json()
+            assert r.status == 400 and "at most 100,000" in err["error"]["message"], err
+    assert not engine.requests
+
+
 # --------------------------------------------------------------------------- valid requests, unusual shapes
 
 
