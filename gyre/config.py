@@ -27,7 +27,7 @@ class RecipeError(ValueError):
 
 def _positive(obj: Any, *names: str) -> None:
     for name in names:
-        if getattr(obj, name) <= 0:
+        if not getattr(obj, name) > 0:  # NaN too: it compares false both ways
             raise RecipeError(f"{type(obj).__name__}.{name} must be > 0, got {getattr(obj, name)!r}")
 
 

@@ -222,7 +222,7 @@ def anthropic_messages(body: dict, memo: MessageMemo | None = None) -> list[dict
 
 
 def anthropic_tools(tools: Any) -> list[dict] | None:
-    """Custom tools in chat form; Anthropic-defined tools (a `type` other than `custom`, e.g.
+    """Custom tools in chat form; Anthropic-defined tools (a `type` other than `custom` or null, e.g.
     `web_search_20250305`) are not rendered. Raises ApiError(400) for a tool that is not an
     object, or a custom tool without a string `name` and an `input_schema` object (as the
     hosted API does: rendered without them, the policy would see another tool set)."""
@@ -234,7 +234,7 @@ def anthropic_tools(tools: Any) -> list[dict] | None:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise ApiError(400, f"tools.{i} must be an object", param="tools")
-        if tool.get("type", "custom") != "custom":
+        if tool.get("type") not in (None, "custom"):  # null: the SDK's models dump an unset type so
             continue
         if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
             raise ApiError(400, f"tools.{i}: a custom tool needs a string 'name' and an 'input_schema' object",

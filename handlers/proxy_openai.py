@@ -80,10 +80,11 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
     for i, tool in enumerate(tools or ()):
         if type(tool) is not dict:
             raise ApiError(400, f"tools[{i}] must be an object", param=f"tools[{i}]")
-        fn = tool.get("function")
-        if tool.get("type", "function") == "function" and not (type(fn) is dict and isinstance(fn.get("name"), str)):
-            raise ApiError(400, f"tools[{i}] is a function tool without a 'function' object naming it",
-                           param=f"tools[{i}].function")
+        kind = tool.get("type") or "function"
+        if kind in ("function", "custom") and not (type(spec := tool.get(kind)) is dict
+                                                  and isinstance(spec.get("name"), str)):
+            raise ApiError(400, f"tools[{i}] is a {kind} tool without a '{kind}' object naming it",
+                           param=f"tools[{i}].{kind}")
     for legacy in ("functions", "function_call"):
         if body.get(legacy) is not None:  # dropped silently, the policy would never see the functions
             raise ApiError(400, f"'{legacy}' (deprecated by OpenAI) is not served; send 'tools' and "
@@ -329,7 +330,9 @@ def responses_tools(tools: Any) -> tuple[list[dict] | None, dict[str, tuple[str,
     """(function tools in chat form, {flat name: (namespace, name)}). The functions of a
     `namespace` tool (Codex's sub-agent tools: `{"type": "namespace", "name":
     "multi_agent_v1", "tools": [functions]}`) are shown under their flat name (`flat_name`);
-    other tool types are tolerated and not rendered."""
+    other tool types are tolerated and not rendered. Raises ApiError(400) for a tool that is
+    not an object, or a function or namespace (or a namespace's function) without a string
+    `name`."""
     if tools is None:
         return None, {}
     if not isinstance(tools, list):
@@ -338,16 +341,21 @@ def responses_tools(tools: Any) -> tuple[list[dict] | None, dict[str, tuple[str,
     namespaces: dict[str, tuple[str, str]] = {}
     names = {t["name"] for t in tools if isinstance(t, dict) and t.get("type") == "function"
              and isinstance(t.get("name"), str)}
-    for tool in tools:
+    for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
-            continue
-        if tool.get("type") == "function" and isinstance(tool.get("name"), str):
+            raise ApiError(400, f"tools[{i}] must be an object", param=f"tools[{i}]")
+        if tool.get("type") in ("function", "namespace") and not isinstance(tool.get("name"), str):
+            raise ApiError(400, f"tools[{i}] is a {tool['type']} tool without a string 'name'", param=f"tools[{i}].name")
+        if tool.get("type") == "function":
             params = tool.get("parameters")
             out.append(function_tool(tool, params if isinstance(params, dict) else {}))
         elif tool.get("type") == "namespace" and isinstance(tool.get("name"), str) and isinstance(tool.get("tools"), list):
-            for inner in tool["tools"]:
+            for j, inner in enumerate(tool["tools"]):
                 if isinstance(inner, dict) and inner.get("type", "function") == "function" \
-                        and isinstance(inner.get("name"), str):
+                        and not isinstance(inner.get("name"), str):
+                    raise ApiError(400, f"tools[{i}].tools[{j}] is a function without a string 'name'",
+                                   param=f"tools[{i}].tools[{j}].name")
+                if isinstance(inner, dict) and inner.get("type", "function") == "function":
                     flat = flat_name(tool["name"], inner["name"])
                     if flat in names or flat in namespaces:  # the policy could not tell them apart
                         raise ApiError(400, f"tool {inner['name']!r} of namespace {tool['name']!r} is shown to the "

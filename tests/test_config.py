@@ -38,6 +38,7 @@ def test_a_proxy_override_reaches_the_runs_proxy_config(tmp_path):
     ({"proxy.body_limit_bytes": 0}, "body_limit_bytes must be > 0"),
     ({"proxy.max_active_calls": "8"}, "proxy.max_active_calls must be int"),
     ({"proxy.max_calls": 8}, "unknown key proxy.max_calls"),
+    ({"proxy.retry_timeout_s": float("nan")}, "retry_timeout_s must be > 0"),  # never gave up publishing
 ])
 def test_a_bad_proxy_override_names_its_key(override, message):
     with pytest.raises(RecipeError, match=message):

@@ -793,6 +793,10 @@ async def test_two_keys_that_disagree_are_refused(local):
 @pytest.mark.parametrize("path,body,says", [
     ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "without a 'function' object"),
     ("/v1/chat/completions", {"tools": ["bash"]}, "tools[0] must be an object"),
+    ("/v1/chat/completions", {"tools": [{"type": "custom", "name": "x"}]}, "without a 'custom' object"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "parameters": {}}]}, "without a string 'name'"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "namespace", "name": "ns", "tools": [
+        {"type": "function", "description": "d"}]}]}, "tools[0].tools[0] is a function without"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": [], "text": "hi"}]}]},
      "content[0].type must be a string"),
     ("/v1/messages", {"tools": [{"name": "f"}]}, "needs a string 'name' and an 'input_schema' object"),
@@ -815,9 +819,19 @@ async def test_malformed_tools_and_parts_are_a_400_naming_them(local, path, body
                              headers={"Authorization": "Bearer " + execution_key(SECRET, "ex-bad")}) as r:
             err = await r.json()
             assert r.status == 400, err
-            assert error_type("messages" if "messages" in path else "chat", err) == "invalid_request_error"
+            assert error_type("messages" if path == "/v1/messages" else "chat", err) == "invalid_request_error"
             assert says in err["error"]["message"] and "TypeError" not in err["error"]["message"], err
-    # Anthropic-defined tools (a type other than custom) are still accepted, and not rendered.
+    # A custom tool whose type is null (the SDK's models dump an unset type so) is rendered
+    # like one without a type; Anthropic-defined tools are accepted and not rendered.
+    counts = []
+    async with aiohttp.ClientSession() as http:
+        for tool in ({"name": "bash", "input_schema": {"type": "object"}},
+                     {"name": "bash", "input_schema": {"type": "object"}, "type": None}, None):
+            async with http.post(url + "/v1/messages/count_tokens",
+                                 json={**base, **({"tools": [tool]} if tool else {})},
+                                 headers={"x-api-key": execution_key(SECRET, "ex-count")}) as r:
+                counts.append((await r.json())["input_tokens"])
+    assert counts[0] == counts[1] > counts[2], counts
     async with aiohttp.ClientSession() as http:
         async with http.post(url + "/v1/messages", json={**base, "tools": [{"type": "web_search_20250305",
                                                                              "name": "web_search"}]},
