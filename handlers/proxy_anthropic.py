@@ -76,18 +76,19 @@ def _blocks_text(content: Any, where: str) -> str:
         if isinstance(block, str):
             texts.append(block)
         elif isinstance(block, dict):
-            if not isinstance(block.get("type", "text"), str):
+            kind = block.get("type", "text")
+            if not isinstance(kind, str):
                 raise ApiError(400, f"{where} has a block whose 'type' is not a string")
-            if block.get("type", "text") == "text":
+            if kind == "text":
                 if not isinstance(block.get("text"), str):
                     raise ApiError(400, f"{where} has a text block whose 'text' is not a string")
                 texts.append(block["text"])
-            elif block.get("type") == "document":
+            elif kind == "document":
                 texts.append(_document_text(block, where))
-            elif block.get("type") == "search_result":
+            elif kind == "search_result":
                 texts.append(_titled(block, ("title", "source"),
                                      _blocks_text(block.get("content"), f"{where} (search_result content)")))
-            elif block.get("type") == "image":
+            elif kind == "image":
                 texts.append("[image]")
         else:
             raise ApiError(400, f"{where} has a block that is not an object")

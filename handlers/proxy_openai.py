@@ -349,13 +349,12 @@ def responses_tools(tools: Any) -> tuple[list[dict] | None, dict[str, tuple[str,
         if tool.get("type") == "function":
             params = tool.get("parameters")
             out.append(function_tool(tool, params if isinstance(params, dict) else {}))
-        elif tool.get("type") == "namespace" and isinstance(tool.get("name"), str) and isinstance(tool.get("tools"), list):
+        elif tool.get("type") == "namespace" and isinstance(tool.get("tools"), list):
             for j, inner in enumerate(tool["tools"]):
-                if isinstance(inner, dict) and inner.get("type", "function") == "function" \
-                        and not isinstance(inner.get("name"), str):
-                    raise ApiError(400, f"tools[{i}].tools[{j}] is a function without a string 'name'",
-                                   param=f"tools[{i}].tools[{j}].name")
                 if isinstance(inner, dict) and inner.get("type", "function") == "function":
+                    if not isinstance(inner.get("name"), str):
+                        raise ApiError(400, f"tools[{i}].tools[{j}] is a function without a string 'name'",
+                                       param=f"tools[{i}].tools[{j}].name")
                     flat = flat_name(tool["name"], inner["name"])
                     if flat in names or flat in namespaces:  # the policy could not tell them apart
                         raise ApiError(400, f"tool {inner['name']!r} of namespace {tool['name']!r} is shown to the "
