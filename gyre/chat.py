@@ -300,11 +300,11 @@ def parse_completion(text: str, *, id_prefix: str = "call", cut: bool = False) -
     body is a JSON object with a string "name" and an object "arguments" (or a JSON string
     of one) becomes a ToolCall with id "<id_prefix>_<i>"; other blocks stay in the content.
     When tool calls are found the remaining content is stripped of surrounding whitespace.
-    `cut`: the completion was cut short by the token cap in a request that offered tools: a
-    last `<tool_call>` it never closed is a call the cap interrupted, not text, and is left
-    out of the content (what SGLang's Qwen tool parser does with it); the ids keep it.
-    Otherwise an unclosed block is malformed output (or text before a stop string) and
-    stays text. Never raises.
+    `cut`: the completion was cut short, by the token cap or a stop string, in a request
+    that offered tools: a last `<tool_call>` it never closed is a call the cut interrupted,
+    not text, and is left out of the content (what SGLang's Qwen tool parser does with it;
+    a hosted API never shows tool-call markup as text); the ids keep it. Otherwise an
+    unclosed block is malformed output and stays text. Never raises.
     """
     try:
         return _parse(text, id_prefix, cut)

@@ -1042,7 +1042,7 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
         else:
             hit = None
         parsed = parse_completion(text, id_prefix=api.tool_id_prefix(f"{cfg.run}:{call_id}"),
-                                  cut=result.finish == "length" and bool(req.tools))
+                                  cut=(result.finish == "length" or hit is not None) and bool(req.tools))
         answer = Answer(content=parsed.content, reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
                         finish=result.finish, prompt_tokens=len(prompt), completion_tokens=len(result.output_ids),
                         rid=start.rid, created=start.created, stop_sequence=hit,

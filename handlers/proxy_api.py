@@ -249,15 +249,15 @@ def pieces(text: str, size: int = 32) -> list[str]:
     return [text[i:i + size] for i in range(0, len(text), size)]
 
 
-def number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    """A numeric field in [lo, hi] (or (lo, hi]); `default` when absent or null. Raises ApiError(400)."""
+def number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    """A numeric field in [lo, hi]; `default` when absent or null. Raises ApiError(400)."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ApiError(400, f"'{name}' must be a number, got {value!r}", param=name)
-    if value < lo or value > hi or (lo_open and value == lo):
-        raise ApiError(400, f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", param=name)
+    if value < lo or value > hi:
+        raise ApiError(400, f"'{name}' must be in [{lo}, {hi}], got {value}", param=name)
     return float(value)
 
 
@@ -333,7 +333,8 @@ def parse_sampling(body: dict, defaults: SamplingParams, max_names: Iterable[str
     """Sampling from a request body. defaults: the proxy's temperature/top_p/top_k and the
     completion cap (`max_tokens`); the first present field of `max_names` is capped by it.
     stop_name: the API's stop-strings field (`stop`, `stop_sequences`), None when it has
-    none. Raises ApiError(400) on a malformed value."""
+    none. `top_p: 0` is sampled, and recorded, as `top_k = 1, top_p = 1` (the same
+    distribution). Raises ApiError(400) on a malformed value."""
     cap = defaults.max_tokens
     max_tokens = cap
     for name in max_names:
@@ -355,9 +356,12 @@ def parse_sampling(body: dict, defaults: SamplingParams, max_names: Iterable[str
             stop = parse_stop(body.get(stop_name), stop_name)
         except ValueError as exc:
             raise ApiError(400, str(exc), param=stop_name) from None
+    top_p = number(body, "top_p", defaults.top_p, 0.0, 1.0)
+    if top_p == 0.0:  # the hosted APIs take [0, 1]; a nucleus of mass 0 is the top token alone,
+        top_p, top_k = 1.0, 1  # and the engine (like SGLang) takes top_p only in (0, 1]
     return SamplingParams(
         temperature=number(body, "temperature", defaults.temperature, 0.0, 2.0),
-        top_p=number(body, "top_p", defaults.top_p, 0.0, 1.0, lo_open=True),
+        top_p=top_p,
         top_k=top_k,
         max_tokens=max_tokens,
         stop=stop,

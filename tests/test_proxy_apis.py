@@ -91,6 +91,31 @@ async def test_errors_in_each_api_shape(local, api):
         await asyncio.gather(first, return_exceptions=True)
 
 
+@pytest.mark.parametrize("api", sorted(APIS))
+async def test_top_p_zero_is_the_top_token_alone(tok, bus, run_id, api):  # noqa: F811
+    """The hosted APIs take `top_p` in [0, 1]; 0 (a nucleus of the top token) is sent to the
+    engine, and recorded, as top_k = 1, top_p = 1, since SGLang takes top_p only in (0, 1]."""
+    stack = Stack(tok, bus, run_id)
+    try:
+        engine = await stack.engine(["fine"])
+        url = await stack.proxy(engine=engine)
+        path, body = APIS[api]
+        auth = {"Authorization": f"Bearer {execution_key(SECRET, 'ex-top')}"}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + path, json={**body, "top_p": 0}, headers=auth) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+            for bad in (-0.1, 1.5):
+                async with http.post(url + path, json={**body, "top_p": bad}, headers=auth) as r:
+                    assert r.status == 400 and "'top_p' must be in [0.0, 1.0]" in (await r.text())
+        (call,) = await stack.calls(1)
+    finally:
+        await stack.close()
+    sent = engine.requests[0]["sampling_params"]
+    assert (sent["top_p"], sent["top_k"]) == (1.0, 1)
+    assert (call.sampling.top_p, call.sampling.top_k, call.status) == (1.0, 1, "ok")
+
+
 async def test_count_tokens_is_held_to_the_concurrency_bounds(local):
     """count_tokens renders and tokenises like a call (on the branch thread when long): an
     execution at its bound of calls in flight gets a 429 for it too, and once the call is
@@ -928,10 +953,11 @@ async def test_chat_custom_tool_calls_and_calls_without_arguments_render_as_call
 CUT_CALL = 'Running it.\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la /tmp && echo done"}}\n</tool_call>'
 
 
-async def test_a_tool_call_cut_by_the_cap_is_not_shown_as_text(local, tok):  # noqa: F811
-    """A completion cut by `max_tokens` inside a tool call answers the text before the call
-    (SGLang's tool parser drops the unfinished call), in every API; the ids keep the cut
-    call, and the harness's next request, resending the answer as it got it, extends it."""
+async def test_a_tool_call_cut_by_the_cap_or_a_stop_string_is_not_shown_as_text(local, tok):  # noqa: F811
+    """A completion cut by `max_tokens` or a stop string inside a tool call answers the text
+    before the call (SGLang's tool parser drops the unfinished call), in every API; the ids
+    keep the cut call, and the harness's next request, resending the answer as it got it,
+    extends it."""
     engine = await local.engine([CUT_CALL] * 4)
     await local.proxy(engine=engine)
     tools = [{"name": "bash", "input_schema": {"type": "object"}}]
@@ -952,13 +978,23 @@ async def test_a_tool_call_cut_by_the_cap_is_not_shown_as_text(local, tok):  # n
     assert not chat.choices[0].message.tool_calls
     whole = await local.client("ex-whole").chat.completions.create(model="m", max_tokens=200, messages=first)
     assert whole.choices[0].message.tool_calls[0].function.name == "bash"
-    # Without tools offered, or cut by the harness's own stop string, the text is the answer
+    # Without tools offered the text is the answer
     plain = await local.client("ex-plain").chat.completions.create(model="m", max_tokens=12, messages=first)
     assert plain.choices[0].message.content.startswith("Running it.\n<tool_call>\n")
-    stopped = await local.client("ex-stop").chat.completions.create(model="m", messages=first, stop=["ls -la"],
-                                                                    tools=[{"type": "function",
-                                                                            "function": {"name": "bash"}}])
-    assert stopped.choices[0].message.content == 'Running it.\n<tool_call>\n{"name": "bash", "arguments": {"command": "'
+    # A stop string of the harness's inside the call cuts it like the cap, in every API
+    for stop in (["ls -la"], ["</tool_call>"]):
+        stopped = await local.client("ex-stop").chat.completions.create(
+            model="m", messages=first, stop=stop, tools=[{"type": "function", "function": {"name": "bash"}}])
+        assert (stopped.choices[0].finish_reason, stopped.choices[0].message.content) == ("stop", "Running it.")
+        assert not stopped.choices[0].message.tool_calls
+    seq = await client.messages.create(model="x", max_tokens=100, tools=tools, messages=first, stop_sequences=["ls"])
+    assert (seq.stop_reason, seq.stop_sequence, [b.text for b in seq.content]) == ("stop_sequence", "ls", ["Running it."])
+    store = local.store("ex-cut")
+    stopped_call = store.calls[-1]
+    resent = first + [{"role": "assistant", "content": "Running it."}, {"role": "user", "content": "go on"}]
+    await client.messages.create(model="x", max_tokens=12, tools=tools, messages=resent)
+    assert store.calls[-1].parent is stopped_call
+    assert store.calls[-1].prefix_len == stopped_call.prefix_len + len(stopped_call.own_ids)
 
 
 
