@@ -139,7 +139,7 @@ from handlers.proxy_anthropic import MessagesApi, parse_messages_request
 from handlers.proxy_body import BodyMemo
 from handlers.proxy_api import (
     Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, completion_room, context_exceeded,
-    internal_message,
+    internal_message, unique_hex,
 )
 from handlers.proxy_http import Reply, error_response, key_of, read_json, serving_proxy, url_in
 from handlers.proxy_openai import ChatApi, ResponsesApi, parse_chat_request, parse_responses_request
@@ -999,9 +999,11 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
     seq = ex.next_seq
     ex.next_seq += 1
     call_id = f"{execution}:{seq}"
-    ctx = {"execution": execution, "call": call_id, "api": api.name, "role": roles.role}  # log context
+    request[REQUEST_ID] = request_id = "req_" + unique_hex()
+    ctx = {"execution": execution, "call": call_id, "api": api.name, "role": roles.role,  # log context
+           "request_id": request_id}
     common = dict(execution=execution, seq=seq, match=match, sampling=req.sampling, api=api.name, role=roles.role,
-                  meta=roles.meta)
+                  meta={**roles.meta, "request_id": request_id})
     reply = Reply(request, api, req.stream, cfg.keepalive_s, cfg.deliver_timeout_s)
     attempt = Attempt()
     result: EngineResult | None = None
@@ -1169,10 +1171,12 @@ async def _count(request: web.Request, api: Api,
         return error_response(api, _internal_error(exc, execution, "count_tokens"))
     seq = ex.next_seq
     ex.next_seq += 1
+    request[REQUEST_ID] = request_id = "req_" + unique_hex()
     root = dataclasses.replace(match, parent=None, prefix_len=0, extended=False, drift=0)
     state.publish_later(state.call_event(
         execution=execution, seq=seq, match=root, sampling=req.sampling, result=None, status="ok",
-        total_s=time.monotonic() - t0, cell="", api=api.name, role=roles.role, meta=roles.meta))
+        total_s=time.monotonic() - t0, cell="", api=api.name, role=roles.role,
+        meta={**roles.meta, "request_id": request_id}))
     return len(match.prompt_ids)
 
 
@@ -1262,6 +1266,17 @@ async def not_found(request: web.Request) -> web.Response:
 
 STATE = web.AppKey("state", ProxyState)
 RAW_BODIES = web.AppKey("raw_bodies", bool)
+REQUEST_ID = web.RequestKey("request_id", str)
+"""Key of a model call's request id on its `web.Request` (`_name_response`)."""
+
+
+async def _name_response(request: web.Request, response: web.StreamResponse) -> None:
+    """Every response carries a request id, as the hosted APIs send one: `request-id`
+    (Anthropic; its SDK's `_request_id` and errors' `request_id`) and `x-request-id`
+    (OpenAI), the same `req_<24 hex>`. A model call's id is also in its `call.completed`
+    `meta.request_id` and its log lines, so an id a harness prints leads to the call."""
+    rid = request.get(REQUEST_ID) or "req_" + unique_hex()
+    response.headers["request-id"] = response.headers["x-request-id"] = rid
 
 
 def make_app(state: ProxyState) -> web.Application:
@@ -1270,6 +1285,7 @@ def make_app(state: ProxyState) -> web.Application:
     `app[RAW_BODIES] = True` (bodies decoded here, bounded, unsupported codings → 415)."""
     app = web.Application(client_max_size=state.cfg.body_limit_bytes)
     app[STATE] = state
+    app.on_response_prepare.append(_name_response)
     for prefix in ("/v1", ""):
         app.router.add_post(prefix + "/chat/completions", chat_completions)
         app.router.add_post(prefix + "/responses", responses)

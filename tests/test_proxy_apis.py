@@ -182,9 +182,10 @@ async def test_models_are_listed_with_and_without_v1(local):
 async def test_sdks_raise_their_own_error_classes(local):
     engine = await local.engine(["ok"], delay_s=30.0)
     await local.proxy(engine=engine, max_active_calls=1)
-    with pytest.raises(anthropic.AuthenticationError):
+    with pytest.raises(anthropic.AuthenticationError) as refused:
         async with anthropic.AsyncAnthropic(base_url=local.url, api_key="gyre-ex-" + "0" * 32, max_retries=0) as bad:
             await bad.messages.create(model="x", max_tokens=5, messages=[{"role": "user", "content": "a"}])
+    assert refused.value.request_id.startswith("req_")  # errors name themselves too
     with pytest.raises(anthropic.BadRequestError):
         await local.anthropic("ex").messages.create(model="x", max_tokens=5, messages=[{"role": "tool", "content": "a"}])
     with pytest.raises(openai.BadRequestError):
@@ -609,20 +610,21 @@ async def test_roles_and_metadata_on_call_completed(tok, bus, run_id):  # noqa: 
         user = {"role": "user", "content": "fix the bug"}
         await cc.messages.create(model="claude-sonnet-x", max_tokens=50, system="main prompt", messages=[user],
                                  tools=tools)
-        await cc.messages.create(model="claude-sonnet-x", max_tokens=50, system="sub prompt", messages=[user],
-                                 tools=tools, extra_headers={"x-claude-code-agent-id": "agent-7"})
+        sub = await cc.messages.create(model="claude-sonnet-x", max_tokens=50, system="sub prompt", messages=[user],
+                                       tools=tools, extra_headers={"x-claude-code-agent-id": "agent-7"})
         await cc.messages.create(model="claude-sonnet-x", max_tokens=50, system="title prompt", messages=[user],
                                  tools=[], extra_body={"output_config": {"format": {"type": "json_schema",
                                                                                     "schema": {}}}})
         await cc.messages.create(model="claude-haiku-4-5", max_tokens=50, messages=[user])
-        await cc.messages.count_tokens(model="claude-sonnet-x", messages=[user], tools=tools)
+        count = await cc.messages.with_raw_response.count_tokens(model="claude-sonnet-x", messages=[user],
+                                                                 tools=tools)
         await cc.messages.create(model="claude-sonnet-x", max_tokens=50, system="main prompt", tools=tools, messages=[
             user, {"role": "assistant", "content": "main answer"},
             {"role": "user", "content": "Your task is to create a detailed summary of the conversation so far."}])
         codex = stack.client("ex2", default_headers={
             "session-id": "thread-1", "x-codex-turn-metadata": json.dumps({"request_kind": "compaction",
                                                                           "turn_id": "t-3"})})
-        await codex.responses.create(model="gpt-x", input="You are performing a CONTEXT CHECKPOINT COMPACTION.",
+        answered = await codex.responses.create(model="gpt-x", input="You are performing a CONTEXT CHECKPOINT COMPACTION.",
                                      tools=[])
         events = await stack.calls(7)
     finally:
@@ -630,7 +632,13 @@ async def test_roles_and_metadata_on_call_completed(tok, bus, run_id):  # noqa: 
     by_call = {e.call: e for e in events}
     assert [by_call[f"ex1:{i}"].role for i in range(6)] == [
         "main", "sub-agent", "auxiliary", "auxiliary", "auxiliary", "main-summary"]
-    assert by_call["ex1:1"].meta == {"harness": "claude-code", "session_id": "sess-9", "agent_id": "agent-7"}
+    # each call's request id (as the hosted APIs send one, what harnesses print) is on its record
+    assert sub._request_id.startswith("req_") and answered._request_id.startswith("req_")
+    assert by_call["ex1:1"].meta == {"harness": "claude-code", "session_id": "sess-9", "agent_id": "agent-7",
+                                     "request_id": sub._request_id}
+    assert by_call["ex1:4"].meta["request_id"] == count.headers["request-id"] == count.headers["x-request-id"]
+    assert by_call["ex2:0"].meta.pop("request_id") == answered._request_id
+    assert len({e.meta["request_id"] for e in events if "request_id" in e.meta}) == 6
     assert by_call["ex1:2"].meta["request_kind"] == "title" and by_call["ex1:2"].parent_call is None
     counted = by_call["ex1:4"]
     assert counted.meta["request_kind"] == "count_tokens" and counted.tokens.completion_ids == ()
