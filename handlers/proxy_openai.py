@@ -48,6 +48,7 @@ Errors: OpenAI's `{"error": {...}}`; in a stream, `response.failed`.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import orjson
@@ -395,7 +396,8 @@ def parse_responses_request(body: Any, defaults: SamplingParams, memo: Any = Non
     json_output = isinstance(fmt, dict) and fmt.get("type") in ("json_schema", "json_object")
     model = body.get("model") if isinstance(body.get("model"), str) else ""
     echo = {k: body.get(k) for k in ("instructions", "tool_choice", "parallel_tool_calls", "reasoning",
-                                     "metadata", "prompt_cache_key", "store", "tools") if k in body}
+                                     "metadata", "prompt_cache_key", "store", "tools", "max_output_tokens")
+            if k in body}
     if isinstance(fmt, dict):
         echo["text"] = text
     return ModelRequest(api="responses", messages=messages, tools=tools, stream=flag(body, "stream"),
@@ -423,8 +425,9 @@ class ResponsesApi(Api):
             "instructions": echo.get("instructions"), "metadata": echo.get("metadata") or {},
             "parallel_tool_calls": echo.get("parallel_tool_calls", True), "tool_choice": echo.get("tool_choice", "auto"),
             "tools": echo.get("tools") or [], "temperature": req.sampling.temperature, "top_p": req.sampling.top_p,
-            "max_output_tokens": req.sampling.max_tokens, "reasoning": echo.get("reasoning"),
+            "max_output_tokens": echo.get("max_output_tokens"), "reasoning": echo.get("reasoning"),
             "store": echo.get("store", False), "text": echo.get("text", {"format": {"type": "text"}}),
+            "completed_at": int(time.time()) if status == "completed" else None,
         }
 
     def preamble(self, start: StreamStart, req: ModelRequest) -> list[bytes]:

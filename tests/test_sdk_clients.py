@@ -149,6 +149,8 @@ async def test_responses_stream_helper_events_and_echo_extends(local, tok):  # n
     call = final.output[2]
     assert call.arguments == RAW_ARGS and call.call_id.startswith("call_") and call.name == "bash"
     assert final.output_text == "Let me look." and final.status == "completed"
+    # what the request did not set is echoed as the hosted API does: null, not the proxy's own cap
+    assert final.max_output_tokens is None and final.completed_at >= final.created_at
     assert final.usage.input_tokens == len(engine.requests[0]["input_ids"])
     think_ids = tok(THINK_CALL.partition("</think>")[0] + "</think>", add_special_tokens=False)["input_ids"]
     assert final.usage.output_tokens_details.reasoning_tokens == len(think_ids)
@@ -172,6 +174,7 @@ async def test_responses_stream_helper_events_and_echo_extends(local, tok):  # n
              {"type": "message", "role": "user", "content": "And now?"}]
     cut = await client.responses.create(model="gpt-unknown", input=turn3, tools=TOOLS_RESPONSES, max_output_tokens=2)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.max_output_tokens == 2 and cut.completed_at is None
     assert cut.usage.output_tokens == 2
     assert [(i.type, i.status) for i in cut.output] == [("message", "incomplete")]
     assert local.store("ex3").calls[2].parent is rec0  # the new user query drops turn 1's thinking: a branch
