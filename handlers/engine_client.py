@@ -25,7 +25,7 @@ import aiohttp
 import numpy as np
 import orjson
 
-from handlers.engine_http import EngineConnections
+from handlers.engine_http import EngineConnections, Unreachable
 
 
 class EngineClientError(Exception):
@@ -35,11 +35,13 @@ class EngineClientError(Exception):
 class EngineUnavailable(EngineClientError):
     """The engine cannot take the request now (`OVERLOADED`, connection error, timeout): retry.
     `status`: the HTTP status it answered (`OVERLOADED`; a 408 says the request only
-    waited in a queue), None when it gave no answer."""
+    waited in a queue), None when it gave no answer. `sent`: False when no connection
+    could be made, so the engine never saw the request."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, sent: bool = True) -> None:
         super().__init__(message)
         self.status = status
+        self.sent = sent
 
 
 class EngineRequestError(EngineClientError):
@@ -163,7 +165,8 @@ class EngineClient:
             status, raw = await self.connections.post(
                 "/generate", orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), timeout_s)
         except OSError as e:  # refused, reset, malformed answer; TimeoutError: the bound ran out
-            raise EngineUnavailable(f"POST {self.base_url}/generate: {type(e).__name__}: {e}") from e
+            raise EngineUnavailable(f"POST {self.base_url}/generate: {type(e).__name__}: {e}",
+                                    sent=not isinstance(e, Unreachable)) from e
         return _answer("POST", self.base_url + "/generate", status, raw)
 
     async def abort(self, rid: str) -> bool:

@@ -23,7 +23,8 @@ does.
 
 Errors (`post`): ConnectionError (refused, reset, not resolved, no route, a TLS failure,
 closed before the whole response, malformed response, an unusable URL) and
-asyncio.TimeoutError (`timeout_s` or `connect_s` ran out). A request is never sent twice:
+asyncio.TimeoutError (`timeout_s` ran out); `Unreachable`, a ConnectionError, when no
+connection could be made (within `connect_s` too), so the request was never sent. A request is never sent twice:
 when the engine closes a reused idle connection after the poll, just as the request goes
 out, that is a ConnectionError like any other (the caller, `proxy_routing.Dispatcher`,
 retries under a new request id), since the engine may have read it. Cancelling `post`, or
@@ -43,6 +44,10 @@ import httptools
 
 IDLE_S = 4.0
 """Seconds an idle connection is kept for reuse (uvicorn closes idle ones after 5 s)."""
+
+
+class Unreachable(ConnectionError):
+    """No connection to the engine could be made: the request was never sent."""
 
 
 class _Connection(asyncio.Protocol):
@@ -213,11 +218,11 @@ class EngineConnections:
             async with asyncio.timeout(self.connect_s):
                 _, conn = await loop.create_connection(_Connection, self.host, self.port, ssl=self.ssl)
         except UnicodeError as exc:  # a host name the resolver's IDNA step refuses
-            raise ConnectionError(f"engine host {self.host!r} is not usable: {exc}") from None
-        except (ConnectionError, TimeoutError):
-            raise
-        except OSError as exc:  # not resolved, no route, a TLS handshake refused, all addresses refused
-            raise ConnectionError(f"engine {self.host}:{self.port} unreachable: {exc}") from exc
+            raise Unreachable(f"engine host {self.host!r} is not usable: {exc}") from None
+        except TimeoutError:
+            raise Unreachable(f"engine {self.host}:{self.port}: no connection within {self.connect_s:g} s") from None
+        except OSError as exc:  # refused, not resolved, no route, a TLS handshake refused
+            raise Unreachable(f"engine {self.host}:{self.port} unreachable: {exc}") from exc
         return conn
 
     async def post(self, path: str, body: bytes, timeout_s: float | None = None) -> tuple[int, bytes]:
@@ -225,7 +230,7 @@ class EngineConnections:
         timeout_s: seconds the whole request may take (None: unbounded). Raises
         ConnectionError or asyncio.TimeoutError (module docstring)."""
         if self.invalid:
-            raise ConnectionError(self.invalid)
+            raise Unreachable(self.invalid)
         data = self._head(path, len(body)) + body
         async with asyncio.timeout(timeout_s):
             conn = self._take_idle() or await self._connect()

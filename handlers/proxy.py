@@ -470,7 +470,8 @@ class ProxyState:
         """The context window in force (`Config.context_tokens`, or learnt from an engine)."""
         self.engines = Dispatcher(self.router, session, concurrency=cfg.concurrency,
                                   retry_timeout_s=cfg.retry_timeout_s, retry_backoff_s=cfg.retry_backoff_s,
-                                  retry_backoff_max_s=cfg.retry_backoff_max_s, spawn=self.spawn)
+                                  retry_backoff_max_s=cfg.retry_backoff_max_s, spawn=self.spawn,
+                                  vocab_size=vocab_size(cfg.model_dir))
         self._publishing = asyncio.Semaphore(cfg.max_publishes_in_flight)
         self._background: set[asyncio.Task] = set()
         self._unsent: dict[str, Outgoing] = {}
@@ -1334,6 +1335,25 @@ def _port_of(url: str, host: str) -> int:
     except ValueError:
         return 0
     return port if parsed.scheme == "http" and parsed.hostname == host.strip("[]") else 0
+
+
+def vocab_size(model_dir: str) -> int:
+    """Rows of the policy's embedding table, the bound on the token ids an engine may
+    answer: the checkpoint's `config.json` `vocab_size` (or its `text_config`'s), gyre's
+    padded Qwen3 vocabulary (151,936) for the built-in tokenizer; 2**31 (int32, no other
+    bound) when the checkpoint's config does not say."""
+    if not model_dir:
+        from gyre.tokenizer import VOCAB_SIZE
+
+        return VOCAB_SIZE
+    try:
+        config = orjson.loads((Path(model_dir) / "config.json").read_bytes())
+    except (OSError, ValueError):
+        return 2**31
+    for c in (config, config.get("text_config") if isinstance(config, dict) else None):
+        if isinstance(c, dict) and type(c.get("vocab_size")) is int and c["vocab_size"] > 0:
+            return c["vocab_size"]
+    return 2**31
 
 
 def load_tokenizer(model_dir: str) -> Any:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import math
 import operator
@@ -309,7 +308,7 @@ def _version(value: Any) -> int:
     raise _bad_reply(f"weight_version {str(value)[:40]!r} is not a policy version")
 
 
-def engine_reply(body: Any) -> EngineResult:
+def engine_reply(body: Any, vocab_size: int = 2**31) -> EngineResult:
     """The generation in an engine's `/generate` reply (SGLang's native format; `cell` and
     the timings left empty for the caller): `output_ids` (C,) token ids (when absent, as
     from SGLang versions that send them only with `--return-token-ids`, the ids in the
@@ -320,9 +319,11 @@ def engine_reply(body: Any) -> EngineResult:
 
     An `abort` reply is returned without ids (it is no sample; the caller retries).
     Otherwise raises ApiError(502, code "engine_bad_reply") when any of these is missing
-    or of the wrong type or out of range (ids and versions are int32 downstream; a log-prob must be
-    finite and ≤ 0: SGLang writes NaN and ±inf as null), or the counts differ: such a
-    reply is not a sample of the policy."""
+    or of the wrong type or out of range (ids lie in [0, vocab_size), the policy's
+    vocabulary: an id beyond it would be sent back in the next prompt, which the engine
+    refuses; versions are int32 downstream; a log-prob must be finite and ≤ 0: SGLang
+    writes NaN and ±inf as null), or the counts differ: such a reply is not a sample of
+    the policy."""
     if not isinstance(body, dict):
         raise _bad_reply(f"a JSON object was expected, got {str(body)[:80]!r}")
     meta = body.get("meta_info")
@@ -350,8 +351,8 @@ def engine_reply(body: Any) -> EngineResult:
     ids = body.get("output_ids")
     if ids is None:  # SGLang versions that return token ids only with --return-token-ids
         ids = [x[1] if len(x) > 1 else None for x in lps]
-    if type(ids) is not list or (ids and (set(map(type, ids)) != _INT or min(ids) < 0 or max(ids) >= 2**31)):
-        raise _bad_reply("output_ids is not a list of token ids (int32)")
+    if type(ids) is not list or (ids and (set(map(type, ids)) != _INT or min(ids) < 0 or max(ids) >= vocab_size)):
+        raise _bad_reply(f"output_ids is not a list of token ids in [0, {vocab_size})")
     if len(lps) != len(ids):
         raise _bad_reply(f"{len(ids)} ids but {len(lps)} log-probs")
     spans = meta.get("gyre_versions")
@@ -388,8 +389,10 @@ class Dispatcher:
     """
 
     def __init__(self, router: Router, session: Any, *, concurrency: int, retry_timeout_s: float,
-                 retry_backoff_s: float, retry_backoff_max_s: float, spawn: Callable[[Awaitable[Any]], None]):
+                 retry_backoff_s: float, retry_backoff_max_s: float, spawn: Callable[[Awaitable[Any]], None],
+                 vocab_size: int = 2**31):
         self.router = router
+        self.vocab_size = vocab_size
         self.session = session
         self.retry_timeout_s = retry_timeout_s
         self.retry_backoff_s = retry_backoff_s
@@ -399,7 +402,6 @@ class Dispatcher:
         self._clients: dict[str, tuple[EngineClient, asyncio.Semaphore]] = {}
         self.stopping = False
         """Set by `stop`: a call that would wait or retry fails instead."""
-        self._stopped = asyncio.Event()
 
     def stop(self) -> None:
         """The proxy is stopping: calls waiting for a rollout cell, or about to retry after
@@ -407,7 +409,6 @@ class Dispatcher:
         and such calls would hold the shutdown for its whole grace); requests already at an
         engine run on."""
         self.stopping = True
-        self._stopped.set()
         self.router.wake()
 
     def close(self) -> None:
@@ -428,14 +429,17 @@ class Dispatcher:
             log.info("proxy.engine.abort_failed", rid=rid, error=repr(exc))
 
     async def _avoid(self, avoid: set[str], cell: str, backoff: float, remaining: float) -> float:
-        """Steer the retry away from `cell`: another rollout cell is tried at once, the same
-        engine only after `backoff` seconds (capped by `remaining`). Returns the next backoff."""
+        """Steer the retry away from `cell`: another rollout cell is tried at once, also one
+        that enters rollout during the wait; the same engine only after `backoff` seconds
+        (capped by `remaining`; a stop ends the wait). Returns the next backoff."""
         avoid.add(cell)
-        if any(c not in avoid for c in self.router.cells):
-            return backoff
-        with contextlib.suppress(asyncio.TimeoutError):  # (a stop ends the wait)
-            await asyncio.wait_for(self._stopped.wait(), min(backoff, max(remaining, 0.0)))
-        return min(backoff * 2, self.retry_backoff_max_s)
+        end = time.monotonic() + min(backoff, max(remaining, 0.0))
+        while not any(c not in avoid for c in self.router.cells):
+            left = end - time.monotonic()
+            if left <= 0 or self.stopping:
+                return min(backoff * 2, self.retry_backoff_max_s)
+            await self.router.wait_changed(left)
+        return backoff
 
     async def generate(self, execution: str, prompt_ids: Any, sampling: SamplingParams, call_id: str,
                        attempt: Attempt, prompt_tokens: int | None = None) -> EngineResult:
@@ -495,9 +499,10 @@ class Dispatcher:
                                        code="engine_unavailable") from exc
                     # The attempt ran out its bound, not the wait for an engine: wait afresh.
                     deadline = max(deadline, time.monotonic() + self.retry_timeout_s)
-                elif exc.status != 408:  # dropped, or a 503 mid-request: it may have generated
+                elif exc.status != 408 and exc.sent:  # dropped, or a 503 mid-request: it may have generated
                     deadline += time.monotonic() - t_engine  # the window counts waiting, not generating
-                # A 408 is a gateway's queue timeout: that time was waiting for an engine, and counts.
+                # A 408 is a gateway's queue timeout, a failed connect never reached an engine:
+                # that time was waiting for one, and counts.
                 backoff = await self._avoid(avoid, cell, backoff, deadline - time.monotonic())
                 continue
             except EngineRequestError as exc:
@@ -532,7 +537,7 @@ class Dispatcher:
             if too_long is not None:  # SGLang's scheduler refusing the prompt (versions that abort it)
                 log.warning("proxy.engine.refused", **ctx, cell=cell, status=200, body=too_long[1][:500])
                 raise context_exceeded(prompt_tokens, too_long[0], too_long[1])
-            reply = engine_reply(result)
+            reply = engine_reply(result, self.vocab_size)
             if reply.finish == "abort":
                 aborts += 1
                 log.info("proxy.engine.aborted", **ctx, cell=cell, aborts=aborts)

@@ -8,6 +8,8 @@ import contextlib
 import gzip
 import json
 import os
+import socket
+import time
 import zlib
 from collections.abc import Callable
 
@@ -18,11 +20,17 @@ import pytest
 from aiohttp import web
 
 from gyre.harness import execution_key
+from gyre.tokenizer import IM_END, VOCAB_SIZE
+from handlers.engine_client import make_session
+from handlers.proxy import vocab_size
 from handlers.proxy_anthropic import parse_messages_request
 from handlers.proxy_api import MEMBERS, ApiError, decode_body, unique_hex, zstd_decompressor
 from handlers.proxy_http import STREAM_OPEN_S
-from handlers.proxy_routing import MAX_ENGINE_ABORTS, MAX_ENGINE_ERRORS, Attempt, Router, race
+from handlers.proxy_routing import (
+    MAX_ENGINE_ABORTS, MAX_ENGINE_ERRORS, Attempt, Dispatcher, Router, engine_reply, race,
+)
 from schemas import ids
+from schemas.call import SamplingParams
 from schemas.cell import CellSwitched, Route, RouteUpdated
 from schemas.execution import ExecutionFinished, ExecutionInfo, ExecutionStarted
 from tests.test_proxy import SECRET, Stack, bus, tok  # noqa: F401 - fixtures
@@ -477,6 +485,74 @@ async def test_time_in_a_gateways_queue_counts_against_the_retry_window(local):
         took = asyncio.get_running_loop().time() - t0
         assert err.value.status_code == 503 and err.value.code == "engine_unavailable"
         assert took < 2.5 and len(seen) <= 5, (took, len(seen))
+
+
+async def test_time_spent_connecting_counts_against_the_retry_window():
+    """A connect that times out never reached an engine: that time was waiting for one,
+    which `retry_timeout_s` bounds. (Adding it back, as for a request that may have
+    generated, made a dead engine that drops connection attempts hold a call for 5× the
+    window: 600 s became ~30 minutes of keep-alives.)"""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    filler = socket.create_connection(listener.getsockname())  # accept queue full: later SYNs are dropped
+    session = make_session(connect_s=0.4)
+    try:
+        dispatcher = Dispatcher(Router("http://127.0.0.1:%d" % listener.getsockname()[1]), session, concurrency=4,
+                                retry_timeout_s=1.0, retry_backoff_s=0.05, retry_backoff_max_s=0.05,
+                                spawn=asyncio.ensure_future)
+        t0 = time.monotonic()
+        with pytest.raises(ApiError) as err:
+            await dispatcher.generate("ex", [1, 2], SamplingParams(max_tokens=4), "ex:0", Attempt())
+        took = time.monotonic() - t0
+    finally:
+        await session.close()
+        filler.close()
+        listener.close()
+    assert err.value.status == 503 and err.value.code == "engine_unavailable"
+    assert took < 1.8, took
+
+
+async def test_a_backoff_ends_when_another_cell_enters_rollout(local):
+    """A call backing off from its only cell (here failing with 500) is sent to a cell that
+    enters rollout during the wait at once, not after the backoff."""
+    good = await local.engine(["from the new cell"])
+    await local.proxy(retry_backoff_s=30.0, retry_timeout_s=60.0)
+    state = local.state
+    async with failing_engine(500) as (bad, seen):
+        await state.handle_event(switched("c0", "rollout", bad.url))
+        pending = asyncio.ensure_future(local.client("ex-new").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}]))
+        await wait_for(lambda: seen)
+        await asyncio.sleep(0.2)  # well into the 30-s backoff
+        t0 = time.monotonic()
+        await state.handle_event(switched("c1", "rollout", good.url))
+        answer = await asyncio.wait_for(pending, 5)
+    assert answer.choices[0].message.content == "from the new cell" and len(seen) == 1
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_ids_beyond_the_vocabulary_are_a_bad_reply():
+    """An id the policy's embedding table has no row for is no sample of the policy, and
+    sent back in the next prompt the engine would refuse it: a 502, not an `ok` call."""
+    def reply(ids: list[int]) -> dict:
+        return {"output_ids": ids, "meta_info": {"finish_reason": {"type": "stop"},
+                                                  "output_token_logprobs": [[-0.5, i, None] for i in ids]}}
+    assert engine_reply(reply([VOCAB_SIZE - 1, IM_END]), VOCAB_SIZE).output_ids == [VOCAB_SIZE - 1, IM_END]
+    for ids in ([VOCAB_SIZE, IM_END], [1_000_000_000, IM_END]):
+        with pytest.raises(ApiError) as err:
+            engine_reply(reply(ids), VOCAB_SIZE)
+        assert err.value.status == 502 and err.value.code == "engine_bad_reply" and "151936" in err.value.message
+
+
+async def test_the_proxy_bounds_ids_by_the_policys_vocabulary(local, tmp_path):
+    engine = await local.engine(["x"])
+    await local.proxy(engine=engine)
+    assert local.state.engines.vocab_size == VOCAB_SIZE  # the built-in tokenizer: Qwen3's padded table
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 1000}}))
+    assert vocab_size(str(tmp_path)) == 1000
+    (tmp_path / "config.json").write_text("{}")
+    assert vocab_size(str(tmp_path)) == 2**31
 
 
 async def test_an_engine_client_error_is_not_retried(local):
