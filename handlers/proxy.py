@@ -117,11 +117,12 @@ import dataclasses
 import functools
 import gc
 import os
+import sys
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, Set
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import orjson
 import structlog
@@ -181,8 +182,8 @@ dropped); rejected keys are never kept, so unauthenticated requests cannot fill 
 CLOSE_RESERVE_S = 1.5
 """The end of `Config.shutdown_grace_s` kept, in seconds (at most a tenth of it), for
 closing the replay, the HTTP session and the bus once the drain is over (a frozen
-nats-server holds each close to its bound), and for the interpreter's exit after `run`
-returns (≈ 0.5 s here)."""
+nats-server holds each close to its bound), and for the process's exit after `run`
+returns (`main` skips the interpreter's teardown: milliseconds)."""
 SPILL_RETRY_S = 2.0
 """How often a serving proxy tries to publish what it spilled when no publish has been
 acknowledged since (`_resend_spilled`): soon, so that a call spilled at the end of a burst
@@ -1587,17 +1588,26 @@ def config_from_context(ctx: Any, args: Any) -> Config:
                   **dataclasses.asdict(r.proxy))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
+    """The proxy process's entry point (`gyre proxy`): serves until stopped, then ends the
+    process with the daemon's exit status, without the interpreter's teardown. That
+    teardown frees every execution's call store object by object (≈ 1 s with a few dozen
+    here, more with thousands), time `shutdown_grace_s` has no room for, and nothing is
+    left to do by then: the spill file is synced, the bus and the listener are closed."""
     from handlers.daemon import daemon_main
 
     def extra(p: Any) -> None:
         p.add_argument("--port", type=int, default=0, help="listening port on 127.0.0.1 (0 = free port)")
         p.add_argument("--engine-url", default="", help="engine used while no rollout cell is known")
 
-    return daemon_main("proxy", "model endpoint for agent harnesses (OpenAI Chat and Responses, Anthropic "
-                                "Messages) with token-in/token-out capture", config_from_context, run, argv,
-                       extra_args=extra)
+    status = daemon_main("proxy", "model endpoint for agent harnesses (OpenAI Chat and Responses, Anthropic "
+                                  "Messages) with token-in/token-out capture", config_from_context, run, argv,
+                         extra_args=extra)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # (a closed pipe: nothing more can be said)
+            stream.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
