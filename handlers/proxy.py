@@ -823,20 +823,25 @@ class ProxyState:
         delay = self.cfg.retry_backoff_s
         event, tokens_json = out
         attempted = may_have_landed  # a publish attempt that failed may have landed
+        one_publish_s = self.bus.config.publish_bound_s()
         while True:
+            left = deadline - time.monotonic()
             try:
-                data = encode(event)
-                if tokens_json is None and len(data) > self.cfg.object_threshold_bytes:
-                    t = event.tokens  # inline arrays whose event is still too large with the rest
-                    tokens_json = _tokens_json(t.prompt_ids, t.completion_ids, t.logprobs)
-                    event = dataclasses.replace(event, tokens=CallTokens(),
-                                                tokens_ref=tokens_key(event.execution, event.seq))
+                # bounded by the window once one publish's own tries could outlast it
+                async with asyncio.timeout(max(left, 0.0) if left < one_publish_s else None):
                     data = encode(event)
-                if tokens_json is not None:
-                    await self.bus.put_object(event.tokens_ref, tokens_json)
-                    log.debug("proxy.call.tokens_stored", event_id=event.event_id, tokens_ref=event.tokens_ref)
-                again, attempted = attempted, True
-                if not await self.bus.publish(event, data, call_headers(event)) and not again:
+                    if tokens_json is None and len(data) > self.cfg.object_threshold_bytes:
+                        t = event.tokens  # inline arrays whose event is still too large with the rest
+                        tokens_json = _tokens_json(t.prompt_ids, t.completion_ids, t.logprobs)
+                        event = dataclasses.replace(event, tokens=CallTokens(),
+                                                    tokens_ref=tokens_key(event.execution, event.seq))
+                        data = encode(event)
+                    if tokens_json is not None:
+                        await self.bus.put_object(event.tokens_ref, tokens_json)
+                        log.debug("proxy.call.tokens_stored", event_id=event.event_id, tokens_ref=event.tokens_ref)
+                    again, attempted = attempted, True
+                    stored = await self.bus.publish(event, data, call_headers(event))
+                if not stored and not again:
                     # Not our own earlier attempt landing: another proxy of this run used the id,
                     # and JetStream dropped this call.
                     log.error("proxy.call.duplicate_id", event_id=event.event_id, execution=event.execution,

@@ -554,6 +554,35 @@ async def test_calls_the_bus_cannot_take_are_spilled_and_published_by_the_next_p
         server.stop()
 
 
+async def test_a_publish_gives_up_within_retry_timeout_s_not_after_the_bus_own_tries(tmp_path, tok, run_id):
+    """The window bounds a publish already under way: with the bus down, one `Bus.publish`
+    retries for `publish_bound_s` (≈ 33 s with the defaults; 6 s here), longer than the
+    proxy's retry_timeout_s (1 s here), and the call is spilled when the window ends."""
+    from bus.server import NatsServer
+
+    server = NatsServer.start(tmp_path / "nats")
+    config = BusConfig(reconnect_wait_s=0.1, timeout_s=0.5)
+    assert config.publish_bound_s() > 5.0
+    bus = await Bus.connect(server.url, token=server.token, run=run_id, name="t", config=config)
+    spill = tmp_path / "proxy-unpublished.jsonl"
+    stack = Stack(tok, bus, run_id)
+    try:
+        await bus.ensure_streams()
+        engine = await stack.engine(["one"])
+        await stack.proxy(engine=engine, spill_file=str(spill), retry_timeout_s=1.0)
+        server.stop()
+        await stack.client("exw").chat.completions.create(model="m", messages=[SYSTEM, TASK])
+        t0 = time.monotonic()  # its publish starts once it is answered
+        await until(lambda: spill.exists(), 15.0)
+        took = time.monotonic() - t0
+    finally:
+        await stack.close()
+        await bus.close()
+        server.stop()
+    assert took < 2.0, took
+    assert [json.loads(line)["event"]["call"] for line in spill.read_bytes().splitlines() if line] == ["exw:0"]
+
+
 class _Outage:
     """A proxy (spilling to `spill`, its spill resend running) on a bus whose nats-server
     the test stops (`server.stop()`) and brings back on the same port and store
