@@ -133,15 +133,6 @@ class BusConfig:
             delay = min(delay * 2, self.publish_backoff_max_s)
         return self.publish_attempts * self.timeout_s + backoffs
 
-    def publish_bound_s(self) -> float:
-        """Most seconds one `Bus.publish` takes before it raises while no PubAck comes: its
-        attempts' timeouts and the backoffs between them (≈ 33 s with the defaults)."""
-        backoffs, delay = 0.0, self.publish_backoff_s
-        for _ in range(self.publish_attempts - 1):
-            backoffs += delay
-            delay = min(delay * 2, self.publish_backoff_max_s)
-        return self.publish_attempts * self.timeout_s + backoffs
-
 
 def too_big(data: bytes | schemas.Event) -> bool:
     """True when `data` (encoded bytes, or an event to encode) exceeds OBJECT_THRESHOLD_BYTES."""

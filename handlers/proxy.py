@@ -823,23 +823,24 @@ class ProxyState:
         delay = self.cfg.retry_backoff_s
         event, tokens_json = out
         attempted = may_have_landed  # a publish attempt that failed may have landed
-        one_publish_s = self.bus.config.publish_bound_s()
         while True:
-            left = deadline - time.monotonic()
             try:
-                # bounded by the window once one publish's own tries could outlast it
-                async with asyncio.timeout(max(left, 0.0) if left < one_publish_s else None):
+                data = encode(event)
+                if tokens_json is None and len(data) > self.cfg.object_threshold_bytes:
+                    t = event.tokens  # inline arrays whose event is still too large with the rest
+                    tokens_json = _tokens_json(t.prompt_ids, t.completion_ids, t.logprobs)
+                    event = dataclasses.replace(event, tokens=CallTokens(),
+                                                tokens_ref=tokens_key(event.execution, event.seq))
                     data = encode(event)
-                    if tokens_json is None and len(data) > self.cfg.object_threshold_bytes:
-                        t = event.tokens  # inline arrays whose event is still too large with the rest
-                        tokens_json = _tokens_json(t.prompt_ids, t.completion_ids, t.logprobs)
-                        event = dataclasses.replace(event, tokens=CallTokens(),
-                                                    tokens_ref=tokens_key(event.execution, event.seq))
-                        data = encode(event)
-                    if tokens_json is not None:
-                        await self.bus.put_object(event.tokens_ref, tokens_json)
-                        log.debug("proxy.call.tokens_stored", event_id=event.event_id, tokens_ref=event.tokens_ref)
-                    again, attempted = attempted, True
+                if tokens_json is not None:
+                    await self.bus.put_object(event.tokens_ref, tokens_json)
+                    log.debug("proxy.call.tokens_stored", event_id=event.event_id, tokens_ref=event.tokens_ref)
+                again, attempted = attempted, True
+                # One publish's own tries may outlast what is left of the window: bounded by it
+                # then, but never below one PubAck wait (a slow PubAck on a healthy bus lands)
+                config = self.bus.config
+                left = max(deadline - time.monotonic(), config.timeout_s)
+                async with asyncio.timeout(left if left < config.publish_bound_s() else None):
                     stored = await self.bus.publish(event, data, call_headers(event))
                 if not stored and not again:
                     # Not our own earlier attempt landing: another proxy of this run used the id,
@@ -893,9 +894,10 @@ def _render_error(exc: Exception, execution: str) -> ApiError:
     return ApiError(400, f"cannot render the conversation: {exc!r}", param="messages")
 
 
-def _internal_error(exc: Exception, execution: str, api: str) -> ApiError:
+def _internal_error(exc: Exception, execution: str, api: str, request_id: str) -> ApiError:
     """The 500 for a call that failed in the proxy before it reached an engine (logged)."""
-    log.error("proxy.call.internal_error", execution=execution, api=api, error=repr(exc), exc_info=exc)
+    log.error("proxy.call.internal_error", execution=execution, api=api, request_id=request_id, error=repr(exc),
+              exc_info=exc)
     return ApiError(500, f"internal error in the proxy: {type(exc).__name__}", "server_error", code="internal_error")
 
 
@@ -964,6 +966,7 @@ async def serve_call(request: web.Request, api: Api,
     state: ProxyState = request.app[STATE]
     cfg = state.cfg
     t0 = time.monotonic()
+    request[REQUEST_ID] = request_id = "req_" + unique_hex()
     try:
         execution, ex, req = await _parsed(request, state, parse, api.history)
         if not req.model:
@@ -974,19 +977,20 @@ async def serve_call(request: web.Request, api: Api,
                            code="max_calls_exceeded")
         state.admit(ex)
     except ApiError as err:
-        log.info("proxy.request.refused", api=api.name, status=err.status, code=err.code, error=err.message[:200])
+        log.info("proxy.request.refused", api=api.name, status=err.status, code=err.code, error=err.message[:200],
+                 request_id=request_id)
         return error_response(api, err)
     task = asyncio.current_task()
     state.calls.add(task)
     try:
-        return await _serve_admitted(request, state, api, req, execution, ex, roles, t0)
+        return await _serve_admitted(request, state, api, req, execution, ex, roles, t0, request_id)
     finally:
         state.release(ex)
         state.calls.discard(task)
 
 
 async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req: ModelRequest, execution: str,
-                          ex: _Execution, roles: Classification, t0: float) -> web.StreamResponse:
+                          ex: _Execution, roles: Classification, t0: float, request_id: str) -> web.StreamResponse:
     cfg = state.cfg
     auxiliary = roles.role == "auxiliary"
     store = ex.store
@@ -995,10 +999,12 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
         match = await _match(store, req, auxiliary, execution, state.branch_thread())
     except ApiError as err:
         ex.model_calls -= 1
+        log.info("proxy.request.refused", api=api.name, status=err.status, code=err.code, error=err.message[:200],
+                 request_id=request_id)
         return error_response(api, err)
     except Exception as exc:  # noqa: BLE001 - ours or the machine's (MemoryError): a 500 in the API's shape
         ex.model_calls -= 1
-        return error_response(api, _internal_error(exc, execution, api.name))
+        return error_response(api, _internal_error(exc, execution, api.name, request_id))
     except BaseException:
         ex.model_calls -= 1
         raise
@@ -1006,7 +1012,6 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
     seq = ex.next_seq
     ex.next_seq += 1
     call_id = f"{execution}:{seq}"
-    request[REQUEST_ID] = request_id = "req_" + unique_hex()
     ctx = {"execution": execution, "call": call_id, "api": api.name, "role": roles.role,  # log context
            "request_id": request_id}
     common = dict(execution=execution, seq=seq, match=match, sampling=req.sampling, api=api.name, role=roles.role,
@@ -1162,6 +1167,7 @@ async def _count(request: web.Request, api: Api,
     state: ProxyState = request.app[STATE]
     t0 = time.monotonic()
     execution = ""
+    request[REQUEST_ID] = request_id = "req_" + unique_hex()
     try:
         execution, ex, req = await _parsed(request, state, parse, api.history, remember=False)
         roles = state.classify(ex, request.headers, req, "count_tokens")
@@ -1173,12 +1179,13 @@ async def _count(request: web.Request, api: Api,
         if ex.finished:  # while it was rendered: its record would land after the score
             raise finished_error(execution)
     except ApiError as err:
+        log.info("proxy.request.refused", api=api.name, status=err.status, code=err.code, error=err.message[:200],
+                 request_id=request_id)
         return error_response(api, err)
     except Exception as exc:  # noqa: BLE001 - ours or the machine's (MemoryError): a 500 in the API's shape
-        return error_response(api, _internal_error(exc, execution, "count_tokens"))
+        return error_response(api, _internal_error(exc, execution, "count_tokens", request_id))
     seq = ex.next_seq
     ex.next_seq += 1
-    request[REQUEST_ID] = request_id = "req_" + unique_hex()
     root = dataclasses.replace(match, parent=None, prefix_len=0, extended=False, drift=0)
     state.publish_later(state.call_event(
         execution=execution, seq=seq, match=root, sampling=req.sampling, result=None, status="ok",

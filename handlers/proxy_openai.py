@@ -396,7 +396,7 @@ def parse_responses_request(body: Any, defaults: SamplingParams, memo: Any = Non
     json_output = isinstance(fmt, dict) and fmt.get("type") in ("json_schema", "json_object")
     model = body.get("model") if isinstance(body.get("model"), str) else ""
     echo = {k: body.get(k) for k in ("instructions", "tool_choice", "parallel_tool_calls", "reasoning",
-                                     "metadata", "prompt_cache_key", "store", "tools", "max_output_tokens")
+                                     "metadata", "prompt_cache_key", "store", "tools", "max_output_tokens", "top_p")
             if k in body}
     if isinstance(fmt, dict):
         echo["text"] = text
@@ -424,7 +424,7 @@ class ResponsesApi(Api):
             "output": output, "usage": usage, "error": error, "incomplete_details": incomplete,
             "instructions": echo.get("instructions"), "metadata": echo.get("metadata") or {},
             "parallel_tool_calls": echo.get("parallel_tool_calls", True), "tool_choice": echo.get("tool_choice", "auto"),
-            "tools": echo.get("tools") or [], "temperature": req.sampling.temperature, "top_p": req.sampling.top_p,
+            "tools": echo.get("tools") or [], "temperature": req.sampling.temperature, "top_p": echo.get("top_p", req.sampling.top_p),
             "max_output_tokens": echo.get("max_output_tokens"), "reasoning": echo.get("reasoning"),
             "store": echo.get("store", False), "text": echo.get("text", {"format": {"type": "text"}}),
             "completed_at": int(time.time()) if status == "completed" else None,

@@ -1317,8 +1317,13 @@ async def test_a_call_abandoned_at_shutdown_is_spilled_while_its_upstream_abort_
     from schemas.call import SamplingParams
 
     class SilentBus:  # takes no publish
-        async def publish(self, event, data):
+        config = BusConfig()
+
+        async def publish(self, event, data, headers=None):
+            publishing.set()
             await asyncio.sleep(3600)
+
+    publishing = asyncio.Event()
 
     spill = tmp_path / "proxy-unpublished.jsonl"
     state = ProxyState(Config(run="r", key_secret=SECRET, spill_file=str(spill)), tok, session=None, bus=SilentBus())
@@ -1331,11 +1336,37 @@ async def test_a_call_abandoned_at_shutdown_is_spilled_while_its_upstream_abort_
     match = CallStore(tok).match([{"role": "user", "content": "hi"}])
     common = dict(execution="ex", seq=0, match=match, sampling=SamplingParams(), api="chat", role="main", meta={})
     proxy_mod._abandon(state, attempt, common, None, 0.0)
+    await asyncio.wait_for(publishing.wait(), 5)  # the publish is under way (and never answered)
     await state.drain(0.2)
     (line,) = [orjson.loads(x) for x in spill.read_bytes().splitlines() if x.strip()]
     assert (line["event"]["call"], line["event"]["status"]) == ("ex:0", "aborted")
     await state.drain(0.2)  # a second drain spills nothing again
     assert len([x for x in spill.read_bytes().splitlines() if x.strip()]) == 1
+
+
+async def test_a_slow_puback_within_one_wait_lands_even_with_a_short_window(tmp_path, tok):
+    """The window bounds a publish's own retries, never its first PubAck wait: with
+    retry_timeout_s (0.2 s) shorter than the bus's PubAck timeout, a PubAck taking 0.5 s on
+    a healthy bus is stored, not cancelled and spilled."""
+    from schemas.call import SamplingParams
+
+    class SlowBus:
+        config = BusConfig(timeout_s=2.0)
+        stored: list = []
+
+        async def publish(self, event, data, headers=None):
+            await asyncio.sleep(0.5)
+            self.stored.append(event.call)
+            return True
+
+    spill = tmp_path / "proxy-unpublished.jsonl"
+    bus = SlowBus()
+    state = ProxyState(Config(run="r", key_secret=SECRET, spill_file=str(spill), retry_timeout_s=0.2), tok,
+                       session=None, bus=bus)
+    match = CallStore(tok).match([{"role": "user", "content": "hi"}])
+    await state.publish(state.call_event(execution="ex", seq=0, match=match, sampling=SamplingParams(), api="chat",
+                                         role="main", meta={}, result=None, status="ok", total_s=0.0, cell="c"))
+    assert bus.stored == ["ex:0"] and not spill.exists()
 
 
 async def test_a_resend_that_fails_part_way_does_not_publish_the_sent_calls_again(tmp_path, tok):

@@ -17,6 +17,7 @@ import aiohttp
 import anthropic
 import openai
 import pytest
+import structlog.testing
 from aiohttp import web
 
 from gyre.harness import execution_key
@@ -112,7 +113,9 @@ async def test_top_p_zero_is_the_top_token_alone(tok, bus, run_id, api):  # noqa
         async with aiohttp.ClientSession() as http:
             async with http.post(url + path, json={**body, "top_p": 0}, headers=auth) as r:
                 assert r.status == 200, await r.text()
-                await r.read()
+                answer = await r.read()
+            if api == "responses":  # the request's own value is echoed, as with max_output_tokens
+                assert b'"top_p":0,' in answer
             for bad in (-0.1, 1.5):
                 async with http.post(url + path, json={**body, "top_p": bad}, headers=auth) as r:
                     assert r.status == 400 and "'top_p' must be in [0.0, 1.0]" in (await r.text())
@@ -193,7 +196,12 @@ async def test_sdks_raise_their_own_error_classes(local):
     with pytest.raises(anthropic.AuthenticationError) as refused:
         async with anthropic.AsyncAnthropic(base_url=local.url, api_key="gyre-ex-" + "0" * 32, max_retries=0) as bad:
             await bad.messages.create(model="x", max_tokens=5, messages=[{"role": "user", "content": "a"}])
-    assert refused.value.request_id.startswith("req_")  # errors name themselves too
+    assert refused.value.request_id.startswith("req_")  # errors name themselves too, in the log as well
+    with structlog.testing.capture_logs() as logs:
+        with pytest.raises(anthropic.BadRequestError) as bad:
+            await local.anthropic("ex").messages.create(model="x", max_tokens=5,
+                                                        messages=[{"role": "tool", "content": "a"}])
+    assert [e["request_id"] for e in logs if e["event"] == "proxy.request.refused"] == [bad.value.request_id]
     with pytest.raises(anthropic.BadRequestError):
         await local.anthropic("ex").messages.create(model="x", max_tokens=5, messages=[{"role": "tool", "content": "a"}])
     with pytest.raises(openai.BadRequestError):
