@@ -543,13 +543,13 @@ async def test_a_backoff_ends_when_another_cell_enters_rollout(local):
 def test_ids_beyond_the_vocabulary_are_a_bad_reply():
     """An id the policy's embedding table has no row for is no sample of the policy, and
     sent back in the next prompt the engine would refuse it: a 502, not an `ok` call."""
-    def reply(ids: list[int]) -> dict:
-        return {"output_ids": ids, "meta_info": {"finish_reason": {"type": "stop"},
-                                                  "output_token_logprobs": [[-0.5, i, None] for i in ids]}}
+    def reply(out: list[int]) -> dict:
+        return {"output_ids": out, "meta_info": {"finish_reason": {"type": "stop"},
+                                                  "output_token_logprobs": [[-0.5, i, None] for i in out]}}
     assert engine_reply(reply([VOCAB_SIZE - 1, IM_END]), VOCAB_SIZE).output_ids == [VOCAB_SIZE - 1, IM_END]
-    for ids in ([VOCAB_SIZE, IM_END], [1_000_000_000, IM_END]):
+    for out in ([VOCAB_SIZE, IM_END], [1_000_000_000, IM_END]):
         with pytest.raises(ApiError) as err:
-            engine_reply(reply(ids), VOCAB_SIZE)
+            engine_reply(reply(out), VOCAB_SIZE)
         assert err.value.status == 502 and err.value.code == "engine_bad_reply" and "151936" in err.value.message
 
 
