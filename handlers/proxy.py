@@ -823,6 +823,7 @@ class ProxyState:
         delay = self.cfg.retry_backoff_s
         event, tokens_json = out
         attempted = may_have_landed  # a publish attempt that failed may have landed
+        ack_wait_s, one_publish_s = self.bus.config.timeout_s, self.bus.config.publish_bound_s()
         while True:
             try:
                 data = encode(event)
@@ -838,9 +839,8 @@ class ProxyState:
                 again, attempted = attempted, True
                 # One publish's own tries may outlast what is left of the window: bounded by it
                 # then, but never below one PubAck wait (a slow PubAck on a healthy bus lands)
-                config = self.bus.config
-                left = max(deadline - time.monotonic(), config.timeout_s)
-                async with asyncio.timeout(left if left < config.publish_bound_s() else None):
+                left = max(deadline - time.monotonic(), ack_wait_s)
+                async with asyncio.timeout(left if left < one_publish_s else None):
                     stored = await self.bus.publish(event, data, call_headers(event))
                 if not stored and not again:
                     # Not our own earlier attempt landing: another proxy of this run used the id,
