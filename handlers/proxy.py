@@ -894,6 +894,19 @@ def _render_error(exc: Exception, execution: str) -> ApiError:
     return ApiError(400, f"cannot render the conversation: {exc!r}", param="messages")
 
 
+def new_request_id() -> str:
+    """A request id in the hosted APIs' shape: `req_<24 hex>` (`_name_response`)."""
+    return "req_" + unique_hex()
+
+
+def _refused(api: Api, err: ApiError, request_id: str) -> web.Response:
+    """The error response for a request refused before it reached an engine (logged with
+    its request id)."""
+    log.info("proxy.request.refused", api=api.name, status=err.status, code=err.code, error=err.message[:200],
+             request_id=request_id)
+    return error_response(api, err)
+
+
 def _internal_error(exc: Exception, execution: str, api: str, request_id: str) -> ApiError:
     """The 500 for a call that failed in the proxy before it reached an engine (logged)."""
     log.error("proxy.call.internal_error", execution=execution, api=api, request_id=request_id, error=repr(exc),
@@ -966,7 +979,7 @@ async def serve_call(request: web.Request, api: Api,
     state: ProxyState = request.app[STATE]
     cfg = state.cfg
     t0 = time.monotonic()
-    request[REQUEST_ID] = request_id = "req_" + unique_hex()
+    request[REQUEST_ID] = request_id = new_request_id()
     try:
         execution, ex, req = await _parsed(request, state, parse, api.history)
         if not req.model:
@@ -977,9 +990,7 @@ async def serve_call(request: web.Request, api: Api,
                            code="max_calls_exceeded")
         state.admit(ex)
     except ApiError as err:
-        log.info("proxy.request.refused", api=api.name, status=err.status, code=err.code, error=err.message[:200],
-                 request_id=request_id)
-        return error_response(api, err)
+        return _refused(api, err, request_id)
     task = asyncio.current_task()
     state.calls.add(task)
     try:
@@ -999,9 +1010,7 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
         match = await _match(store, req, auxiliary, execution, state.branch_thread())
     except ApiError as err:
         ex.model_calls -= 1
-        log.info("proxy.request.refused", api=api.name, status=err.status, code=err.code, error=err.message[:200],
-                 request_id=request_id)
-        return error_response(api, err)
+        return _refused(api, err, request_id)
     except Exception as exc:  # noqa: BLE001 - ours or the machine's (MemoryError): a 500 in the API's shape
         ex.model_calls -= 1
         return error_response(api, _internal_error(exc, execution, api.name, request_id))
@@ -1167,7 +1176,7 @@ async def _count(request: web.Request, api: Api,
     state: ProxyState = request.app[STATE]
     t0 = time.monotonic()
     execution = ""
-    request[REQUEST_ID] = request_id = "req_" + unique_hex()
+    request[REQUEST_ID] = request_id = new_request_id()
     try:
         execution, ex, req = await _parsed(request, state, parse, api.history, remember=False)
         roles = state.classify(ex, request.headers, req, "count_tokens")
@@ -1179,9 +1188,7 @@ async def _count(request: web.Request, api: Api,
         if ex.finished:  # while it was rendered: its record would land after the score
             raise finished_error(execution)
     except ApiError as err:
-        log.info("proxy.request.refused", api=api.name, status=err.status, code=err.code, error=err.message[:200],
-                 request_id=request_id)
-        return error_response(api, err)
+        return _refused(api, err, request_id)
     except Exception as exc:  # noqa: BLE001 - ours or the machine's (MemoryError): a 500 in the API's shape
         return error_response(api, _internal_error(exc, execution, "count_tokens", request_id))
     seq = ex.next_seq
@@ -1289,7 +1296,7 @@ async def _name_response(request: web.Request, response: web.StreamResponse) -> 
     (Anthropic; its SDK's `_request_id` and errors' `request_id`) and `x-request-id`
     (OpenAI), the same `req_<24 hex>`. A model call's id is also in its `call.completed`
     `meta.request_id` and its log lines, so an id a harness prints leads to the call."""
-    rid = request.get(REQUEST_ID) or "req_" + unique_hex()
+    rid = request.get(REQUEST_ID) or new_request_id()
     response.headers["request-id"] = response.headers["x-request-id"] = rid
 
 
