@@ -129,6 +129,19 @@ def custom_arguments(value: Any) -> str:
     return _DUMPS({"input": value})
 
 
+def custom_input(arguments: str) -> str:
+    """The free-form input of a custom tool call the policy wrote as `arguments` (JSON text):
+    its `input` when that is a string (the form `custom_arguments` renders and
+    `handlers.proxy_api.custom_tool` asks for), else the arguments text itself, so nothing the
+    policy wrote is dropped (`gyre.tito` matches either form when the harness sends the call
+    back)."""
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return arguments
+    return value["input"] if isinstance(value, dict) and isinstance(value.get("input"), str) else arguments
+
+
 def call_function(call: Any) -> Any:
     """The `function` ({"name", "arguments"}) of a Chat tool call; a call of type `custom`
     (OpenAI's shape for custom tools: {"custom": {"name", "input"}}) as a function whose

@@ -8,9 +8,10 @@ Contract:
 - `normalise(messages, tool_args)` maps harness noise onto one canonical form: a list of
   text parts becomes one string, `None` content becomes "", `cache_control` markers and
   unknown keys are dropped, and each tool call's arguments are restored from `tool_args`
-  (tool-call id → the raw argument payload we emitted) when they parse to the same JSON,
-  so a harness that re-serialises arguments (spacing, key order, \\u escapes) still
-  matches. Messages are compared by `message_key`, which holds tool-call arguments as
+  (tool-call id → the raw argument payload we emitted) when they parse to the same JSON
+  (or are `{"input": payload}`: a custom tool call answered with the whole payload as
+  its input), so a harness that re-serialises arguments (spacing, key order, \\u
+  escapes) still matches. Messages are compared by `message_key`, which holds tool-call arguments as
   parsed JSON and ignores `reasoning_content` (harnesses drop or keep it at will).
 - `CallStore.match(messages, tools) -> Match`:
   1. *Extension.* Find the recorded call c (same tools; the system prompt is a message)
@@ -197,8 +198,12 @@ def _tool_call(tc: dict, tool_args: dict[str, str]) -> dict:
     args = _args_text(fn.get("arguments", ""))  # fn is a dict: it had a name
     tc_id = tc.get("id") or ""
     raw = tool_args.get(tc_id) if tc_id else None
-    if raw is not None and raw != args and _parse_json(raw) == _parse_json(args):
-        args = raw
+    if raw is not None and raw != args:
+        sent = _parse_json(args)
+        # the same JSON re-serialised; or a custom tool call answered with the policy's whole
+        # arguments text as its input (`gyre.chat.custom_input`) and sent back as {"input": …}
+        if sent == _parse_json(raw) or (isinstance(sent, dict) and len(sent) == 1 and sent.get("input") == raw):
+            args = raw
     return {"id": tc_id, "type": "function", "function": {"name": name, "arguments": args}}
 
 

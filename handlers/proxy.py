@@ -1217,8 +1217,9 @@ async def responses_input_tokens(request: web.Request) -> web.Response:
 
 async def response_not_stored(request: web.Request) -> web.Response:
     """`/v1/responses/{id}` (retrieve, delete, cancel, input items): 404, the proxy stores
-    no responses (Codex CLI sends `store: false` and the whole conversation each call)."""
-    if request.path in MODEL_PATHS:  # /responses/input_tokens asked with another method than POST
+    no responses (Codex CLI sends `store: false` and the whole conversation each call).
+    `/v1/responses/compact` is an endpoint, not an id: answered as one not served."""
+    if request.path in MODEL_PATHS or request.match_info["rid"] == "compact":  # input_tokens: not a POST
         return await not_found(request)
     rid = request.match_info["rid"].split("/", 1)[0]
     return error_response(RESPONSES, ApiError(404, f"Response with id {rid[:200]!r} not found: this proxy stores no "

@@ -238,6 +238,26 @@ def function_tool(tool: dict, parameters: dict) -> dict:
     return {"type": "function", "function": fn}
 
 
+def custom_tool(name: str, description: Any, fmt: Any) -> dict:
+    """A custom tool (OpenAI's free-form-input tools: Chat `{"type": "custom", "custom":
+    {name, description, format}}`, Responses `{"type": "custom", name, description,
+    format}`) in the chat form the renderer takes: a function of one string parameter
+    `input`, whose description names the input's grammar when `format` gives one
+    (`{"type": "grammar", "syntax": "lark" | "regex", "definition"}`, nested under
+    `grammar` in Chat). The policy's call `{"input": …}` is answered as the API's custom
+    tool call (`gyre.chat.custom_input`), and sent back it renders the same
+    (`gyre.chat.custom_arguments`)."""
+    note = "The tool's free-form input."
+    if isinstance(fmt, dict) and fmt.get("type") == "grammar":
+        grammar = fmt.get("grammar") if isinstance(fmt.get("grammar"), dict) else fmt
+        if isinstance(grammar.get("definition"), str):
+            syntax = grammar.get("syntax") if isinstance(grammar.get("syntax"), str) else "lark"
+            note = f"The tool's free-form input, which must match this {syntax} grammar:\n{grammar['definition']}"
+    return function_tool({"name": name, "description": description},
+                         {"type": "object", "properties": {"input": {"type": "string", "description": note}},
+                          "required": ["input"]})
+
+
 def sse(obj: Any, event: str | None = None) -> bytes:
     """One SSE frame: `event: NAME` (when given) and `data: JSON`."""
     head = b"event: " + event.encode() + b"\n" if event else b""

@@ -8,9 +8,12 @@ behaviour log-prob, as `call.completed` records it: `choices[].logprobs.content`
 token's text and bytes, `top_logprobs` empty; all the completion's tokens, thinking and
 tool-call markup included, not only the content's; streamed, on the finish chunk); `n` > 1 and
 `top_logprobs` > 0 refused (the engine returns the sampled token's log-prob only), and so
-are the deprecated `functions` / `function_call` (rather than dropped unseen); an
-assistant's `custom` tool call is rendered as a function call with arguments `{"input": …}`
-(as Responses' `custom_tool_call`); other fields ignored.
+are the deprecated `functions` / `function_call` (rather than dropped unseen); `custom`
+tools (free-form input) are shown as functions of one `input` string, and the policy's
+call to one is answered in OpenAI's custom shape (`{"type": "custom", "custom": {name,
+input}}`; streamed, the name first, then the input in pieces); an assistant's `custom`
+tool call sent back is rendered as a function call with arguments `{"input": …}` (as
+Responses' `custom_tool_call`); other fields ignored.
 Streams: a role chunk, reasoning (`reasoning_content`) and content deltas, tool-call
 deltas (index, id, type, name, then argument fragments), one finish chunk (`tool_calls` |
 `stop` | `length`), a usage chunk when asked, `data: [DONE]`.
@@ -25,8 +28,11 @@ named by its flat name, below), `function_call_output`
 assistant turn they precede (as a Messages `thinking` block), unknown items dropped.
 Tools: `function` tools, and the functions of a `namespace` tool (Codex's sub-agent tools)
 under their flat name `namespace__name`, a call to one answered with `name` and
-`namespace` apart, as Codex dispatches it; `web_search`, `custom`, … are tolerated and
-not rendered. `max_output_tokens`,
+`namespace` apart, as Codex dispatches it; `custom` tools (free-form input, such as the
+`apply_patch` Codex sends for the models it knows) shown as functions of one `input`
+string, a call to one answered as a `custom_tool_call` item (streamed with
+`response.custom_tool_call_input.delta`…, `.done`); `web_search`, `local_shell`, … are
+tolerated and not rendered. `max_output_tokens`,
 `temperature`, `top_p`. The proxy stores no responses or conversations: a request naming
 `previous_response_id` or `conversation` is refused (400, `previous_response_not_found`
 as the hosted API answers an unknown id), and so is an `item_reference` input item,
@@ -53,10 +59,10 @@ from typing import Any
 
 import orjson
 
-from gyre.chat import call_id_prefix, custom_arguments
+from gyre.chat import call_id_prefix, custom_arguments, custom_input
 from handlers.proxy_api import (
-    Answer, Api, ApiError, ModelRequest, StreamStart, check_count, flag, function_tool, internal_message,
-    parse_sampling, pieces, sse, unique_hex,
+    Answer, Api, ApiError, ModelRequest, StreamStart, check_count, custom_tool, flag, function_tool,
+    internal_message, parse_sampling, pieces, sse, unique_hex,
 )
 from schemas.call import SamplingParams
 
@@ -78,6 +84,7 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ApiError(400, "'tools' must be a list", param="tools")
+    custom: set[str] = set()
     for i, tool in enumerate(tools or ()):
         if type(tool) is not dict:
             raise ApiError(400, f"tools[{i}] must be an object", param=f"tools[{i}]")
@@ -86,6 +93,11 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
                                                   and isinstance(spec.get("name"), str)):
             raise ApiError(400, f"tools[{i}] is a {kind} tool without a '{kind}' object naming it",
                            param=f"tools[{i}].{kind}")
+        if kind == "custom":
+            custom.add(tool["custom"]["name"])
+    if custom:  # shown as functions of one `input` string, their calls answered as custom calls
+        tools = [custom_tool(t["custom"]["name"], t["custom"].get("description"), t["custom"].get("format"))
+                 if t.get("type") == "custom" else t for t in tools]
     for legacy in ("functions", "function_call"):
         if body.get(legacy) is not None:  # dropped silently, the policy would never see the functions
             raise ApiError(400, f"'{legacy}' (deprecated by OpenAI) is not served; send 'tools' and "
@@ -108,15 +120,22 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
     model = body.get("model") if isinstance(body.get("model"), str) else ""
     return ModelRequest(api="chat", messages=messages, tools=tools or None, stream=flag(body, "stream"),
                         sampling=sampling, model=model, json_output=json_output,
-                        options={"include_usage": include_usage, "logprobs": flag(body, "logprobs")})
+                        options={"include_usage": include_usage, "logprobs": flag(body, "logprobs"),
+                                 "custom": custom})
 
 
-def answer_message(answer: Answer) -> dict:
+def answer_message(answer: Answer, custom: set[str] | frozenset[str] = frozenset()) -> dict:
     """The assistant message as OpenAI returns it: the recorded message, with content None
-    when there are only tool calls."""
+    when there are only tool calls, and a call of a custom tool (a name in `custom`) in
+    OpenAI's custom shape `{"id", "type": "custom", "custom": {"name", "input"}}`
+    (`gyre.chat.custom_input`)."""
     msg = internal_message(answer)
     if not answer.content and answer.tool_calls:
         msg["content"] = None
+    if custom and answer.tool_calls:
+        msg["tool_calls"] = [
+            {"id": tc.id, "type": "custom", "custom": {"name": tc.name, "input": custom_input(tc.arguments)}}
+            if tc.name in custom else call for tc, call in zip(answer.tool_calls, msg["tool_calls"])]
     return msg
 
 
@@ -171,7 +190,7 @@ class ChatApi(Api):
         usage = {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.completion_tokens,
                  "total_tokens": answer.prompt_tokens + answer.completion_tokens,
                  "completion_tokens_details": {"reasoning_tokens": answer.reasoning_tokens}}
-        message = answer_message(answer)
+        message = answer_message(answer, req.options.get("custom", ()))
         finish = chat_finish(answer)
         logprobs = chat_logprobs(answer)
         head = {"id": answer.rid, "created": answer.created, "model": req.model}
@@ -193,6 +212,12 @@ class ChatApi(Api):
         frames += [chunk({"reasoning_content": p}) for p in pieces(answer.reasoning or "")]
         frames += [chunk({"content": p}) for p in pieces(answer.content)]
         for i, tc in enumerate(message.get("tool_calls") or ()):
+            if tc["type"] == "custom":  # as OpenAI streams one: the name first, then the input in pieces
+                frames.append(chunk({"tool_calls": [{"index": i, "id": tc["id"], "type": "custom",
+                                                     "custom": {"name": tc["custom"]["name"], "input": ""}}]}))
+                frames += [chunk({"tool_calls": [{"index": i, "custom": {"input": p}}]})
+                           for p in pieces(tc["custom"]["input"])]
+                continue
             fn = tc["function"]
             frames.append(chunk({"tool_calls": [{"index": i, "id": tc["id"], "type": "function",
                                                  "function": {"name": fn["name"], "arguments": ""}}]}))
@@ -226,6 +251,8 @@ def _parts_text(content: Any, where: str) -> str:
         kind = part.get("type")
         if isinstance(part.get("text"), str):
             texts.append(part["text"])
+        elif kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
+            raise ApiError(400, f"{where}: a {kind} part needs a string 'text'", param="input")
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
         elif kind in ("input_image", "image"):
@@ -253,7 +280,10 @@ def responses_messages(body: dict) -> list[dict]:
     """`instructions` + `input` → internal chat messages (module docstring). Raises ApiError(400)."""
     out: list[dict] = []
     instructions = body.get("instructions")
-    if isinstance(instructions, str) and instructions:
+    if instructions is not None and not isinstance(instructions, str):
+        raise ApiError(400, f"'instructions' must be a string, got {type(instructions).__name__}",
+                       param="instructions")
+    if instructions:
         out.append({"role": "system", "content": instructions})
     items = body.get("input")
     if isinstance(items, str):
@@ -327,29 +357,37 @@ def flat_name(namespace: str, name: str) -> str:
     return namespace.rstrip("_") + "__" + name.lstrip("_")
 
 
-def responses_tools(tools: Any) -> tuple[list[dict] | None, dict[str, tuple[str, str]]]:
-    """(function tools in chat form, {flat name: (namespace, name)}). The functions of a
-    `namespace` tool (Codex's sub-agent tools: `{"type": "namespace", "name":
+def responses_tools(tools: Any) -> tuple[list[dict] | None, dict[str, tuple[str, str]], set[str]]:
+    """(function tools in chat form, {flat name: (namespace, name)}, custom tool names). The
+    functions of a `namespace` tool (Codex's sub-agent tools: `{"type": "namespace", "name":
     "multi_agent_v1", "tools": [functions]}`) are shown under their flat name (`flat_name`);
-    other tool types are tolerated and not rendered. Raises ApiError(400) for a tool that is
-    not an object, or a function or namespace (or a namespace's function) without a string
-    `name`."""
+    `custom` tools (free-form input, e.g. Codex's `apply_patch` for the models it knows) as
+    functions of one `input` string (`handlers.proxy_api.custom_tool`), their calls answered
+    as `custom_tool_call` items; other tool types are tolerated and not rendered. Raises
+    ApiError(400) for a tool that is not an object, or a function, custom or namespace tool
+    (or a namespace's function) without a string `name`."""
     if tools is None:
-        return None, {}
+        return None, {}, set()
     if not isinstance(tools, list):
         raise ApiError(400, "'tools' must be a list", param="tools")
     out: list[dict] = []
     namespaces: dict[str, tuple[str, str]] = {}
-    names = {t["name"] for t in tools if isinstance(t, dict) and t.get("type") == "function"
+    custom: set[str] = set()
+    names = {t["name"] for t in tools if isinstance(t, dict) and t.get("type") in ("function", "custom")
              and isinstance(t.get("name"), str)}
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise ApiError(400, f"tools[{i}] must be an object", param=f"tools[{i}]")
-        if tool.get("type") in ("function", "namespace") and not isinstance(tool.get("name"), str):
+        if not isinstance(tool.get("type"), str):  # as the hosted API: a tool without one is not guessed at
+            raise ApiError(400, f"tools[{i}] needs a string 'type' ('function', 'custom', …)", param=f"tools[{i}].type")
+        if tool.get("type") in ("function", "custom", "namespace") and not isinstance(tool.get("name"), str):
             raise ApiError(400, f"tools[{i}] is a {tool['type']} tool without a string 'name'", param=f"tools[{i}].name")
         if tool.get("type") == "function":
             params = tool.get("parameters")
             out.append(function_tool(tool, params if isinstance(params, dict) else {}))
+        elif tool.get("type") == "custom":
+            out.append(custom_tool(tool["name"], tool.get("description"), tool.get("format")))
+            custom.add(tool["name"])
         elif tool.get("type") == "namespace" and isinstance(tool.get("tools"), list):
             for j, inner in enumerate(tool["tools"]):
                 if isinstance(inner, dict) and inner.get("type", "function") == "function":
@@ -363,7 +401,7 @@ def responses_tools(tools: Any) -> tuple[list[dict] | None, dict[str, tuple[str,
                     namespaces[flat] = (tool["name"], inner["name"])
                     params = inner.get("parameters")
                     out.append(function_tool({**inner, "name": flat}, params if isinstance(params, dict) else {}))
-    return out or None, namespaces
+    return out or None, namespaces, custom
 
 
 def parse_responses_request(body: Any, defaults: SamplingParams, memo: Any = None) -> ModelRequest:
@@ -388,8 +426,11 @@ def parse_responses_request(body: Any, defaults: SamplingParams, memo: Any = Non
         raise ApiError(400, "log-probs are not served on Responses (an answer's tokens are not split between its "
                             "output items); Chat Completions answers logprobs: true with every sampled token's",
                        param=asked)
+    for field, kind, what in (("parallel_tool_calls", bool, "a boolean"), ("metadata", dict, "an object")):
+        if body.get(field) is not None and not isinstance(body[field], kind):  # echoed in the Response
+            raise ApiError(400, f"'{field}' must be {what}, got {type(body[field]).__name__}", param=field)
     messages = responses_messages(body)
-    tools, namespaces = responses_tools(body.get("tools"))
+    tools, namespaces, custom = responses_tools(body.get("tools"))
     sampling = parse_sampling(body, defaults, ("max_output_tokens",))
     text = body.get("text")
     fmt = text.get("format") if isinstance(text, dict) else None
@@ -402,7 +443,7 @@ def parse_responses_request(body: Any, defaults: SamplingParams, memo: Any = Non
         echo["text"] = text
     return ModelRequest(api="responses", messages=messages, tools=tools, stream=flag(body, "stream"),
                         sampling=sampling, model=model, json_output=json_output,
-                        options={"echo": echo, "namespaces": namespaces})
+                        options={"echo": echo, "namespaces": namespaces, "custom": custom})
 
 
 class ResponsesApi(Api):
@@ -456,10 +497,12 @@ class ResponsesApi(Api):
         return sse({"type": "response.failed", "sequence_number": 2, "response": resp}, "response.failed")
 
     @staticmethod
-    def output_items(answer: Answer, namespaces: dict[str, tuple[str, str]]) -> list[dict]:
+    def output_items(answer: Answer, namespaces: dict[str, tuple[str, str]],
+                     custom: set[str] | frozenset[str] = frozenset()) -> list[dict]:
         """The answer's output items, complete; a call to a function of a `namespace` tool
         (`responses_tools`: its flat name → (namespace, name)) names both, as Codex
-        dispatches it."""
+        dispatches it; a call of a custom tool (a name in `custom`) is a `custom_tool_call`
+        item with its `input` (`gyre.chat.custom_input`)."""
         key = answer.rid.removeprefix("resp_")
         items: list[dict] = []
         if answer.reasoning:
@@ -470,6 +513,10 @@ class ResponsesApi(Api):
                           "content": [{"type": "output_text", "text": answer.content, "annotations": [],
                                        "logprobs": []}]})
         for i, tc in enumerate(answer.tool_calls):
+            if tc.name in custom:
+                items.append({"type": "custom_tool_call", "id": f"ctc_{key}_{i}", "call_id": tc.id, "name": tc.name,
+                              "input": custom_input(tc.arguments), "status": "completed"})
+                continue
             item = {"type": "function_call", "id": f"fc_{key}_{i}", "call_id": tc.id, "name": tc.name,
                     "arguments": tc.arguments, "status": "completed"}
             if tc.name in namespaces:
@@ -482,7 +529,7 @@ class ResponsesApi(Api):
                  "output_tokens": answer.completion_tokens,
                  "output_tokens_details": {"reasoning_tokens": answer.reasoning_tokens},
                  "total_tokens": answer.prompt_tokens + answer.completion_tokens}
-        items = self.output_items(answer, req.options.get("namespaces", {}))
+        items = self.output_items(answer, req.options.get("namespaces", {}), req.options.get("custom", ()))
         truncated = answer.finish == "length"
         for item in items if truncated else ():  # the cap cut the message short, as OpenAI marks it
             if item["type"] == "message":
@@ -519,6 +566,13 @@ class ResponsesApi(Api):
                     emit("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=p)
                 emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                      name=item["name"], arguments=item["arguments"])
+            elif item["type"] == "custom_tool_call":
+                emit("response.output_item.added", output_index=index,
+                     item={**item, "status": "in_progress", "input": ""})
+                for p in pieces(item["input"]):
+                    emit("response.custom_tool_call_input.delta", item_id=item["id"], output_index=index, delta=p)
+                emit("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
+                     input=item["input"])
             else:  # reasoning: its summary part streamed as OpenAI streams one (Codex shows these deltas)
                 part = item["summary"][0]
                 emit("response.output_item.added", output_index=index,

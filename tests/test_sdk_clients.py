@@ -353,3 +353,116 @@ def test_reasoning_tokens_end_at_the_think_end_id_or_span_a_cut_completion():
     assert _reasoning_tokens([5, 6, THINK_END, 7, 8], cut=False) == 3
     assert _reasoning_tokens([5, 6, 7], cut=True) == 3  # cut short while thinking: all reasoning
     assert _reasoning_tokens([5, 6, 7, 8], cut=False) == 0  # "</think>" sampled in pieces: not known where
+
+
+PATCH = "*** Begin Patch\n*** Add File: a.txt\n+caf\u00e9\n*** End Patch"
+PATCH_CALL = ('<tool_call>\n{"name": "apply_patch", "arguments": {"input": "*** Begin Patch\\n*** Add File: a.txt'
+              '\\n+caf\\u00e9\\n*** End Patch"}}\n</tool_call>')
+ODD_ARGS = '{"patch": "x", "n": 1}'  # the policy did not write {"input": …}: its whole arguments are the input
+ODD_CALL = '<tool_call>\n{"name": "apply_patch", "arguments": ' + ODD_ARGS + '}\n</tool_call>'
+GRAMMAR = "start: \"*** Begin Patch\" /(.|\\n)*/ \"*** End Patch\""
+
+
+async def test_responses_custom_tools_are_shown_answered_as_custom_calls_and_echoes_extend(local, tok):  # noqa: F811
+    """A `custom` tool (Codex's `apply_patch` for the models it knows) reaches the policy as a
+    function of one `input` string (its grammar told); the policy's call comes back as a
+    `custom_tool_call` item with the raw input, streamed with `custom_tool_call_input`
+    events; sent back with its output, it extends the call it came from, also when the
+    policy's arguments were not `{"input": …}`."""
+    engine = await local.engine([PATCH_CALL, ODD_CALL, "Done."])
+    await local.proxy(engine=engine)
+    client = local.client("ex-custom-resp")
+    tools = [{"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
+              "format": {"type": "grammar", "syntax": "lark", "definition": GRAMMAR}},
+             {"type": "function", "name": "bash", "parameters": {"type": "object"}}]
+    inputs = [{"type": "message", "role": "user", "content": "add a.txt"}]
+    kinds = []
+    async with client.responses.stream(model="m", input=inputs, tools=tools) as s:
+        async for event in s:
+            kinds.append(event.type)
+        final = await s.get_final_response()
+    prompt0 = tok.decode(engine.requests[0]["input_ids"])
+    assert '"name": "apply_patch"' in prompt0 and "Edit files with a patch." in prompt0 and "lark grammar" in prompt0
+    (item,) = final.output
+    assert (item.type, item.name, item.input) == ("custom_tool_call", "apply_patch", PATCH)
+    assert item.call_id.startswith("call_") and item.id.startswith("ctc_")
+    assert "response.custom_tool_call_input.delta" in kinds and "response.custom_tool_call_input.done" in kinds
+    assert "response.function_call_arguments.delta" not in kinds
+
+    turn2 = [*inputs, item.model_dump(exclude_none=True),
+             {"type": "custom_tool_call_output", "call_id": item.call_id, "output": "patched"}]
+    second = await client.responses.create(model="m", input=turn2, tools=tools)
+    (odd,) = second.output
+    assert (odd.type, odd.input) == ("custom_tool_call", ODD_ARGS)
+    turn3 = [*turn2, odd.model_dump(exclude_none=True),
+             {"type": "custom_tool_call_output", "call_id": odd.call_id, "output": "ok"}]
+    third = await client.responses.create(model="m", input=turn3, tools=tools, stream=True)
+    events = [e async for e in third]
+    assert events[-1].response.output_text == "Done."
+    rec0, rec1, rec2 = local.store("ex-custom-resp").calls
+    assert (rec1.parent, rec1.prefix_len, rec1.drift) == (rec0, rec0.full_len, 0)
+    assert (rec2.parent, rec2.prefix_len, rec2.drift) == (rec1, rec1.full_len, 0)
+
+
+async def test_chat_custom_tools_are_answered_in_the_custom_shape_streamed_or_not(local, tok):  # noqa: F811
+    """Chat Completions: a `custom` tool is shown as a function of one `input` string; the
+    policy's call is answered `{"type": "custom", "custom": {name, input}}`, streamed as
+    the name then input pieces; the echoed call extends the first."""
+    engine = await local.engine([PATCH_CALL, PATCH_CALL, "Done."])
+    await local.proxy(engine=engine)
+    client = local.client("ex-custom-chat")
+    tools = [{"type": "custom", "custom": {"name": "apply_patch", "description": "Edit files with a patch.",
+                                           "format": {"type": "grammar",
+                                                      "grammar": {"syntax": "lark", "definition": GRAMMAR}}}}]
+    task = {"role": "user", "content": "add a.txt"}
+    r = await client.chat.completions.create(model="m", messages=[task], tools=tools)
+    assert "lark grammar" in tok.decode(engine.requests[0]["input_ids"])
+    (tc,) = r.choices[0].message.tool_calls
+    assert (tc.type, tc.custom.name, tc.custom.input) == ("custom", "apply_patch", PATCH)
+    assert r.choices[0].finish_reason == "tool_calls"
+
+    stream = await client.chat.completions.create(model="m", messages=[task], tools=tools, stream=True)
+    deltas = [c.choices[0].delta.model_dump() async for c in stream if c.choices]
+    calls = [d["tool_calls"][0] for d in deltas if d.get("tool_calls")]
+    assert calls[0]["type"] == "custom" and calls[0]["custom"]["name"] == "apply_patch" and calls[0]["id"]
+    assert "".join(c["custom"]["input"] for c in calls) == PATCH
+
+    echo = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": tc.id, "type": "custom", "custom": {"name": "apply_patch", "input": PATCH}}]}
+    await client.chat.completions.create(
+        model="m", messages=[task, echo, {"role": "tool", "tool_call_id": tc.id, "content": "patched"}], tools=tools)
+    rec0, _, rec2 = local.store("ex-custom-chat").calls
+    assert (rec2.parent, rec2.prefix_len, rec2.drift) == (rec0, rec0.full_len, 0)
+
+
+@pytest.mark.parametrize("bad", [
+    {"input": "hi", "instructions": 5},
+    {"input": "hi", "instructions": ["You are terse."]},
+    {"input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+    {"input": "hi", "tools": [{"name": "bash", "parameters": {"type": "object"}}]},
+    {"input": "hi", "tools": [{"type": "custom"}]},
+    {"input": "hi", "parallel_tool_calls": "yes"},
+    {"input": "hi", "metadata": "x"},
+], ids=["instructions-int", "instructions-list", "input-text-int", "tool-without-type", "custom-without-name",
+        "parallel-str", "metadata-str"])
+async def test_responses_fields_of_the_wrong_type_are_400(local, bad):
+    """What the API types as a string, boolean or object, and a tool without a type, is a
+    400 in OpenAI's shape, not dropped from the prompt or echoed back unchecked; nothing
+    reaches the engine."""
+    import openai
+
+    engine = await local.engine(["ok"])
+    await local.proxy(engine=engine)
+    with pytest.raises(openai.BadRequestError) as err:
+        await local.client("ex-bad-types").responses.create(model="m", **bad)
+    assert err.value.body["type"] == "invalid_request_error"
+    assert engine.requests == []
+
+
+async def test_responses_compact_is_an_endpoint_not_served_not_a_response_id(local):
+    import openai
+
+    await local.proxy(engine=await local.engine(["ok"]))
+    with pytest.raises(openai.NotFoundError) as err:
+        await local.client("ex-compact").responses.compact(model="m", input="hi")
+    assert "unknown endpoint POST /v1/responses/compact" in err.value.message
