@@ -233,13 +233,37 @@ def normalise(messages: Iterable[dict], tool_args: dict[str, str] | None = None)
     return [normalise_message(m, tool_args) for m in messages]
 
 
+def _unmarked(d: dict) -> dict:
+    return {k: v for k, v in d.items() if k != "cache_control"} if "cache_control" in d else d
+
+
 def normalise_tools(tools: Any) -> list[dict]:
-    """Tools without `cache_control` markers; None and [] are the same (no tools)."""
+    """Tools without their `cache_control` markers (on a tool, or on a chat tool's
+    `function`); a schema's own property of that name is the tool's and stays. None and []
+    are the same (no tools). Key order is kept: the template writes each tool as JSON in
+    the order given."""
     if not tools:
         return []
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise ValueError("'tools' must be a list of objects")
-    return _strip_cache_control(tools)
+    out = []
+    for tool in tools:
+        tool = _unmarked(tool)
+        fn = tool.get("function")
+        if isinstance(fn, dict) and "cache_control" in fn:
+            tool = {**tool, "function": _unmarked(fn)}
+        out.append(tool)
+    return out
+
+
+def _tools_json(tools: Any) -> bytes | None:
+    """A request's tools as JSON, as sent (key order and number types kept: `1`, `1.0` and
+    `true` render differently, though Python holds them equal); None when orjson cannot
+    write them (nested past its 255 levels), which matches no earlier request."""
+    try:
+        return orjson.dumps(tools)
+    except orjson.JSONEncodeError:
+        return None
 
 
 def _key_default(value: Any) -> Any:
@@ -585,7 +609,7 @@ class _Seen:
     unknown: tool-call id → index of the first message that used it while `tool_args`
     lacked it (that message would normalise differently once the id is known)."""
 
-    tools_raw: Any
+    tools_json: bytes | None  # `_tools_json` of the request's tools as received
     tools: tuple[dict, ...]
     raw: list
     norm: list[dict]
@@ -701,8 +725,9 @@ class CallStore:
         args = self.tool_args
         best: _Seen | None = None
         n = 0
+        tools_json = _tools_json(tools)
         for seen in self._seen:
-            if seen.tools_raw != tools:
+            if tools_json is None or seen.tools_json != tools_json:
                 continue
             top = min(len(seen.raw), len(messages))
             if best is not None and top <= n:
@@ -721,7 +746,7 @@ class CallStore:
                 self._seen.remove(best)
         else:
             tools_n = tuple(normalise_tools(tools))
-            digests = _chain(orjson.dumps(list(tools_n), option=orjson.OPT_SORT_KEYS), ())
+            digests = _chain(orjson.dumps(list(tools_n)), ())  # in the order the template writes them
             raw, norm, unknown = [], [], {}
         for m in messages[n:]:
             nm = normalise_message(m, args)
@@ -732,7 +757,7 @@ class CallStore:
             norm.append(nm)
             digests.append(hashlib.sha256(digests[-1] + message_key(nm)).digest())
         if remember:
-            self._seen.insert(0, _Seen(tools_raw=tools, tools=tools_n, raw=raw, norm=norm, digests=digests,
+            self._seen.insert(0, _Seen(tools_json=tools_json, tools=tools_n, raw=raw, norm=norm, digests=digests,
                                        unknown=unknown))
             del self._seen[MEMO_REQUESTS:]
         return list(norm), tools_n, digests

@@ -424,6 +424,42 @@ def test_anthropic_harness_noise_still_extends_verbatim(tok):
     assert m1.prompt_ids[:rec0.full_len].tolist() == rec0.full_ids().tolist()
 
 
+def test_tools_as_the_template_writes_them_key_order_numbers_and_a_cache_control_parameter(tok):
+    """The template writes each tool as JSON in the order given, so tools that differ only in
+    key order or number type (`1` / `1.0` / `true`, equal in Python) are other tools: a
+    call with them is not an extension of a call rendered with the first ones (its prompt is
+    what a fresh render gives). A moved `cache_control` marker on a tool or its function is
+    noise; a schema property named `cache_control` is the tool's own and reaches the policy."""
+    turn2 = [SYSTEM, TASK, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "next"}]
+    reordered = [{"function": {"parameters": TOOLS[0]["function"]["parameters"], "description": "run a command",
+                               "name": "bash"}, "type": "function"}]
+    fn = TOOLS[0]["function"]
+    numbered = [{"type": "function", "function": {**fn, "parameters": {**fn["parameters"], "maxProperties": 1}}}]
+    floated = [{"type": "function", "function": {**fn, "parameters": {**fn["parameters"], "maxProperties": 1.0}}}]
+    for first, then in ((TOOLS, reordered), (numbered, floated)):
+        store = CallStore(tok)
+        serve(store, tok, [SYSTEM, TASK], first, "ok", "a", 0)
+        store.match([SYSTEM, TASK], first)  # the memo holds the first tools' request too
+        m1 = store.match(turn2, then)
+        assert not m1.extended
+        assert m1.prompt_ids.tolist() == encode(tok, render(tok, turn2, then))
+
+    marked = [{**TOOLS[0], "cache_control": {"type": "ephemeral"}}]
+    marked_fn = [{"type": "function", "function": {**fn, "cache_control": {"type": "ephemeral"}}}]
+    store = CallStore(tok)
+    _, rec0, _ = serve(store, tok, [SYSTEM, TASK], marked, "ok", "a", 0)
+    m1 = store.match(turn2, marked_fn)
+    assert (m1.parent, m1.prefix_len, m1.extended, m1.drift) == (rec0, rec0.full_len, True, 0)
+    assert m1.prompt_ids.tolist() == encode(tok, render(tok, turn2, TOOLS))
+
+    own = [{"type": "function", "function": {"name": "http_get", "parameters": {
+        "type": "object", "properties": {"url": {"type": "string"}, "cache_control": {"type": "string"}},
+        "required": ["url", "cache_control"]}}}]
+    m = CallStore(tok).match([SYSTEM, TASK], own)
+    assert m.prompt_ids.tolist() == encode(tok, render(tok, [SYSTEM, TASK], own))
+    assert '"cache_control": {"type": "string"}' in tok.decode(m.prompt_ids.tolist())
+
+
 def test_fresh_match_is_a_root_and_leaves_the_store_alone(tok):
     store = CallStore(tok)
     serve(store, tok, [SYSTEM, TASK], TOOLS, "Done.", "a", 0)
