@@ -92,8 +92,11 @@ def verify_key(secret: bytes, key: str) -> str | None:
     execution, sep, mac = key[len(KEY_PREFIX):].rpartition("-")
     if not sep or not execution or len(mac) != _MAC_HEX:
         return None
-    expected = hmac.new(secret, execution.encode("utf-8"), hashlib.sha256).hexdigest()[:_MAC_HEX]
-    return execution if hmac.compare_digest(expected, mac) else None
+    try:
+        expected = hmac.new(secret, execution.encode("utf-8"), hashlib.sha256).hexdigest()[:_MAC_HEX]
+        return execution if hmac.compare_digest(expected, mac) else None
+    except (UnicodeEncodeError, TypeError):  # a header's non-UTF-8 bytes (surrogates), a non-ASCII MAC
+        return None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

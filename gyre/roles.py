@@ -147,13 +147,30 @@ harness's headers or body and is carried on every `call.completed`, which must f
 
 
 def classify(facts: CallFacts, profile: str | None = None) -> Classification:
-    """Role and metadata of one call, each metadata value cut to META_CHARS. profile: the
-    execution's configured profile (one of PROFILES), None = detect it from the headers.
-    Raises ValueError on an unknown profile."""
+    """Role and metadata of one call, each metadata value cut to META_CHARS and valid UTF-8
+    (`clean_meta`). profile: the execution's configured profile (one of PROFILES), None =
+    detect it from the headers. Raises ValueError on an unknown profile."""
     c = _classify(facts, profile)
-    if any(len(v) > META_CHARS for v in c.meta.values()):
-        c = Classification(c.role, c.harness, {k: v[:META_CHARS] for k, v in c.meta.items()})
+    if not all(len(v) <= META_CHARS and (v.isascii() or _utf8(v)) for v in c.meta.values()):
+        c = Classification(c.role, c.harness, {k: clean_meta(v) for k, v in c.meta.items()})
     return c
+
+
+def _utf8(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def clean_meta(value: str) -> str:
+    """`value` cut to META_CHARS, its surrogates (a header's bytes that are not UTF-8, as
+    aiohttp decodes them, or a `\\ud800` escape in Codex's JSON metadata) written as
+    `\\udcff` escapes: the event that carries it must encode as UTF-8, or the call would
+    never be stored."""
+    value = value[:META_CHARS]
+    return value if _utf8(value) else value.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _classify(facts: CallFacts, profile: str | None) -> Classification:

@@ -132,7 +132,7 @@ from bus.client import PayloadTooLarge
 from bus.subjects import CALLS_DUPLICATE_WINDOW_S
 from gyre.chat import parse_completion
 from gyre.harness import verify_key as harness_verify_key
-from gyre.roles import PROFILES, CallFacts, Classification, classify, profile_for_harness
+from gyre.roles import PROFILES, CallFacts, Classification, classify, clean_meta, profile_for_harness
 from gyre.tito import CallStore, Match, Pending, Prepared
 from gyre.tokenizer import THINK_END, fast_decoder, fast_encoder, token_bytes
 from handlers.engine_client import ids_json, make_session
@@ -722,7 +722,7 @@ class ProxyState:
         event_ids = [out.event.event_id for out in outs]
         path = self.cfg.spill_file
         if path:
-            lines = b"\n" + b"".join(orjson.dumps({"event": orjson.Fragment(encode(out.event)),
+            lines = b"\n" + b"".join(orjson.dumps({"event": orjson.Fragment(_encoded(out.event)[1]),
                                                    "tokens": orjson.Fragment(out.tokens_json) if out.tokens_json
                                                    else None}) + b"\n" for out in outs)
             size = None
@@ -826,7 +826,7 @@ class ProxyState:
         ack_wait_s, one_publish_s = self.bus.config.timeout_s, self.bus.config.publish_bound_s()
         while True:
             try:
-                data = encode(event)
+                event, data = _encoded(event)
                 if tokens_json is None and len(data) > self.cfg.object_threshold_bytes:
                     t = event.tokens  # inline arrays whose event is still too large with the rest
                     tokens_json = _tokens_json(t.prompt_ids, t.completion_ids, t.logprobs)
@@ -861,6 +861,20 @@ class ProxyState:
                 clog.warning("proxy.call.publish_retry", error=repr(exc), retry_in_s=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.cfg.retry_backoff_max_s)
+
+
+def _encoded(event: CallCompleted) -> tuple[CallCompleted, bytes]:
+    """(event, its bytes). An event holding a string that is not UTF-8 (a surrogate, which
+    orjson refuses and no retry mends; `gyre.roles.classify` cleans the metadata it takes
+    from headers) is stored with its metadata escaped (`clean_meta`) rather than lost.
+    Raises TypeError when it still does not encode."""
+    try:
+        return event, encode(event)
+    except TypeError:
+        log.warning("proxy.call.meta_escaped", event_id=event.event_id, hint="a metadata string was not UTF-8")
+        event = dataclasses.replace(event, meta={k: clean_meta(v) if isinstance(v, str) else v
+                                                 for k, v in event.meta.items()})
+        return event, encode(event)
 
 
 # --------------------------------------------------------------------------- handlers
@@ -1323,6 +1337,15 @@ def make_app(state: ProxyState) -> web.Application:
     return app
 
 
+IDLE_CLOSE_S = 75.0
+"""Seconds a connection may wait without a whole request head (idle between calls, or a
+client that sent nothing or part of its headers) before the proxy closes it: aiohttp's
+keep-alive timeout, as `web.run_app` sets it (its `AppRunner` default is an hour, which
+let a local process hold connections until the proxy ran out of file descriptors). The
+SDKs' own idle timeouts are shorter (httpx 5 s, undici 4 s). A body that stalls once its
+head has come: `handlers.proxy_http.BODY_READ_S`."""
+
+
 async def start(state: ProxyState, reuse_port_of: str = "") -> tuple[web.AppRunner, str]:
     """Serve `make_app(state)` on cfg.host:cfg.port; returns the runner and the base URL.
     With cfg.port 0 and `reuse_port_of` (the URL a predecessor of the run served at, from
@@ -1333,7 +1356,7 @@ async def start(state: ProxyState, reuse_port_of: str = "") -> tuple[web.AppRunn
     # Model calls are finished or cancelled before the runner's cleanup (`run`); what else
     # is still being answered then (a count_tokens) gets this long, twice (aiohttp's two waits).
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
-                           auto_decompress=False)
+                           auto_decompress=False, keepalive_timeout=IDLE_CLOSE_S)
     await runner.setup()
     host = state.cfg.host
     if not state.cfg.port and (earlier := _port_of(reuse_port_of, host)):

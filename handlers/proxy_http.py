@@ -32,18 +32,28 @@ def key_of(request: web.Request) -> str | None:
     return bearer or key or None
 
 
+BODY_READ_S = 60.0
+"""Seconds a request's body may take to arrive once its headers have (a 64-MiB body takes
+under a second on loopback); then a 408, and the connection closes. A client that stalls
+before its headers end is closed by the server's idle timeout (`handlers.proxy.IDLE_CLOSE_S`)."""
+
+
 async def read_json(request: web.Request, limit: int, raw_bodies: bool,
                     loads: Callable[[bytes], Any] = orjson.loads) -> Any:
     """The request body as JSON, parsed by `loads` (an execution's
     `handlers.proxy_body.BodyMemo`, which parses a resent history only where it is new).
     limit: bytes, as sent and once decoded. raw_bodies: the server does not decompress
     (aiohttp `auto_decompress=False`), so `Content-Encoding` is undone here. Raises
-    ApiError 400/413/415."""
+    ApiError 400/408/413/415."""
     try:
-        raw = await request.read()
+        async with asyncio.timeout(BODY_READ_S):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"request body too large (> {limit} bytes)", code="request_too_large") from None
-    encoding = request.headers.get("Content-Encoding", "")
+    except TimeoutError:  # a client that stopped sending (or a Content-Length larger than its body)
+        raise ApiError(408, f"the request body did not arrive within {BODY_READ_S:g} s", code="request_timeout",
+                       headers={"Connection": "close"}) from None
+    encoding = ", ".join(request.headers.getall("Content-Encoding", ()))  # two header lines are one list (RFC 9110 5.3)
     if encoding and raw_bodies:  # off the event loop: up to `limit` bytes of inflating (zlib frees the GIL)
         raw = await asyncio.to_thread(decode_body, raw, encoding, limit)
     try:

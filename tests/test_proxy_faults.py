@@ -6,6 +6,7 @@ answer, with the call on the bus."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import aiohttp
 import openai
@@ -15,7 +16,7 @@ from aiohttp import web
 
 from gyre.chat import parse_completion
 from gyre.harness import execution_key
-from handlers.proxy import CHAT
+from handlers.proxy import CHAT, Outgoing
 from handlers.proxy_api import ApiError, StreamStart
 from handlers.proxy_routing import engine_reply
 from handlers.proxy_http import STREAM_OPEN_S, Reply
@@ -455,3 +456,127 @@ async def test_a_cell_whose_url_the_proxy_cannot_use_is_avoided_and_the_call_ser
     for i in range(4):
         answer = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"q{i}"}])
         assert answer.choices[0].message.content == "from good"
+
+
+# --------------------------------------------------------------------------- hostile clients on loopback
+
+RAW_BODY = b'{"model":"m","max_tokens":16,"messages":[{"role":"user","content":"hi"}]}'
+
+
+async def raw_exchange(url: str, head: bytes, body: bytes = RAW_BODY, timeout_s: float = 5.0) -> bytes:
+    """One request as raw bytes (any header byte allowed); the whole response."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(), timeout_s)
+    finally:
+        writer.close()
+
+
+async def test_a_key_that_is_not_utf8_is_a_401_in_the_apis_shape(stack):  # noqa: F811
+    url = await stack.proxy(engine=await stack.engine(["hi"]))
+    bad = b"gyre-\xe9-0123456789abcdef0123456789abcdef"
+    for head in (b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nx-api-key: " + bad + b"\r\n",
+                 b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + bad + b"\r\n"):
+        resp = await raw_exchange(url, head)
+        head_out, _, body = resp.partition(b"\r\n\r\n")
+        assert head_out.startswith(b"HTTP/1.1 401") and b"application/json" in head_out, resp[:300]
+        assert b"invalid API key" in body
+
+
+async def test_metadata_that_is_not_utf8_is_stored_escaped_and_holds_up_no_other_call(stack):  # noqa: F811
+    """A session header whose bytes are not UTF-8, or Codex turn metadata holding a `\\ud800`
+    escape, goes into `call.completed` meta escaped: the call is stored (orjson refuses
+    surrogates, so it was retried for the whole window and then lost, holding a publish
+    slot all that time)."""
+    engine = await stack.engine(["hi"])
+    url = await stack.proxy(engine=engine, retry_timeout_s=30.0, max_publishes_in_flight=2)
+    key = execution_key(SECRET, "ex-hdr").encode()
+    resp = await raw_exchange(url, b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nx-api-key: " + key + b"\r\n"
+                                   b"anthropic-version: 2023-06-01\r\nx-claude-code-session-id: sess-\xff\r\n")
+    assert resp.startswith(b"HTTP/1.1 200"), resp[:300]
+    codex = stack.client("ex-codex-meta", default_headers={"x-codex-turn-metadata": '{"turn_id": "t\\ud800"}',
+                                                            "session-id": "thread-1"})
+    assert (await codex.responses.create(model="m", input="hi")).output_text == "hi"
+    good = await stack.client("ex-good").chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert good.choices[0].message.content == "hi"
+    calls = {c.execution: c for c in await stack.calls(3, timeout_s=10)}
+    assert calls["ex-hdr"].meta["session_id"] == "sess-\\udcff" and calls["ex-hdr"].status == "ok"
+    assert calls["ex-codex-meta"].meta["turn_id"] == "t\\ud800"
+
+
+async def test_metadata_that_will_not_encode_is_spilled_escaped_beside_the_other_calls(stack, tmp_path):  # noqa: F811
+    """Should a string that is not UTF-8 reach an event's meta by another way than
+    `gyre.roles.classify`, the publish stores the event with it escaped, and a stop's spill
+    writes every call of its batch."""
+    engine = await stack.engine(["hi"])
+    spill = tmp_path / "spill.jsonl"
+    await stack.proxy(engine=engine, retry_timeout_s=60.0, spill_file=str(spill))
+    state = stack.state
+    real = state.call_event
+
+    def poisoned(**kw):
+        out = real(**kw)
+        if out.event.execution == "ex-bad":
+            out = type(out)(dataclasses.replace(out.event, meta={**out.event.meta, "x": "a\ud800"}), out.tokens_json)
+        return out
+
+    state.call_event = poisoned
+    for execution in ("ex-bad", "ex-fine"):
+        await stack.client(execution).chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    calls = {c.execution: c for c in await stack.calls(2, timeout_s=10)}
+    assert calls["ex-bad"].meta["x"] == "a\\ud800" and calls["ex-fine"].status == "ok"
+
+    bad = dataclasses.replace(calls["ex-bad"], meta={"x": "b\ud800"})
+    state.spill([Outgoing(bad, None), Outgoing(calls["ex-fine"], None)], "test")
+    lines = [orjson.loads(line) for line in spill.read_bytes().splitlines() if line]
+    assert [ln["event"]["execution"] for ln in lines] == ["ex-bad", "ex-fine"]
+    assert lines[0]["event"]["meta"]["x"] == "b\\ud800"
+
+
+async def test_a_client_that_never_finishes_its_request_is_closed(stack, monkeypatch):  # noqa: F811
+    """A connection that sends nothing, or part of its headers, is closed once idle for
+    `IDLE_CLOSE_S`; one whose body stalls gets a 408 in the API's shape after
+    `BODY_READ_S`, and is closed: a local process cannot hold connections until the proxy runs out of
+    file descriptors. A harness's call meanwhile is served."""
+    import handlers.proxy as proxy_mod
+    import handlers.proxy_http as proxy_http
+
+    monkeypatch.setattr(proxy_mod, "IDLE_CLOSE_S", 1.0)
+    monkeypatch.setattr(proxy_http, "BODY_READ_S", 1.0)
+    engine = await stack.engine(["hi"])
+    url = await stack.proxy(engine=engine)
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    key = execution_key(SECRET, "ex-slow").encode()
+    stalled = []
+    for data in (b"", b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n",
+                 b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nx-api-key: " + key + b"\r\nContent-Length: 100\r\n\r\n{"):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(data)
+        await writer.drain()
+        stalled.append((reader, writer))
+    answer = await stack.client("ex-fine").chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    assert answer.choices[0].message.content == "hi"
+    try:  # (the stalled body's connection closes once aiohttp's lingering read, 10 s, gives up)
+        got = await asyncio.wait_for(asyncio.gather(*(reader.read() for reader, _ in stalled)), 15.0)
+    finally:
+        for _, writer in stalled:
+            writer.close()
+    assert got[:2] == [b"", b""]
+    assert got[2].startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in got[2], got[2][:300]
+    assert b'"type":"error"' in got[2]
+
+
+async def test_content_encoding_over_two_header_lines_is_one_list(stack):  # noqa: F811
+    """RFC 9110 5.3: `Content-Encoding: gzip` twice is `gzip, gzip` (decoded twice)."""
+    import gzip
+
+    url = await stack.proxy(engine=await stack.engine(["hi"]))
+    key = execution_key(SECRET, "ex-enc").encode()
+    body = gzip.compress(gzip.compress(RAW_BODY))
+    resp = await raw_exchange(url, b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nx-api-key: " + key + b"\r\n"
+                                   b"anthropic-version: 2023-06-01\r\nContent-Encoding: gzip\r\n"
+                                   b"Content-Encoding: gzip\r\n", body)
+    assert resp.startswith(b"HTTP/1.1 200"), resp[:300]
