@@ -131,15 +131,17 @@ def custom_arguments(value: Any) -> str:
 
 def custom_input(arguments: str) -> str:
     """The free-form input of a custom tool call the policy wrote as `arguments` (JSON text):
-    its `input` when that is a string (the form `custom_arguments` renders and
-    `handlers.proxy_api.custom_tool` asks for), else the arguments text itself, so nothing the
-    policy wrote is dropped (`gyre.tito` matches either form when the harness sends the call
-    back)."""
+    its `input` when that is a string and the only key (the form `custom_arguments` renders
+    and `handlers.proxy_api.custom_tool` asks for), else the arguments text itself, so
+    nothing the policy wrote is dropped (`gyre.tito` matches either form when the harness
+    sends the call back)."""
     try:
         value = json.loads(arguments)
     except (ValueError, RecursionError):
         return arguments
-    return value["input"] if isinstance(value, dict) and isinstance(value.get("input"), str) else arguments
+    if isinstance(value, dict) and len(value) == 1 and isinstance(value.get("input"), str):
+        return value["input"]
+    return arguments
 
 
 def call_function(call: Any) -> Any:

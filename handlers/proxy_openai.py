@@ -95,6 +95,9 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
                            param=f"tools[{i}].{kind}")
         if kind == "custom":
             custom.add(tool["custom"]["name"])
+    if custom and custom & {t["function"]["name"] for t in tools if (t.get("type") or "function") == "function"}:
+        raise ApiError(400, "a custom tool and a function tool have the same name: the model could not tell them "
+                            "apart", param="tools")
     if custom:  # shown as functions of one `input` string, their calls answered as custom calls
         tools = [custom_tool(t["custom"]["name"], t["custom"].get("description"), t["custom"].get("format"))
                  if t.get("type") == "custom" else t for t in tools]
@@ -386,6 +389,10 @@ def responses_tools(tools: Any) -> tuple[list[dict] | None, dict[str, tuple[str,
             params = tool.get("parameters")
             out.append(function_tool(tool, params if isinstance(params, dict) else {}))
         elif tool.get("type") == "custom":
+            if tool["name"] in custom or sum(t.get("name") == tool["name"] for t in tools
+                                             if isinstance(t, dict) and t.get("type") == "function"):
+                raise ApiError(400, f"tools[{i}]: custom tool {tool['name']!r} has the name of another tool: the model "
+                                    "could not tell them apart", param="tools")
             out.append(custom_tool(tool["name"], tool.get("description"), tool.get("format")))
             custom.add(tool["name"])
         elif tool.get("type") == "namespace" and isinstance(tool.get("tools"), list):

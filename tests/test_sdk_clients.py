@@ -466,3 +466,47 @@ async def test_responses_compact_is_an_endpoint_not_served_not_a_response_id(loc
     with pytest.raises(openai.NotFoundError) as err:
         await local.client("ex-compact").responses.compact(model="m", input="hi")
     assert "unknown endpoint POST /v1/responses/compact" in err.value.message
+
+
+async def test_a_custom_call_with_keys_beside_input_is_answered_whole_and_its_echo_extends(local):
+    """Arguments holding more than `input` are the input as a whole (nothing the policy wrote
+    is dropped), and sent back they extend the call."""
+    from gyre.chat import custom_input
+    from handlers.scripted_engine import tool_call
+
+    extra = '{"input": "P", "note": "why"}'
+    assert custom_input(extra) == extra and custom_input('{"input": "P"}') == "P"
+    engine = await local.engine([tool_call("apply_patch", {"input": "P", "note": "why"}), "Done."])
+    await local.proxy(engine=engine)
+    client = local.client("ex-extra")
+    tools = [{"type": "custom", "name": "apply_patch", "description": "Edit files."}]
+    inputs = [{"type": "message", "role": "user", "content": "go"}]
+    (item,) = (await client.responses.create(model="m", input=inputs, tools=tools)).output
+    assert item.input == extra
+    turn2 = [*inputs, item.model_dump(exclude_none=True),
+             {"type": "custom_tool_call_output", "call_id": item.call_id, "output": "ok"}]
+    await client.responses.create(model="m", input=turn2, tools=tools)
+    rec0, rec1 = local.store("ex-extra").calls
+    assert (rec1.parent, rec1.prefix_len, rec1.drift) == (rec0, rec0.full_len, 0)
+
+
+async def test_a_custom_and_a_function_tool_of_one_name_are_refused(local):
+    """The policy would see two functions of that name, and its call could not be told
+    apart: a 400, as for a namespace function whose flat name is another tool's."""
+    import openai
+
+    engine = await local.engine(["x"])
+    await local.proxy(engine=engine)
+    client = local.client("ex-clash")
+    fn = {"type": "object", "properties": {"patch": {"type": "string"}}}
+    for tools in ([{"type": "custom", "name": "apply_patch"}, {"type": "function", "name": "apply_patch",
+                                                                "parameters": fn}],
+                  [{"type": "custom", "name": "apply_patch"}, {"type": "custom", "name": "apply_patch"}]):
+        with pytest.raises(openai.BadRequestError, match="could not tell them apart"):
+            await client.responses.create(model="m", input="go", tools=tools)
+    with pytest.raises(openai.BadRequestError, match="could not tell them apart"):
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "go"}],
+            tools=[{"type": "custom", "custom": {"name": "apply_patch"}},
+                   {"type": "function", "function": {"name": "apply_patch", "parameters": fn}}])
+    assert engine.requests == []
