@@ -140,9 +140,11 @@ class Progress:
 
     def summary(self, run: str, wall_s: float) -> dict:
         steps = sorted(self.completed)
+        # the steps that ran, scored or completed (a run stopped early lists no steps it never reached)
+        reached = max([*(k for k, scores in self.rewards.items() if scores), *steps], default=-1) + 1
         rewards_per_step = [
             (sum(self.rewards.get(k, {}).values()) / len(self.rewards[k])) if self.rewards.get(k) else None
-            for k in range(self.recipe.run.steps)
+            for k in range(reached)
         ]
         return {
             "run": run,

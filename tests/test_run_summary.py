@@ -60,3 +60,12 @@ async def test_a_run_of_groups_of_one_is_told_why_nothing_was_trained(tmp_path, 
     out = capsys.readouterr().out
     assert "tasks.group_size = 1" in out and "random" not in out
     progress.metrics.close()
+
+
+async def test_a_run_stopped_early_lists_rewards_for_the_steps_it_reached_only(tmp_path):
+    """Ctrl-C after step 0 of 30: `rewards_per_step` holds step 0, not 29 Nones besides."""
+    progress = Progress(load_recipe("toy", {"run.steps": 30}), tmp_path / "metrics.jsonl")
+    assert progress.summary("r", 1.0)["rewards_per_step"] == []
+    progress.rewards[0] = {"s0-g0-e0": 1.0, "s0-g0-e1": 0.0}
+    assert progress.summary("r", 1.0)["rewards_per_step"] == [0.5]
+    progress.metrics.close()
