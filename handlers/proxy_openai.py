@@ -453,6 +453,11 @@ def parse_responses_request(body: Any, defaults: SamplingParams, memo: Any = Non
                         options={"echo": echo, "namespaces": namespaces, "custom": custom})
 
 
+_CALL_EVENTS = {"function_call": ("arguments", "response.function_call_arguments"),
+                "custom_tool_call": ("input", "response.custom_tool_call_input")}
+"""A call item's type → (its streamed field, its events' prefix)."""
+
+
 class ResponsesApi(Api):
     name = "responses"
     history = "input"
@@ -566,20 +571,13 @@ class ResponsesApi(Api):
                 emit("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                      text=part["text"], logprobs=[])
                 emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part)
-            elif item["type"] == "function_call":
-                emit("response.output_item.added", output_index=index,
-                     item={**item, "status": "in_progress", "arguments": ""})
-                for p in pieces(item["arguments"]):
-                    emit("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=p)
-                emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                     name=item["name"], arguments=item["arguments"])
-            elif item["type"] == "custom_tool_call":
-                emit("response.output_item.added", output_index=index,
-                     item={**item, "status": "in_progress", "input": ""})
-                for p in pieces(item["input"]):
-                    emit("response.custom_tool_call_input.delta", item_id=item["id"], output_index=index, delta=p)
-                emit("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
-                     input=item["input"])
+            elif item["type"] in _CALL_EVENTS:  # a call's arguments (input) streamed in pieces
+                field, events = _CALL_EVENTS[item["type"]]
+                emit("response.output_item.added", output_index=index, item={**item, "status": "in_progress", field: ""})
+                for p in pieces(item[field]):
+                    emit(events + ".delta", item_id=item["id"], output_index=index, delta=p)
+                done = {"name": item["name"]} if item["type"] == "function_call" else {}
+                emit(events + ".done", item_id=item["id"], output_index=index, **done, **{field: item[field]})
             else:  # reasoning: its summary part streamed as OpenAI streams one (Codex shows these deltas)
                 part = item["summary"][0]
                 emit("response.output_item.added", output_index=index,
