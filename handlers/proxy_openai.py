@@ -376,8 +376,10 @@ def responses_tools(tools: Any) -> tuple[list[dict] | None, dict[str, tuple[str,
     out: list[dict] = []
     namespaces: dict[str, tuple[str, str]] = {}
     custom: set[str] = set()
-    names = {t["name"] for t in tools if isinstance(t, dict) and t.get("type") in ("function", "custom")
-             and isinstance(t.get("name"), str)}
+    functions = {t["name"] for t in tools if isinstance(t, dict) and t.get("type") == "function"
+                 and isinstance(t.get("name"), str)}
+    names = functions | {t["name"] for t in tools if isinstance(t, dict) and t.get("type") == "custom"
+                         and isinstance(t.get("name"), str)}
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise ApiError(400, f"tools[{i}] must be an object", param=f"tools[{i}]")
@@ -389,8 +391,7 @@ def responses_tools(tools: Any) -> tuple[list[dict] | None, dict[str, tuple[str,
             params = tool.get("parameters")
             out.append(function_tool(tool, params if isinstance(params, dict) else {}))
         elif tool.get("type") == "custom":
-            if tool["name"] in custom or sum(t.get("name") == tool["name"] for t in tools
-                                             if isinstance(t, dict) and t.get("type") == "function"):
+            if tool["name"] in custom or tool["name"] in functions:
                 raise ApiError(400, f"tools[{i}]: custom tool {tool['name']!r} has the name of another tool: the model "
                                     "could not tell them apart", param="tools")
             out.append(custom_tool(tool["name"], tool.get("description"), tool.get("format")))
