@@ -94,6 +94,9 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
             raise ApiError(400, f"tools[{i}] is a {kind} tool without a '{kind}' object naming it",
                            param=f"tools[{i}].{kind}")
         if kind == "custom":
+            if tool["custom"]["name"] in custom:
+                raise ApiError(400, f"tools[{i}]: custom tool {tool['custom']['name']!r} has the name of another "
+                                    "tool: the model could not tell them apart", param="tools")
             custom.add(tool["custom"]["name"])
     if custom and custom & {t["function"]["name"] for t in tools if (t.get("type") or "function") == "function"}:
         raise ApiError(400, "a custom tool and a function tool have the same name: the model could not tell them "

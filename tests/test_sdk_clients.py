@@ -504,9 +504,9 @@ async def test_a_custom_and_a_function_tool_of_one_name_are_refused(local):
                   [{"type": "custom", "name": "apply_patch"}, {"type": "custom", "name": "apply_patch"}]):
         with pytest.raises(openai.BadRequestError, match="could not tell them apart"):
             await client.responses.create(model="m", input="go", tools=tools)
-    with pytest.raises(openai.BadRequestError, match="could not tell them apart"):
-        await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "go"}],
-            tools=[{"type": "custom", "custom": {"name": "apply_patch"}},
-                   {"type": "function", "function": {"name": "apply_patch", "parameters": fn}}])
+    for other in ({"type": "function", "function": {"name": "apply_patch", "parameters": fn}},
+                  {"type": "custom", "custom": {"name": "apply_patch"}}):
+        with pytest.raises(openai.BadRequestError, match="could not tell them apart"):
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}],
+                                                 tools=[{"type": "custom", "custom": {"name": "apply_patch"}}, other])
     assert engine.requests == []
