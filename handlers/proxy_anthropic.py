@@ -293,7 +293,10 @@ def stop_reason(answer: Answer) -> tuple[str, str | None]:
 
 
 def content_blocks(answer: Answer) -> list[dict]:
-    """The answer's content blocks, complete (tool inputs parsed)."""
+    """The answer's content blocks, complete. A tool's `input` is the arguments text the
+    policy wrote (`gyre.chat.ToolCall.arguments`, a JSON object), embedded as it is
+    (`orjson.Fragment`), as the streamed `input_json_delta`s carry it: parsed and written
+    again, an integer beyond 64 bits would reach the harness as a float."""
     blocks: list[dict] = []
     if answer.reasoning:
         blocks.append({"type": "thinking", "thinking": answer.reasoning,
@@ -301,7 +304,7 @@ def content_blocks(answer: Answer) -> list[dict]:
     if answer.content:
         blocks.append({"type": "text", "text": answer.content})
     for tc in answer.tool_calls:
-        blocks.append({"type": "tool_use", "id": tc.id, "name": tc.name, "input": orjson.loads(tc.arguments)})
+        blocks.append({"type": "tool_use", "id": tc.id, "name": tc.name, "input": orjson.Fragment(tc.arguments)})
     if not blocks:
         blocks.append({"type": "text", "text": ""})
     return blocks

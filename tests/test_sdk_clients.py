@@ -510,3 +510,26 @@ async def test_a_custom_and_a_function_tool_of_one_name_are_refused(local):
             await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}],
                                                  tools=[{"type": "custom", "custom": {"name": "apply_patch"}}, other])
     assert engine.requests == []
+
+
+async def test_a_tool_input_is_answered_as_the_policy_wrote_it_streamed_or_not(local):
+    """A non-streamed `tool_use` carries the policy's arguments text itself, as the streamed
+    `input_json_delta`s do: parsed by orjson and written again, an integer beyond 64 bits
+    reached the harness as a float (1.2345678901234568e+22), another value than the one
+    the policy sampled."""
+    from handlers.scripted_engine import tool_call
+
+    args = {"n": 12345678901234567890123, "s": "caf\u00e9", "nested": {"list": [1, -0.5, None, True]}}
+    engine = await local.engine([tool_call("bash", args)] * 2)
+    await local.proxy(engine=engine)
+    client = local.anthropic("ex-bigint")
+    request = dict(model="m", max_tokens=512, tools=TOOLS_ANTHROPIC, messages=[{"role": "user", "content": "go"}])
+    raw = await client.messages.with_raw_response.create(**request)
+    (block,) = [b for b in json.loads(raw.http_response.text)["content"] if b["type"] == "tool_use"]
+    assert block["input"] == args and type(block["input"]["n"]) is int
+    (tool,) = (await raw.parse()).content
+    assert tool.input == args
+    stream = await client.messages.create(**request, stream=True)
+    fragments = [e.delta.partial_json async for e in stream
+                 if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+    assert json.loads("".join(fragments)) == args
