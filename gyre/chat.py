@@ -182,6 +182,8 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
                 fn = call_function(call)
                 if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
                     raise ValueError(f"{where}.function.name must be a string")
+                if not isinstance(call.get("id"), (str, type(None))):  # ids key the raw-arguments cache
+                    raise ValueError(f"{where}.id must be a string")
                 calls.append(
                     {
                         "id": call.get("id"),
@@ -197,6 +199,8 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         elif role == "tool":
             for key in ("tool_call_id", "name"):
                 if msg.get(key) is not None:
+                    if not isinstance(msg[key], str):
+                        raise ValueError(f"messages[{i}].{key} must be a string")
                     norm[key] = msg[key]
         out.append(norm)
     return out

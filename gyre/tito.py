@@ -197,6 +197,8 @@ def _tool_call(tc: dict, tool_args: dict[str, str]) -> dict:
         raise ValueError("a tool call's function name must be a string")
     args = _args_text(fn.get("arguments", ""))  # fn is a dict: it had a name
     tc_id = tc.get("id") or ""
+    if not isinstance(tc_id, str):  # it keys the raw-arguments cache
+        raise ValueError(f"a tool call's id must be a string, got {type(tc_id).__name__}")
     raw = tool_args.get(tc_id) if tc_id else None
     if raw is not None and raw != args:
         sent = _parse_json(args)
@@ -222,6 +224,8 @@ def normalise_message(message: dict, tool_args: dict[str, str] | None = None) ->
     for key in ("tool_call_id", "name"):
         if isinstance(message.get(key), str) and message[key]:
             out[key] = message[key]
+        elif message.get(key) is not None and not isinstance(message[key], str):
+            raise ValueError(f"a message's {key!r} must be a string, got {type(message[key]).__name__}")
     reasoning = message.get("reasoning_content")
     if isinstance(reasoning, str) and reasoning:
         out["reasoning_content"] = reasoning

@@ -916,6 +916,12 @@ async def test_two_keys_that_disagree_are_refused(local):
         {"type": "function", "description": "d"}]}]}, "tools[0].tools[0] is a function without"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": [], "text": "hi"}]}]},
      "content[0].type must be a string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}, {"role": "assistant", "tool_calls": [
+        {"id": [1], "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "a tool call's id must be a string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}, {"role": "tool", "tool_call_id": 5,
+                                                                             "content": "out"}]},
+     "'tool_call_id' must be a string"),
     ("/v1/messages", {"tools": [{"name": "f"}]}, "needs a string 'name' and an 'input_schema' object"),
     ("/v1/messages", {"tools": [{"type": "custom", "input_schema": {"type": "object"}}]}, "needs a string 'name'"),
     ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": {}, "text": "hi"}]}]},
