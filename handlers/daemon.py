@@ -223,6 +223,21 @@ def configure_logging(name: str, *, json_lines: bool | None = None, level: int =
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(daemon=name)
+    # What libraries log through the stdlib (aiohttp's "Error handling request" with its
+    # traceback, nats-py's reconnects) is written the same way, so a daemon's log stays one
+    # line per event (JSON lines when not a TTY); warnings and worse only.
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.contextvars.merge_contextvars, structlog.stdlib.add_log_level,
+                           structlog.stdlib.add_logger_name, structlog.processors.TimeStamper(fmt="iso", utc=True)],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.format_exc_info, renderer]))
+    handler.set_name("gyre")
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if h.get_name() == "gyre"]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(max(level, logging.WARNING))
 
 
 def run_async(main: Awaitable[object]) -> object:

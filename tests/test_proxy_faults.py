@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import logging
 
 import aiohttp
 import openai
@@ -580,3 +582,29 @@ async def test_content_encoding_over_two_header_lines_is_one_list(stack):  # noq
                                    b"anthropic-version: 2023-06-01\r\nContent-Encoding: gzip\r\n"
                                    b"Content-Encoding: gzip\r\n", body)
     assert resp.startswith(b"HTTP/1.1 200"), resp[:300]
+
+
+async def test_what_aiohttp_logs_of_a_refused_request_head_is_a_json_line(stack):  # noqa: F811
+    """A header line beyond aiohttp's 8,190 bytes is refused by aiohttp's parser before any
+    handler runs; it logs that through the stdlib with a traceback, which reached a daemon's
+    log as bare text lines among its JSON ones (`configure_logging` routes the stdlib too)."""
+    import io
+
+    import structlog
+
+    from handlers.daemon import configure_logging
+
+    url = await stack.proxy(engine=await stack.engine(["hi"]))
+    out = io.StringIO()
+    configure_logging("proxy", json_lines=True, file=out)
+    try:
+        resp = await raw_exchange(url, b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nx-junk: " + b"x" * 20_000 + b"\r\n")
+        assert resp.split(b"\r\n", 1)[0].split(b" ")[1] == b"400", resp[:300]
+        await asyncio.sleep(0.1)
+    finally:
+        structlog.reset_defaults()
+        for handler in [h for h in logging.getLogger().handlers if h.get_name() == "gyre"]:
+            logging.getLogger().removeHandler(handler)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]  # every line JSON
+    (refused,) = [x for x in lines if x.get("logger") == "aiohttp.server"]
+    assert refused["level"] == "error" and "8190" in refused["exception"], refused
