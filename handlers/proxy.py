@@ -486,6 +486,9 @@ class ProxyState:
         self._branch_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.calls: set[asyncio.Task] = set()
         """The handler tasks of the model calls being served (`finish_calls`)."""
+        self.calls_cancelled = False
+        """`finish_calls` has cancelled the calls still served: a cancelled handler is the
+        stop's doing, not its client's."""
 
     def branch_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         """The one worker thread that renders and encodes heavy requests (`_match`), made on
@@ -625,6 +628,7 @@ class ProxyState:
             await asyncio.wait(set(self.calls), timeout=deadline - time.monotonic())
         if self.calls:
             log.warning("proxy.stop.calls_cancelled", calls=len(self.calls))
+            self.calls_cancelled = True
             cancelled = set(self.calls)
             for task in cancelled:
                 task.cancel()
@@ -1107,11 +1111,16 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
                   queue_s=round(result.queue_s, 4), engine_s=round(result.engine_s, 4),
                   total_s=round(time.monotonic() - t0, 4))
         return resp
-    except (asyncio.CancelledError, ConnectionResetError):
+    except (asyncio.CancelledError, ConnectionResetError) as exc:
         if not delivered:
-            reply.cut()
-            log.info("proxy.call.client_gone", **ctx, seq=seq)
+            stopped = isinstance(exc, asyncio.CancelledError) and state.calls_cancelled and not reply.handed_over
+            if not stopped:
+                reply.cut()
+            log.info("proxy.call.stopped" if stopped else "proxy.call.client_gone", **ctx, seq=seq)
             _abandon(state, attempt, common, result, t0)
+            if stopped:  # the harness hears why: a 503, or an error event in an opened stream
+                asyncio.current_task().uncancel()
+                return await reply.fail(STOPPED)
         raise
     except Exception as exc:  # noqa: BLE001 - a defect of ours: answer in the API's shape, record the call
         log.exception("proxy.call.internal_error", **ctx, error=repr(exc), delivered=delivered)
@@ -1148,6 +1157,12 @@ def _fit(req: ModelRequest, prompt_tokens: int, context: int) -> ModelRequest:
     if 0 < room < req.sampling.max_tokens:
         return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_tokens=room))
     return req
+
+
+STOPPED = ApiError(503, "the proxy stopped before this call was answered", "server_error", code="proxy_stopping")
+"""What a call the stop cancelled (`ProxyState.finish_calls`) answers: a 503 in the API's
+shape, or its error event where the stream had opened; a non-streamed answer whose 200
+went out with keep-alive newlines is cut (`Reply.fail`)."""
 
 
 def _abandon(state: ProxyState, attempt: Attempt, common: dict, result: EngineResult | None, t0: float) -> None:

@@ -1428,7 +1428,10 @@ async def test_a_stop_cancels_a_call_still_generating_at_the_end_of_its_grace_an
     once the publishes' reserve is reached, aborted upstream and published as `aborted`,
     and the proxy is gone well before a supervisor's SIGKILL (aiohttp alone waited twice
     its shutdown timeout, then the drain a third: 60 s of a 30 s budget, and the call was
-    lost to the kill)."""
+    lost to the kill). The harness hears why: a 503, or an error event in a stream already
+    open (it read an end of stream and the log blamed the client)."""
+    import anthropic
+
     engine = ScriptedEngine(tok, ["never"])
     engine.gate = asyncio.Event()  # generates until aborted
     await engine.start()
@@ -1442,19 +1445,35 @@ async def test_a_stop_cancels_a_call_still_generating_at_the_end_of_its_grace_an
         async with openai.AsyncOpenAI(base_url=started["url"] + "/v1", api_key=execution_key(SECRET, "exg"),
                                       max_retries=0) as client:
             call = asyncio.ensure_future(client.chat.completions.create(model="m", messages=[TASK]))
-            await until(lambda: engine.requests)
+            streamer = anthropic.AsyncAnthropic(base_url=started["url"], api_key=execution_key(SECRET, "exs"),
+                                                max_retries=0)
+
+            kinds: list[str] = []
+
+            async def streamed() -> None:
+                async with streamer.messages.stream(model="m", max_tokens=64, messages=[TASK]) as events:
+                    async for e in events:
+                        kinds.append(e.type)
+
+            stream = asyncio.ensure_future(streamed())
+            await until(lambda: len(engine.requests) == 2)
+            await asyncio.sleep(0.5)  # the stream has opened (`STREAM_OPEN_S`)
             t0 = time.monotonic()
             stop.set()
             await asyncio.wait_for(task, 30)
             stopped_s = time.monotonic() - t0
-            with pytest.raises(openai.APIConnectionError):
+            with pytest.raises(openai.InternalServerError, match="the proxy stopped"):
                 await call
+            with pytest.raises(anthropic.APIStatusError, match="the proxy stopped"):
+                await stream
+            assert kinds == ["message_start"]  # the error came in the opened stream
+            await streamer.close()
     finally:
         stop.set()
         await engine.stop()
     assert stopped_s < cfg.shutdown_grace_s + 2.0, stopped_s
-    (event,) = await Stack(tok, bus, run_id).calls(1)
-    assert (event.execution, event.status) == ("exg", "aborted")
+    events = await Stack(tok, bus, run_id).calls(2)
+    assert sorted((event.execution, event.status) for event in events) == [("exg", "aborted"), ("exs", "aborted")]
     assert engine.aborted and not (tmp_path / "spill.jsonl").exists()
 
 
