@@ -1120,7 +1120,8 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
             _abandon(state, attempt, common, result, t0)
             if stopped:  # the harness hears why: a 503, or an error event in an opened stream
                 asyncio.current_task().uncancel()
-                return await reply.fail(STOPPED)
+                with contextlib.suppress(ConnectionResetError):  # (gone meanwhile: nothing to tell)
+                    return await reply.fail(STOPPED)
         raise
     except Exception as exc:  # noqa: BLE001 - a defect of ours: answer in the API's shape, record the call
         log.exception("proxy.call.internal_error", **ctx, error=repr(exc), delivered=delivered)
