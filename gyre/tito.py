@@ -196,9 +196,10 @@ def _tool_call(tc: dict, tool_args: dict[str, str]) -> dict:
     if not isinstance(name, str):  # as gyre.chat renders it: a call must name its function
         raise ValueError("a tool call's function name must be a string")
     args = _args_text(fn.get("arguments", ""))  # fn is a dict: it had a name
-    tc_id = tc.get("id") or ""
-    if not isinstance(tc_id, str):  # it keys the raw-arguments cache
+    tc_id = tc.get("id")
+    if not isinstance(tc_id, (str, type(None))):  # it keys the raw-arguments cache
         raise ValueError(f"a tool call's id must be a string, got {type(tc_id).__name__}")
+    tc_id = tc_id or ""
     raw = tool_args.get(tc_id) if tc_id else None
     if raw is not None and raw != args:
         sent = _parse_json(args)

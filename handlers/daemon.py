@@ -233,11 +233,17 @@ def configure_logging(name: str, *, json_lines: bool | None = None, level: int =
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                     structlog.processors.format_exc_info, renderer]))
     handler.set_name("gyre")
+    release_stdlib_logging()
+    logging.getLogger().addHandler(handler)
+    logging.getLogger().setLevel(max(level, logging.WARNING))
+
+
+def release_stdlib_logging() -> None:
+    """Take away the stdlib handler `configure_logging` installed (before its file closes:
+    what libraries log later goes to the interpreter's fallback, stderr)."""
     root = logging.getLogger()
-    for old in [h for h in root.handlers if h.get_name() == "gyre"]:
-        root.removeHandler(old)
-    root.addHandler(handler)
-    root.setLevel(max(level, logging.WARNING))
+    for handler in [h for h in root.handlers if h.get_name() == "gyre"]:
+        root.removeHandler(handler)
 
 
 def run_async(main: Awaitable[object]) -> object:

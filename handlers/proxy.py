@@ -1113,12 +1113,11 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
         return resp
     except (asyncio.CancelledError, ConnectionResetError) as exc:
         if not delivered:
-            stopped = isinstance(exc, asyncio.CancelledError) and state.calls_cancelled and not reply.handed_over
-            if not stopped:
-                reply.cut()
+            stopped = isinstance(exc, asyncio.CancelledError) and state.calls_cancelled
+            reply.cut()
             log.info("proxy.call.stopped" if stopped else "proxy.call.client_gone", **ctx, seq=seq)
             _abandon(state, attempt, common, result, t0)
-            if stopped:  # the harness hears why: a 503, or an error event in an opened stream
+            if stopped and not reply.handed_over:  # the harness hears why: a 503, or an error event
                 asyncio.current_task().uncancel()
                 with contextlib.suppress(ConnectionResetError):  # (gone meanwhile: nothing to tell)
                     return await reply.fail(STOPPED)
@@ -1167,9 +1166,9 @@ went out with keep-alive newlines is cut (`Reply.fail`)."""
 
 
 def _abandon(state: ProxyState, attempt: Attempt, common: dict, result: EngineResult | None, t0: float) -> None:
-    """The harness went away: publish the call as `aborted` (counted unsent at once: the
-    abort may wait on a hung engine past a shutdown's drain), abort the engine request in
-    the background."""
+    """The harness went away, or the stop cancelled the call: publish it as `aborted` (never
+    trained; counted unsent at once: the abort may wait on a hung engine past a shutdown's
+    drain), abort the engine request in the background."""
     state.publish_later(state.call_event(**common, result=result, status="aborted", total_s=time.monotonic() - t0,
                                          cell=attempt.cell))
     if attempt.client is not None and attempt.rid:

@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gyre run: {run_dir} exists already", file=sys.stderr)
         return 2
     (run_dir / "logs").mkdir(parents=True)
-    from handlers.daemon import configure_logging
+    from handlers.daemon import configure_logging, release_stdlib_logging
 
     # The console is for progress and the summary; this process's own log lines go beside
     # the daemons' (logs/run.log), failures are printed where they happen.
@@ -446,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:  # the run is over: a late Ctrl-C must not interrupt the interpreter's exit
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            release_stdlib_logging()  # its file closes here
 
 
 if __name__ == "__main__":

@@ -919,6 +919,9 @@ async def test_two_keys_that_disagree_are_refused(local):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}, {"role": "assistant", "tool_calls": [
         {"id": [1], "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
      "a tool call's id must be a string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}, {"role": "assistant", "tool_calls": [
+        {"id": 0, "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "a tool call's id must be a string"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}, {"role": "tool", "tool_call_id": 5,
                                                                              "content": "out"}]},
      "'tool_call_id' must be a string"),

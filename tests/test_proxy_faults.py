@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import logging
 
 import aiohttp
 import openai
@@ -592,7 +591,7 @@ async def test_what_aiohttp_logs_of_a_refused_request_head_is_a_json_line(stack)
 
     import structlog
 
-    from handlers.daemon import configure_logging
+    from handlers.daemon import configure_logging, release_stdlib_logging
 
     url = await stack.proxy(engine=await stack.engine(["hi"]))
     out = io.StringIO()
@@ -603,8 +602,7 @@ async def test_what_aiohttp_logs_of_a_refused_request_head_is_a_json_line(stack)
         await asyncio.sleep(0.1)
     finally:
         structlog.reset_defaults()
-        for handler in [h for h in logging.getLogger().handlers if h.get_name() == "gyre"]:
-            logging.getLogger().removeHandler(handler)
+        release_stdlib_logging()
     lines = [json.loads(line) for line in out.getvalue().splitlines()]  # every line JSON
     (refused,) = [x for x in lines if x.get("logger") == "aiohttp.server"]
     assert refused["level"] == "error" and "8190" in refused["exception"], refused
