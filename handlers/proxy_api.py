@@ -209,8 +209,9 @@ class Api:
         return []
 
     def render(self, answer: Answer, req: ModelRequest) -> dict | list[bytes]:
-        """The non-streaming body (a dict) or the stream's remaining SSE frames, through
-        the stream's last frame (Chat's `data: [DONE]`)."""
+        """The non-streaming body (a dict for `orjson.dumps`: it may hold `orjson.Fragment`s,
+        JSON text embedded as written) or the stream's remaining SSE frames, through the
+        stream's last frame (Chat's `data: [DONE]`)."""
         raise NotImplementedError
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import time
 
+import orjson
 import pytest
 
 from handlers import bench_proxy
@@ -107,7 +108,7 @@ def test_every_variant_sends_the_prompt_of_the_direct_path(variant):
                         finish="stop", prompt_tokens=len(prompts[k]), completion_tokens=len(w.completion_ids),
                         rid=start.rid, created=0)
         frames = api.render(answer, req)
-        raw = b"".join(api.preamble(start, req) + frames) if req.stream else json.dumps(frames).encode()
+        raw = b"".join(api.preamble(start, req) + frames) if req.stream else orjson.dumps(frames)
         conv.answer(raw)
     assert conv.calls == 6
 
