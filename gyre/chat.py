@@ -182,7 +182,7 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
                 fn = call_function(call)
                 if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
                     raise ValueError(f"{where}.function.name must be a string")
-                if not isinstance(call.get("id"), (str, type(None))):  # ids key the raw-arguments cache
+                if not isinstance(call.get("id"), (str, type(None))):  # (gyre.tito refuses them first in the proxy)
                     raise ValueError(f"{where}.id must be a string")
                 calls.append(
                     {

@@ -210,14 +210,11 @@ def configure_logging(name: str, *, json_lines: bool | None = None, level: int =
     # orjson, not the stdlib encoder: the proxy writes a line per call
     renderer = (structlog.processors.JSONRenderer(serializer=_json_line) if json_lines
                 else structlog.dev.ConsoleRenderer(colors=False))
+    # the fields every line carries, gyre's own and the stdlib's (below)
+    shared = [structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
+              structlog.processors.TimeStamper(fmt="iso", utc=True)]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=True,
@@ -228,8 +225,7 @@ def configure_logging(name: str, *, json_lines: bool | None = None, level: int =
     # line per event (JSON lines when not a TTY); warnings and worse only.
     handler = logging.StreamHandler(out)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=[structlog.contextvars.merge_contextvars, structlog.stdlib.add_log_level,
-                           structlog.stdlib.add_logger_name, structlog.processors.TimeStamper(fmt="iso", utc=True)],
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                     structlog.processors.format_exc_info, renderer]))
     handler.set_name("gyre")
