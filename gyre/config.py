@@ -52,7 +52,7 @@ class TasksSection:
 
     def __post_init__(self) -> None:
         _positive(self, "groups_per_step", "group_size")
-        from gyre.tasks import TaskError, load_tasks
+        from gyre.env.tasks import TaskError, load_tasks
         try:
             load_tasks(self.set)
         except (TaskError, OSError) as exc:
@@ -61,14 +61,14 @@ class TasksSection:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class HarnessSection:
-    name: str = "mini-swe-agent"  # harness profile (gyre.harness)
+    name: str = "mini-swe-agent"  # harness profile (gyre.env.harness)
     timeout_s: float = 120.0  # wall-clock limit of one execution, seconds
     max_calls: int = 8  # model calls the proxy serves one execution (0 = no cap)
     concurrency: int = 16  # executions running at once on this runner
 
     def __post_init__(self) -> None:
         _positive(self, "timeout_s", "concurrency")
-        from gyre.harness import PROFILES
+        from gyre.env.harness import PROFILES
         if self.name not in PROFILES:
             raise RecipeError(f"harness.name {self.name!r} is not a harness profile; known: {sorted(PROFILES)}")
         if self.max_calls < 0:
@@ -113,7 +113,7 @@ class EngineSection:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ProxySection:
-    # the run's proxy (handlers.proxy.Config has the same fields and documents each)
+    # the run's proxy (handlers.proxy.daemon.Config has the same fields and documents each)
     max_active_calls: int = 0  # model calls admitted at once, queued or generating; beyond: 429 (0 = no cap)
     max_active_calls_per_execution: int = 0  # the same bound per execution key (0 = no cap)
     retry_after_s: int = 1  # the 429's Retry-After, seconds

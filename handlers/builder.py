@@ -1,4 +1,4 @@
-"""Builder daemon: wires gyre.builder to the bus.
+"""Builder daemon: wires gyre.trajectory.builder to the bus.
 
 Consumes `call.completed` (durable `builder-calls-v1`) and `execution.scored`
 (`builder-v1`); publishes packed micro-steps (object store + `microstep.ready`) and
@@ -13,9 +13,9 @@ import structlog
 
 import schemas
 from bus import Bus
-from gyre.builder import BuilderPolicy, Sealed
-from gyre.microstep import to_bytes
-from handlers.daemon import RunContext, daemon_main
+from gyre.trajectory.builder import BuilderPolicy, Sealed
+from gyre.trajectory.microstep import to_bytes
+from handlers.daemon import RunContext, connected, daemon_main, run_loops
 from schemas import ids
 
 log = structlog.get_logger()
@@ -23,8 +23,8 @@ log = structlog.get_logger()
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Config:
-    """token_budget: soft budget of distinct token positions per micro-step (gyre.microstep.pack);
-    j_max, max_staleness: see gyre.builder."""
+    """token_budget: soft budget of distinct token positions per micro-step (gyre.trajectory.microstep.pack);
+    j_max, max_staleness: see gyre.trajectory.builder."""
 
     run: str
     nats_url: str
@@ -83,15 +83,10 @@ class Builder:
 
 
 async def run(cfg: Config, stop: asyncio.Event) -> None:
-    bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="builder", stop=stop)
-    try:
-        await bus.ensure_streams()
+    async with connected(cfg, stop, "builder") as bus:
         builder = Builder(cfg, bus)
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(bus.consume("builder-calls-v1", builder.handle_call, stop=stop))
-            tg.create_task(bus.consume("builder-v1", builder.handle_execution, stop=stop))
-    finally:
-        await bus.close()
+        await run_loops(bus.consume("builder-calls-v1", builder.handle_call, stop=stop),
+                        bus.consume("builder-v1", builder.handle_execution, stop=stop))
 
 
 def main(argv: list[str] | None = None) -> int:

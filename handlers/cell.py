@@ -20,11 +20,11 @@ import structlog
 import schemas
 from bus import Bus
 from bus.subjects import ConsumerSpec
-from gyre.engine import Engine, EngineConfig
-from gyre.microstep import from_bytes
-from gyre.trainer import Trainer, TrainerConfig
-from handlers import engine_server
-from handlers.daemon import RunContext, daemon_main
+from gyre.serving.engine import Engine, EngineConfig
+from gyre.trajectory.microstep import from_bytes
+from gyre.learning.trainer import Trainer, TrainerConfig
+from handlers.engines import embedded as engine_server
+from handlers.daemon import RunContext, connected, daemon_main, run_loops
 from schemas import ids
 
 log = structlog.get_logger()
@@ -199,22 +199,17 @@ class Cell:
 
 
 async def run(cfg: Config, stop: asyncio.Event) -> None:
-    bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name=cfg.cell, stop=stop)
-    cell: Cell | None = None
-    try:
-        cell = Cell(cfg, bus)  # may fail (e.g. no model): the bus is closed all the same
-        await bus.ensure_streams()
+    async with connected(cfg, stop, cfg.cell) as bus:
+        cell = Cell(cfg, bus)
         await bus.ensure_consumer(ConsumerSpec(f"{cfg.cell}-v1", "CELLS", ("cell.switch",), ack_wait_s=120.0,
                                                max_ack_pending=1))
         await cell.start()
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(bus.consume(f"{cfg.cell}-v1", cell.handle_switch, stop=stop))
-            tg.create_task(bus.replay(["step.sealed"], cell.handle_sealed, stop=stop))
-            tg.create_task(bus.replay(["weights.published"], cell.handle_weights, stop=stop))
-    finally:
-        if cell is not None:
+        try:
+            await run_loops(bus.consume(f"{cfg.cell}-v1", cell.handle_switch, stop=stop),
+                            bus.replay(["step.sealed"], cell.handle_sealed, stop=stop),
+                            bus.replay(["weights.published"], cell.handle_weights, stop=stop))
+        finally:
             await cell.stop()
-        await bus.close()
 
 
 def _args(p) -> None:

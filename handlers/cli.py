@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "bench":
         return _bench(rest)
     daemons = {
-        "proxy": "handlers.proxy",
+        "proxy": "handlers.proxy.daemon",
         "cell": "handlers.cell",
         "scheduler": "handlers.scheduler",
         "builder": "handlers.builder",
@@ -60,9 +60,9 @@ def _bench(argv: list[str]) -> int:
         return 2
     name = argv[0].replace("-", "_")
     try:
-        module = importlib.import_module(f"handlers.bench_{name}")
+        module = importlib.import_module(f"handlers.bench.{name}")
     except ModuleNotFoundError as exc:
-        if exc.name != f"handlers.bench_{name}":
+        if exc.name != f"handlers.bench.{name}":
             raise
         print(f"gyre bench: unknown benchmark {argv[0]!r}", file=sys.stderr)
         return 2
@@ -73,7 +73,7 @@ def _init_model(argv: list[str]) -> int:
     import argparse
     import re
 
-    from gyre.model import ModelSpec, init_model
+    from gyre.serving.model import ModelSpec, init_model
 
     p = argparse.ArgumentParser(prog="gyre init-model", description="Write the embedded default model (HF checkpoint).")
     p.add_argument("dir", help="where to write it (created)")

@@ -1,5 +1,15 @@
 """What every daemon shares: run context, logging, signals, and the main() shape.
 
+A daemon module reads as its frozen `Config`, its `handle_*` functions and its wiring:
+
+    async def run(cfg, stop):
+        async with connected(cfg, stop, "builder") as bus:      # connect, declare streams; drain on exit
+            builder = Builder(cfg, bus)
+            await run_loops(bus.consume("builder-v1", builder.handle_execution, stop=stop), ...)
+
+    def main(argv=None):
+        return daemon_main("builder", "…", config_from_context, run, argv)
+
 A daemon is started either by `gyre run` (which passes `--run-dir`) or on its own for a
 deployment (`gyre proxy --run-dir DIR`, or `--recipe R --run ID` with `GYRE_NATS_URL`
 and credentials in the environment). Secrets travel in the environment, never argv:
@@ -9,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -17,14 +28,14 @@ import signal
 import socket
 import sys
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import TextIO
+from typing import Any, Protocol, TextIO
 
 import orjson
 import structlog
 
-from bus import ConnectError
+from bus import Bus, ConnectError
 from gyre.config import Recipe, load_recipe, recipe_from_dict
 
 log = structlog.get_logger()
@@ -288,6 +299,36 @@ async def stop_when_run_ends(owner: dict, stop: asyncio.Event, on_end: Callable[
         if not stop.is_set() and not run_owner_alive(owner):
             on_end()
             stop.set()
+
+
+class BusSettings(Protocol):
+    """What a daemon's Config carries to reach its run's bus."""
+
+    run: str
+    nats_url: str
+    nats_token: str | None
+
+
+@contextlib.asynccontextmanager
+async def connected(cfg: BusSettings, stop: asyncio.Event, name: str) -> AsyncIterator[Bus]:
+    """The run's bus for the daemon `name`: connects (retrying until it succeeds or `stop`
+    is set: ConnectError(stopped=True) then), declares the run's streams, and on the way
+    out, whatever raised, drains and closes it."""
+    bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name=name, stop=stop)
+    try:
+        await bus.ensure_streams()
+        yield bus
+    finally:
+        await bus.close()
+
+
+async def run_loops(*loops: Awaitable[Any]) -> None:
+    """Run a daemon's loops (consumers, replays, servers) together until every one has
+    returned; the first to raise cancels the others and its exception propagates
+    (asyncio.TaskGroup semantics)."""
+    async with asyncio.TaskGroup() as tg:
+        for loop in loops:
+            tg.create_task(loop)
 
 
 def daemon_main(name: str, description: str,

@@ -7,8 +7,8 @@ Consumes `execution.finished` (durable `evaluator-v1`) and publishes `execution.
   (nothing the policy did is being judged);
 - otherwise (`ok`, `timeout`: partial credit) the workspace is copied to
   `<run_dir>/eval/<execution>/a<attempt>/`, the hidden tests are written into the copy
-  and run confined like a harness (gyre.sandbox) with the task's `test_timeout_s`;
-  reward = passed / total (gyre.tasks.grade). An infrastructure failure (`GradeError`,
+  and run confined like a harness (gyre.env.sandbox) with the task's `test_timeout_s`;
+  reward = passed / total (gyre.env.tasks.grade). An infrastructure failure (`GradeError`,
   a sandbox that cannot start) is retried after `retry_delay_s`, up to `retries` more
   attempts; then the execution is `excluded` with the last reason. Never a reward of 0
   for an evaluator crash.
@@ -30,10 +30,10 @@ import structlog
 
 import schemas
 from bus import Bus, Retry
-from gyre.harness import python_installation
-from gyre.sandbox import SandboxConfig, base_env, confine, own_tree, resolve_mode
-from gyre.tasks import Grade, GradeError, Task, grade, load_tasks, prepare_grading, task_index
-from handlers.daemon import RunContext, daemon_main
+from gyre.env.harness import python_installation
+from gyre.env.sandbox import SandboxConfig, base_env, confine, own_tree, resolve_mode
+from gyre.env.tasks import Grade, GradeError, Task, grade, load_tasks, prepare_grading, task_index
+from handlers.daemon import RunContext, connected, daemon_main
 from handlers.runner import wait_or_kill
 from schemas import ids
 
@@ -225,13 +225,9 @@ class Evaluator:
 
 async def run(cfg: Config, stop: asyncio.Event) -> None:
     tasks = task_index(load_tasks(cfg.tasks))
-    bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="evaluator", stop=stop)
-    try:
-        await bus.ensure_streams()
+    async with connected(cfg, stop, "evaluator") as bus:
         evaluator = Evaluator(cfg, bus, tasks, stop)
         await bus.consume("evaluator-v1", evaluator.handle, stop=stop, concurrency=cfg.concurrency)
-    finally:
-        await bus.close()
 
 
 def _remove_scratch(scratch: Path) -> None:

@@ -358,7 +358,7 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
     if not recipe.model.dir:
         from transformers.utils import logging as hf_logging
 
-        from gyre.model import ModelSpec, init_model
+        from gyre.serving.model import ModelSpec, init_model
 
         hf_logging.disable_progress_bar()  # its shard-writing bar would break the progress lines
         m = recipe.model

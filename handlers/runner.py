@@ -6,8 +6,8 @@ executions at once. Per execution:
    status `no_workspace`, workspace '');
 2. write the harness's files into `<run_dir>/homes/<execution>/` (its HOME), hand both
    to the sandbox uid;
-3. publish `execution.started`, start the harness confined (gyre.sandbox) with the proxy's
-   base URL and the execution's key (gyre.harness.execution_key) in its environment, its
+3. publish `execution.started`, start the harness confined (gyre.env.sandbox) with the proxy's
+   base URL and the execution's key (gyre.env.harness.execution_key) in its environment, its
    stdout+stderr in `<run_dir>/logs/executions/<execution>.log`;
 4. wait at most the event's `timeout_s`, then kill the whole sandbox (status `timeout`);
 5. keep the workspace, record the outcome in `<run_dir>/runner/<execution>.json`, publish
@@ -35,11 +35,11 @@ import structlog
 
 import schemas
 from bus import Bus, Retry
-from gyre import harness as harnesses
-from gyre.sandbox import Launch, SandboxConfig, base_env, confine, own_tree, resolve_mode, unreachable_ancestor
-from gyre.tasks import Task, load_tasks, seed_workspace, task_index, write_files
-from handlers.daemon import RunContext, daemon_main
-from handlers.proxy_http import serving_proxy, url_in
+from gyre.env import harness as harnesses
+from gyre.env.sandbox import Launch, SandboxConfig, base_env, confine, own_tree, resolve_mode, unreachable_ancestor
+from gyre.env.tasks import Task, load_tasks, seed_workspace, task_index, write_files
+from handlers.daemon import RunContext, connected, daemon_main
+from handlers.proxy.http import serving_proxy, url_in
 from schemas import ids
 
 log = structlog.get_logger()
@@ -311,13 +311,9 @@ def kill_group(pid: int) -> None:
 
 async def run(cfg: Config, stop: asyncio.Event) -> None:
     tasks = task_index(load_tasks(cfg.tasks))
-    bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="runner", stop=stop)
-    try:
-        await bus.ensure_streams()
+    async with connected(cfg, stop, "runner") as bus:
         runner = Runner(cfg, bus, tasks, stop)
         await bus.consume("runner-v1", runner.handle, stop=stop, concurrency=cfg.concurrency)
-    finally:
-        await bus.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Scheduler daemon: wires the scheduling policy (gyre.scheduler) to the bus.
+"""Scheduler daemon: wires the scheduling policy (gyre.control.colocate) to the bus.
 
 Consumes `execution.finished`, `step.completed` and `cell.switched`; publishes
 `execution.dispatched` (work queue of the runner), `route.updated` and `cell.switch`.
@@ -15,9 +15,9 @@ import structlog
 
 import schemas
 from bus import Bus
-from gyre.scheduler import ColocatePolicy, Dispatch, Done, Switch
-from gyre.tasks import load_tasks
-from handlers.daemon import RunContext, daemon_main
+from gyre.control.colocate import ColocatePolicy, Dispatch, Done, Switch
+from gyre.env.tasks import load_tasks
+from handlers.daemon import RunContext, connected, daemon_main, run_loops
 from schemas import ids
 
 log = structlog.get_logger()
@@ -116,16 +116,11 @@ class Scheduler:
 
 
 async def run(cfg: Config, stop: asyncio.Event) -> None:
-    bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name="scheduler", stop=stop)
-    try:
-        await bus.ensure_streams()
+    async with connected(cfg, stop, "scheduler") as bus:
         sched = Scheduler(cfg, bus)
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(bus.consume("scheduler-v1", sched.handle_execution, stop=stop))
-            tg.create_task(bus.consume("scheduler-steps-v1", sched.handle_step, stop=stop))
-            tg.create_task(bus.consume("scheduler-cells-v1", sched.handle_cell, stop=stop))
-    finally:
-        await bus.close()
+        await run_loops(bus.consume("scheduler-v1", sched.handle_execution, stop=stop),
+                        bus.consume("scheduler-steps-v1", sched.handle_step, stop=stop),
+                        bus.consume("scheduler-cells-v1", sched.handle_cell, stop=stop))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,7 +82,7 @@ class CallCompleted(Event):
     api: `chat`, `responses`, `messages`. cell: id of the cell that served it.
     timings: seconds — `queue_s`, `engine_s`, `total_s`.
     drift: number of ids where re-rendered and recorded prompt ids disagreed.
-    meta: harness session metadata, strings (gyre.roles): `harness`, and where known
+    meta: harness session metadata, strings (gyre.serving.roles): `harness`, and where known
       `session_id`, `agent_id`, `request_kind`, `turn_id`. Empty for older events.
     """
 

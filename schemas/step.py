@@ -29,7 +29,7 @@ class MicrostepExecution:
 class MicrostepReady(Event):
     """Builder → trainers (work queue): a packed micro-batch is in the object store.
 
-    key: object-store key of the packed micro-step (gyre.microstep format).
+    key: object-store key of the packed micro-step (gyre.trajectory.microstep format).
     tokens: total token positions in the micro-step; trained: positions carrying loss.
     """
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from gyre.advantages import group_advantages
+from gyre.trajectory.advantages import group_advantages
 
 
 def test_two_executions():

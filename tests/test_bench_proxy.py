@@ -12,7 +12,7 @@ import time
 import orjson
 import pytest
 
-from handlers import bench_proxy
+from handlers.bench import proxy as bench_proxy
 
 
 def test_bench_proxy_smoke(tmp_path):
@@ -84,12 +84,12 @@ def test_every_variant_sends_the_prompt_of_the_direct_path(variant):
     is the pre-tokenised prompt the direct path sends for k: the two paths carry the same
     tokens. Its answer (the proxy's own frames for the engine's completion) is read back
     into the history the next call extends."""
-    from gyre.chat import parse_completion, render
-    from gyre.tokenizer import build_tokenizer
-    from handlers.proxy import CHAT, MESSAGES, RESPONSES
-    from handlers.proxy_anthropic import parse_messages_request
-    from handlers.proxy_api import Answer, StreamStart
-    from handlers.proxy_openai import parse_chat_request, parse_responses_request
+    from gyre.serving.chat import parse_completion, render
+    from gyre.serving.tokenizer import build_tokenizer
+    from handlers.proxy.daemon import CHAT, MESSAGES, RESPONSES
+    from handlers.proxy.anthropic import parse_messages_request
+    from handlers.proxy.api import Answer, StreamStart
+    from handlers.proxy.openai import parse_chat_request, parse_responses_request
     from schemas.call import SamplingParams
 
     tok = build_tokenizer()

@@ -3,7 +3,7 @@ import numpy as np
 import structlog.testing
 
 import schemas
-from gyre.builder import BuilderPolicy
+from gyre.trajectory.builder import BuilderPolicy
 from schemas import ids
 
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre import tokenizer as qtok
-from gyre.chat import Parsed, ToolCall, call_id_prefix, parse_completion, render
+from gyre.serving import tokenizer as qtok
+from gyre.serving.chat import Parsed, ToolCall, call_id_prefix, parse_completion, render
 
 BASH = {
     "type": "function",
@@ -317,7 +317,7 @@ _PIECES = tool_conversation() + [
 def test_render_matches_apply_chat_template(picks, with_tools, gen, thinking):
     """`render` calls gyre's compiled template directly; it must equal transformers'
     apply_chat_template on any conversation, with or without tools and thinking switch."""
-    from gyre.chat import normalize_messages
+    from gyre.serving.chat import normalize_messages
 
     tok = qtok.build_tokenizer()
     msgs = [_PIECES[i] for i in picks]

@@ -11,7 +11,7 @@ def test_a_proxy_override_reaches_the_runs_proxy_config(tmp_path):
     `body_limit_bytes`) are the ones its proxy enforces; they were Config fields no recipe
     could set."""
     from handlers.daemon import RunContext
-    from handlers.proxy import Config, config_from_context
+    from handlers.proxy.daemon import Config, config_from_context
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")

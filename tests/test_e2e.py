@@ -1,7 +1,7 @@
 """The whole loop on one machine: harness → proxy → engine → trajectories → GSPO step
 → new weights served, with every daemon a real process on a real nats-server.
 
-Toy verifiable task (gyre/data/tasks/toy.jsonl) and toy harness: the harness asks the
+Toy verifiable task (gyre/env/data/tasks/toy.jsonl) and toy harness: the harness asks the
 tiny model once and writes its answer to answer.txt; hidden tests grade properties of
 that file, so rewards differ inside a group even for a random policy. Weight decay 0.
 """
@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 
 import schemas
 from bus import Bus
-from gyre.microstep import from_bytes
+from gyre.trajectory.microstep import from_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 

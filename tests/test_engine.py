@@ -1,4 +1,4 @@
-"""gyre.engine on a tiny Qwen3 model on CPU: behaviour log-probs, sampling, stops,
+"""gyre.serving.engine on a tiny Qwen3 model on CPU: behaviour log-probs, sampling, stops,
 seeds, per-execution prefix KV reuse, weight updates between decode steps, abort."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from gyre.engine import (
+from gyre.serving.engine import (
     Engine,
     EngineConfig,
     GenerateRequest,
@@ -344,8 +344,8 @@ def test_stop_string_ends_with_the_id_that_completes_it(engine, model_dirs, tmp_
     """A stop string ends the generation at the first id whose text completes it; its ids
     stay in the output and the string is reported (SGLang's string stop). Decoding needs
     the checkpoint's tokenizer: without one the request is refused."""
-    from gyre.model import load_tokenizer, write_tokenizer
-    from gyre.tokenizer import fast_decoder
+    from gyre.serving.model import load_tokenizer, write_tokenizer
+    from gyre.serving.tokenizer import fast_decoder
 
     ids = prompt(10, seed=3)
     greedy = SamplingParams(temperature=0, max_new_tokens=12)

@@ -1,4 +1,4 @@
-"""`handlers.engine_http.EngineConnections` (the `/generate` leg's keep-alive pool) against
+"""`handlers.engines.connections.EngineConnections` (the `/generate` leg's keep-alive pool) against
 real servers on 127.0.0.1: an aiohttp app for the ordinary answers, raw asyncio servers
 for what aiohttp would not send (a connection closed mid-answer, an idle close that races
 a reuse). Cancellation and timeouts must close the connection so the engine sees the
@@ -16,8 +16,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from handlers.engine_client import EngineClient, EngineRequestError, EngineUnavailable, make_session
-from handlers.engine_http import EngineConnections
+from handlers.engines.client import EngineClient, EngineRequestError, EngineUnavailable, make_session
+from handlers.engines.connections import EngineConnections
 from tests.test_engine_server import until
 
 

@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from gyre.engine import Engine, EngineConfig, GenerateRequest, SamplingParams
-from handlers import engine_server
-from handlers.engine_client import EngineClient, EngineRequestError, EngineUnavailable, make_session
+from gyre.serving.engine import Engine, EngineConfig, GenerateRequest, SamplingParams
+from handlers.engines import embedded as engine_server
+from handlers.engines.client import EngineClient, EngineRequestError, EngineUnavailable, make_session
 from tests.test_engine import build_tiny_model, prompt
 
 

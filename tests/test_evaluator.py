@@ -10,8 +10,8 @@ import pytest
 
 import schemas
 from bus import Bus
-from gyre.sandbox import SandboxConfig
-from gyre.tasks import GradeError, Task, load_tasks, task_index, write_files
+from gyre.env.sandbox import SandboxConfig
+from gyre.env.tasks import GradeError, Task, load_tasks, task_index, write_files
 from handlers import evaluator as evaluator_mod
 from handlers.evaluator import Config, Evaluator, grade_workspace, scored_event, triage
 from schemas import ids

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from gyre.gspo import gspo_loss
+from gyre.learning.gspo import gspo_loss
 
 T = torch.tensor
 

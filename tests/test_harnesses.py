@@ -3,12 +3,12 @@
 Claude Code (`claude -p`, Anthropic Messages), mini-swe-agent (tool-call and text-based
 configurations, Chat Completions) and Codex CLI (`codex exec`, Responses) run
 concurrently behind one proxy, on a real nats-server:
-- against the scripted engine driven by a playbook (handlers/scripted_engine.py), each
+- against the scripted engine driven by a playbook (handlers/engines/scripted.py), each
   completes its task through tool calls: the files it wrote are asserted on its
   workspace; Claude Code delegates to a sub-agent and is then compacted
   (`claude -p /compact --resume <session>`), so its call tree has `main`, `sub-agent`
   and `main-summary` leaves;
-- against the tiny random model behind the embedded engine (handlers/engine_server.py),
+- against the tiny random model behind the embedded engine (handlers/engines/embedded.py),
   each runs to its end (exits by itself, or its timeout stops it).
 Codex delegates to a sub-agent through its `multi_agent_v1` namespace tools, and the
 sub-agent's calls are recorded as `sub-agent`.
@@ -36,19 +36,19 @@ from aiohttp import web
 
 import schemas
 from bus import Bus, BusConfig
-from gyre import harness as harnesses
-from gyre.roles import CODEX_COMPACT_REQUEST
-from gyre.sandbox import SandboxConfig, base_env, confine
-from gyre.tasks import load_tasks
-from gyre.tokenizer import build_tokenizer
-from gyre.trajectory import build_tree, trajectories
+from gyre.env import harness as harnesses
+from gyre.serving.roles import CODEX_COMPACT_REQUEST
+from gyre.env.sandbox import SandboxConfig, base_env, confine
+from gyre.env.tasks import load_tasks
+from gyre.serving.tokenizer import build_tokenizer
+from gyre.trajectory.tree import build_tree, trajectories
 from handlers import runner as runner_mod
-from handlers.engine_client import make_session
-from handlers.proxy import Config as ProxyConfig
-from handlers.proxy import ProxyState, make_app
+from handlers.engines.client import make_session
+from handlers.proxy.daemon import Config as ProxyConfig
+from handlers.proxy.daemon import ProxyState, make_app
 from handlers.runner import Config as RunnerConfig
 from handlers.runner import Paths, wait_or_kill
-from handlers.scripted_engine import Playbook, Rule, ScriptedEngine, tool_call
+from handlers.engines.scripted import Playbook, Rule, ScriptedEngine, tool_call
 from schemas import ids
 
 pytestmark = pytest.mark.harness
@@ -319,7 +319,7 @@ def codex_delegation(tok, ws: Path, spawned: list[str]):
     `multi_agent_v1` namespace tools (their flat names, as the proxy shows them), waits
     for it with the agent id the spawn returned, then writes add.py; the sub-agent writes
     sub.txt. `spawned` collects the spawn tool's outputs (for a failure message)."""
-    from handlers.scripted_engine import split_turns
+    from handlers.engines.scripted import split_turns
 
     def cb(body: dict) -> str:
         turns = split_turns(tok.decode(body["input_ids"], skip_special_tokens=False))
@@ -423,7 +423,7 @@ async def test_claude_code_compacts_when_the_proxy_says_its_prompt_is_too_long(t
         assert refused, [(c.seq, c.status, c.role) for c in calls]
         assert [s for s in stack.statuses if s[2] >= 400] == [("POST", "/v1/messages", 400)] * len(refused)
         roles = [c.role for c in calls if c.status == "ok"]
-        # the compaction request and the line continued after it are `main-summary` (gyre.roles)
+        # the compaction request and the line continued after it are `main-summary` (gyre.serving.roles)
         assert roles[0] == "main" and roles[-1] == "main-summary" and len(roles) > roles.index("main-summary") + 1, \
             roles
         assert all(len(c.tokens.prompt_ids) + c.sampling.max_tokens <= context - 2 for c in calls if c.status == "ok")
@@ -455,9 +455,9 @@ async def test_codex_compacts_when_told_the_policys_context(tok, nats_server, ru
 
 
 async def test_harnesses_run_to_their_end_on_the_random_model(tok, nats_server, run_id, run_dir, tmp_path):
-    from gyre.engine import Engine, EngineConfig
-    from gyre.model import init_model
-    from handlers import engine_server
+    from gyre.serving.engine import Engine, EngineConfig
+    from gyre.serving.model import init_model
+    from handlers.engines import embedded as engine_server
 
     profiles = wanted(list(EXECUTIONS.values()))
     execs = {e: p for e, p in EXECUTIONS.items() if p in profiles}

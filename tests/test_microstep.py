@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
-from gyre.microstep import MicrostepFormatError, Sample, from_bytes, pack, to_bytes
-from gyre.trajectory import Trajectory
+from gyre.trajectory.microstep import MicrostepFormatError, Sample, from_bytes, pack, to_bytes
+from gyre.trajectory.tree import Trajectory
 
 
 def traj(execution, n, trained, *, seed=0, leaf="c", role="main", temperature=1.0, version=3):
@@ -128,5 +128,5 @@ def test_malformed_blobs_raise():
     with pytest.raises(MicrostepFormatError):
         from_bytes(save({"x": np.zeros(3, np.int32)}, metadata={"format": "other"}))
     with pytest.raises(MicrostepFormatError):
-        from_bytes(save({"x": np.zeros(3, np.int32)}, metadata={"format": "gyre.microstep.v1", "step": "0",
+        from_bytes(save({"x": np.zeros(3, np.int32)}, metadata={"format": "gyre.trajectory.microstep.v1", "step": "0",
                                                                  "index": "0", "executions": "[]"}))

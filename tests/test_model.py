@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gyre import tokenizer as qtok
-from gyre.chat import render
-from gyre.model import MAX_PARAMETERS, ModelSpec, build_model, init_model, load_model, load_tokenizer
+from gyre.serving import tokenizer as qtok
+from gyre.serving.chat import render
+from gyre.serving.model import MAX_PARAMETERS, ModelSpec, build_model, init_model, load_model, load_tokenizer
 
 IDS = torch.tensor([[qtok.IM_START, 872, 198, 9707, 1879, qtok.IM_END, 198, qtok.IM_START, 77091, 198]])
 

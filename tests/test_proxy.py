@@ -19,17 +19,17 @@ import orjson
 import pytest
 import structlog.testing
 
-import gyre.tito
+import gyre.serving.tito
 import schemas
 from bus import Bus, BusConfig
-from gyre.chat import render
-from gyre.harness import execution_key
-from gyre.tito import CallStore
-from gyre.tokenizer import IM_END, build_tokenizer
-from handlers.engine_client import make_session
-from handlers import proxy as proxy_mod
-from handlers.proxy import Config, ProxyState, run, start
-from handlers.scripted_engine import ScriptedEngine, load_script
+from gyre.serving.chat import render
+from gyre.env.harness import execution_key
+from gyre.serving.tito import CallStore
+from gyre.serving.tokenizer import IM_END, build_tokenizer
+from handlers.engines.client import make_session
+from handlers.proxy import daemon as proxy_mod
+from handlers.proxy.daemon import Config, ProxyState, run, start
+from handlers.engines.scripted import ScriptedEngine, load_script
 from schemas import ids
 from schemas.cell import CellSwitched, Route, RouteUpdated
 from schemas.execution import ExecutionFinished, ExecutionInfo
@@ -379,7 +379,7 @@ async def test_an_event_too_large_only_with_its_other_fields_moves_its_tokens_at
 def test_a_large_call_event_writes_its_tokens_from_the_arrays(tok):
     """Tokens whose JSON exceeds the threshold are written once, from the arrays, and the
     event carries only the key (no tuples of Python ints are built)."""
-    from handlers.proxy_routing import EngineResult
+    from handlers.proxy.routing import EngineResult
     from schemas.call import SamplingParams
 
     state = ProxyState(Config(run="r", key_secret=SECRET, object_threshold_bytes=4000), tok, session=None)
@@ -1151,7 +1151,7 @@ async def test_a_heavy_branch_is_rendered_and_encoded_off_the_event_loop(stack, 
     conversation re-sent with an earlier message changed) is rendered and encoded in a worker
     thread: another execution's call is answered while that runs, and the branch's prompt,
     parent and prefix are what the loop would have computed."""
-    monkeypatch.setattr(gyre.tito, "HEAVY_CHARS", 2_000)
+    monkeypatch.setattr(gyre.serving.tito, "HEAVY_CHARS", 2_000)
     engine = await stack.engine(["first", "other", "branch", "extended"])
     await stack.proxy(engine=engine)
     client = stack.client("exh")
@@ -1220,7 +1220,7 @@ async def test_with_another_template_a_long_extension_is_made_off_the_event_loop
     extends its parent verbatim with drift 0."""
     import copy
 
-    monkeypatch.setattr(gyre.tito, "HEAVY_CHARS", 2_000)
+    monkeypatch.setattr(gyre.serving.tito, "HEAVY_CHARS", 2_000)
     other = copy.copy(tok)
     other.chat_template = tok.chat_template + "{#- a checkpoint's own copy #}"
     stack.tok = other
@@ -1251,7 +1251,7 @@ async def test_a_call_that_fails_or_is_left_while_its_prompt_is_made_uses_no_cal
     """In the branch thread: a MemoryError is a 500 in the API's shape (chat and
     count_tokens), a client that leaves meanwhile is let go; neither uses a call or leaves
     one counted in flight."""
-    monkeypatch.setattr(gyre.tito, "HEAVY_CHARS", 50)
+    monkeypatch.setattr(gyre.serving.tito, "HEAVY_CHARS", 50)
     engine = await stack.engine(["ok"])
     await stack.proxy(engine=engine)
     long_task = {"role": "user", "content": "x" * 200}
@@ -1294,7 +1294,7 @@ async def test_max_calls_holds_for_calls_waiting_on_the_branch_thread(stack, mon
     """A call counts against `max_calls` from its admission, not after its prompt is made:
     two concurrent heavy first calls of an execution allowed one call get one answer and
     one 400. A heavy request the template cannot render is a 400 that uses no call."""
-    monkeypatch.setattr(gyre.tito, "HEAVY_CHARS", 50)
+    monkeypatch.setattr(gyre.serving.tito, "HEAVY_CHARS", 50)
     engine = await stack.engine(["ok"])
     await stack.proxy(engine=engine, max_calls=1)
     client = stack.client("exm")
@@ -1313,7 +1313,7 @@ async def test_a_call_abandoned_at_shutdown_is_spilled_while_its_upstream_abort_
     """A harness that goes away leaves an `aborted` call: it is counted unsent at once, so a
     drain that gives up on a hung engine abort (and on a bus that takes nothing) still
     spills it; before, the event was built only after the abort returned."""
-    from handlers.proxy_routing import Attempt
+    from handlers.proxy.routing import Attempt
     from schemas.call import SamplingParams
 
     class SilentBus:  # takes no publish
@@ -1481,7 +1481,7 @@ async def test_a_huge_session_id_in_the_body_is_cut_and_the_call_stored(stack):
     """An Anthropic `metadata.user_id` holding a 1 MB session id went onto the call's
     `call.completed` whole: no publish could carry it, and the spill it left stopped every
     later proxy of the run from starting (a hostile review)."""
-    from gyre.roles import META_CHARS
+    from gyre.serving.roles import META_CHARS
 
     engine = await stack.engine(["ok"])
     url = await stack.proxy(engine=engine)
@@ -1577,7 +1577,7 @@ def _kernel_holds(rcvbuf: int) -> int:
 PROXY_PROCESS = """
 import asyncio, json, sys
 from handlers.daemon import run_async, install_signals
-from handlers.proxy import Config, run
+from handlers.proxy.daemon import Config, run
 kw = json.loads(sys.argv[1])
 cfg = Config(key_secret=bytes.fromhex(kw.pop("key_secret")), **kw)
 async def main():

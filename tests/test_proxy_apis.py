@@ -20,14 +20,14 @@ import pytest
 import structlog.testing
 from aiohttp import web
 
-from gyre.harness import execution_key
-from gyre.tokenizer import IM_END, VOCAB_SIZE
-from handlers.engine_client import make_session
-from handlers.proxy import vocab_size
-from handlers.proxy_anthropic import parse_messages_request
-from handlers.proxy_api import MEMBERS, ApiError, decode_body, unique_hex, zstd_decompressor
-from handlers.proxy_http import STREAM_OPEN_S
-from handlers.proxy_routing import (
+from gyre.env.harness import execution_key
+from gyre.serving.tokenizer import IM_END, VOCAB_SIZE
+from handlers.engines.client import make_session
+from handlers.proxy.daemon import vocab_size
+from handlers.proxy.anthropic import parse_messages_request
+from handlers.proxy.api import MEMBERS, ApiError, decode_body, unique_hex, zstd_decompressor
+from handlers.proxy.http import STREAM_OPEN_S
+from handlers.proxy.routing import (
     MAX_ENGINE_ABORTS, MAX_ENGINE_ERRORS, Attempt, Dispatcher, Router, engine_reply, race,
 )
 from schemas import ids
@@ -152,7 +152,7 @@ async def test_count_tokens_rendered_while_its_execution_finished_is_refused(loc
     record would land after the execution's score."""
     import threading
 
-    from gyre.tito import HEAVY_CHARS
+    from gyre.serving.tito import HEAVY_CHARS
 
     await local.proxy(engine=await local.engine(["ok"]))
     gate = threading.Event()
@@ -779,7 +779,7 @@ async def test_profile_configured_per_execution_from_execution_started(local):
 def test_responses_function_call_arguments_given_as_an_object_keep_their_values():
     """`arguments` is JSON text on the wire; a client that sends the object itself means the
     same call (it used to be rendered as `{}`)."""
-    from handlers.proxy_openai import responses_messages
+    from handlers.proxy.openai import responses_messages
 
     items = [{"type": "message", "role": "user", "content": "List files."},
              {"type": "function_call", "call_id": "c1", "name": "bash", "arguments": {"cmd": "ls", "n": 2}},
@@ -820,8 +820,8 @@ def test_unique_ids():
 def test_engine_refusals_of_a_long_prompt_are_recognised():
     """gyre's engine and SGLang (both of its wordings) say a prompt does not fit; other
     refusals and server errors are not read as that."""
-    from handlers.engine_client import EngineRequestError
-    from handlers.proxy_routing import prompt_too_long
+    from handlers.engines.client import EngineRequestError
+    from handlers.proxy.routing import prompt_too_long
 
     def refusal(body, status=400):
         return prompt_too_long(EngineRequestError("refused", status, body))
@@ -972,7 +972,7 @@ async def test_more_messages_than_the_hosted_limit_are_a_400(local, path, field)
     """Beyond `MAX_MESSAGES` (the Messages API's own 100,000) a request is refused before
     any per-message work: 300k tiny messages in a 64-MiB body held the event loop, and so
     every other execution's calls, for seconds."""
-    from handlers.proxy_api import MAX_MESSAGES
+    from handlers.proxy.api import MAX_MESSAGES
 
     engine = await local.engine(["ok"])
     url = await local.proxy(engine=engine)
@@ -1138,7 +1138,7 @@ async def test_responses_reasoning_items_are_the_next_turns_reasoning(local, tok
     """A `reasoning` item sent back is rendered as the reasoning of the assistant turn it
     precedes, as a Messages thinking block is, also where no recorded call restores it (a
     new key, a restarted proxy); stored responses are a 404 in OpenAI's shape."""
-    from handlers.proxy_openai import responses_messages
+    from handlers.proxy.openai import responses_messages
 
     engine = await local.engine(["ok"])
     await local.proxy(engine=engine)

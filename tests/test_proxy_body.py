@@ -1,4 +1,4 @@
-"""`handlers.proxy_body.BodyMemo`: a body that resends a history parses to exactly what
+"""`handlers.proxy.body.BodyMemo`: a body that resends a history parses to exactly what
 `orjson.loads` gives, reusing the earlier body's objects only where the bytes are equal."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from handlers.proxy_body import MAX_DEPTH, MAX_ITEMS, BodyMemo
+from handlers.proxy.body import MAX_DEPTH, MAX_ITEMS, BodyMemo
 
 NASTY = ['"}, {"role": "user"}', "]]]}}}", "\\", '\\"', "\\\\\"", "é\u0301", "\u2028", "\x00\x1f", "🙂", "[", "{", ":", ","]
 
@@ -264,10 +264,10 @@ def test_parsing_a_request_leaves_its_body_as_it_was(api):
     request parsers must only read them."""
     import copy
 
-    from handlers.proxy import _parse_count_tokens
-    from handlers.proxy_anthropic import parse_messages_request
-    from handlers.proxy_api import MessageMemo
-    from handlers.proxy_openai import parse_chat_request, parse_responses_request
+    from handlers.proxy.daemon import _parse_count_tokens
+    from handlers.proxy.anthropic import parse_messages_request
+    from handlers.proxy.api import MessageMemo
+    from handlers.proxy.openai import parse_chat_request, parse_responses_request
     from schemas.call import SamplingParams
 
     marker = {"type": "ephemeral"}

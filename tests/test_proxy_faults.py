@@ -15,12 +15,12 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gyre.chat import parse_completion
-from gyre.harness import execution_key
-from handlers.proxy import CHAT, Outgoing
-from handlers.proxy_api import ApiError, StreamStart
-from handlers.proxy_routing import engine_reply
-from handlers.proxy_http import STREAM_OPEN_S, Reply
+from gyre.serving.chat import parse_completion
+from gyre.env.harness import execution_key
+from handlers.proxy.daemon import CHAT, Outgoing
+from handlers.proxy.api import ApiError, StreamStart
+from handlers.proxy.routing import engine_reply
+from handlers.proxy.http import STREAM_OPEN_S, Reply
 from schemas import ids
 from schemas.cell import Route, RouteUpdated
 from tests.test_proxy import SECRET, Stack, bus, stack, tok  # noqa: F401 - fixtures
@@ -292,7 +292,7 @@ async def test_a_defect_of_ours_is_a_500_in_the_api_shape_and_the_call_is_on_the
     def broken(*args, **kwargs):
         raise KeyError("a bug")
 
-    monkeypatch.setattr("handlers.proxy.parse_completion", broken)
+    monkeypatch.setattr("handlers.proxy.daemon.parse_completion", broken)
     with pytest.raises(openai.InternalServerError) as err:
         await stack.client("ex-bug").chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
     assert err.value.status_code == 500 and err.value.body["code"] == "internal_error"
@@ -306,8 +306,8 @@ async def test_a_defect_of_ours_is_a_500_in_the_api_shape_and_the_call_is_on_the
 
 
 async def test_a_generation_past_its_bound_is_aborted_and_retried_elsewhere(stack, monkeypatch):  # noqa: F811
-    monkeypatch.setattr("handlers.proxy_routing.GENERATE_GRACE_S", 0.3)
-    monkeypatch.setattr("handlers.proxy_routing.MIN_DECODE_TOKENS_PER_S", 1e9)
+    monkeypatch.setattr("handlers.proxy.routing.GENERATE_GRACE_S", 0.3)
+    monkeypatch.setattr("handlers.proxy.routing.MIN_DECODE_TOKENS_PER_S", 1e9)
     hung = await stack.engine(["late"], delay_s=30.0)
     healthy = await stack.engine(["prompt"])
     await stack.proxy(engine=None)
@@ -328,8 +328,8 @@ async def test_a_timed_out_attempt_gets_a_fresh_wait_and_calls_queued_behind_it_
     # The attempt's bound exceeds retry_timeout_s, as by default (10 min vs 10 min): the
     # calls must still move to the healthy cell once their attempts on the hung one time out,
     # the second after queueing for the hung engine's one slot.
-    monkeypatch.setattr("handlers.proxy_routing.GENERATE_GRACE_S", 1.0)
-    monkeypatch.setattr("handlers.proxy_routing.MIN_DECODE_TOKENS_PER_S", 1e9)
+    monkeypatch.setattr("handlers.proxy.routing.GENERATE_GRACE_S", 1.0)
+    monkeypatch.setattr("handlers.proxy.routing.MIN_DECODE_TOKENS_PER_S", 1e9)
     hung = await stack.engine(["late"], delay_s=30.0)
     healthy = await stack.engine(["prompt"])
     await stack.proxy(engine=None, retry_timeout_s=0.5, concurrency=1)
@@ -350,7 +350,7 @@ async def test_a_timed_out_attempt_gets_a_fresh_wait_and_calls_queued_behind_it_
 
 
 async def test_a_connect_timeout_is_retried_until_the_deadline_not_counted_as_a_hung_engine(stack, monkeypatch):  # noqa: F811
-    from handlers import engine_client, engine_http
+    from handlers.engines import client as engine_client, connections as engine_http
     calls = []
 
     async def slow_connect(self):
@@ -375,7 +375,7 @@ async def test_a_connect_timeout_is_retried_until_the_deadline_not_counted_as_a_
 def test_key_cache_keeps_valid_keys_only():
     """Verified keys are cached (no HMAC per call); rejected ones never are, so requests
     with made-up keys cannot fill the cache or push the real keys out."""
-    from handlers.proxy import Config, ProxyState
+    from handlers.proxy.daemon import Config, ProxyState
 
     state = ProxyState(Config(run="r", key_secret=SECRET), None, None)
     key = execution_key(SECRET, "exA")
@@ -510,7 +510,7 @@ async def test_metadata_that_is_not_utf8_is_stored_escaped_and_holds_up_no_other
 
 async def test_metadata_that_will_not_encode_is_spilled_escaped_beside_the_other_calls(stack, tmp_path):  # noqa: F811
     """Should a string that is not UTF-8 reach an event's meta by another way than
-    `gyre.roles.classify`, the publish stores the event with it escaped, and a stop's spill
+    `gyre.serving.roles.classify`, the publish stores the event with it escaped, and a stop's spill
     writes every call of its batch."""
     engine = await stack.engine(["hi"])
     spill = tmp_path / "spill.jsonl"
@@ -542,8 +542,8 @@ async def test_a_client_that_never_finishes_its_request_is_closed(stack, monkeyp
     `IDLE_CLOSE_S`; one whose body stalls gets a 408 in the API's shape after
     `BODY_READ_S`, and is closed: a local process cannot hold connections until the proxy runs out of
     file descriptors. A harness's call meanwhile is served."""
-    import handlers.proxy as proxy_mod
-    import handlers.proxy_http as proxy_http
+    import handlers.proxy.daemon as proxy_mod
+    import handlers.proxy.http as proxy_http
 
     monkeypatch.setattr(proxy_mod, "IDLE_CLOSE_S", 1.0)
     monkeypatch.setattr(proxy_http, "BODY_READ_S", 1.0)

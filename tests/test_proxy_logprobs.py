@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from gyre.tokenizer import IM_END
+from gyre.serving.tokenizer import IM_END
 from tests.test_proxy import TASK, Stack, bus, tok  # noqa: F401 - fixtures
 
 TEXT = "café 中文 🦩 done"  # " 🦩" is three tokens: b" \xf0\x9f", b"\xa6", b"\xa9"

@@ -8,8 +8,8 @@ import aiohttp
 import numpy as np
 import pytest
 
-from gyre.harness import execution_key
-from gyre.tokenizer import IM_END
+from gyre.env.harness import execution_key
+from gyre.serving.tokenizer import IM_END
 from tests.test_proxy import SECRET, TASK, Stack, bus, tok  # noqa: F401 - fixtures
 
 THOUGHT = "THOUGHT: look around\n```bash\nls -la\n```\nOBSERVATION: invented by the model"

@@ -1,4 +1,4 @@
-"""Roles of calls per harness profile (gyre.roles), from the request facts HARNESSES.md records."""
+"""Roles of calls per harness profile (gyre.serving.roles), from the request facts HARNESSES.md records."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gyre.roles import CallFacts, classify, detect_profile, profile_for_harness
+from gyre.serving.roles import CallFacts, classify, detect_profile, profile_for_harness
 
 CC = {"x-claude-code-session-id": "s1", "anthropic-version": "2023-06-01", "anthropic-beta": "claude-code-20250219"}
 CODEX = {"session-id": "th-1", "thread-id": "th-1", "x-codex-turn-metadata": json.dumps({"request_kind": "turn",
@@ -120,7 +120,7 @@ def test_configured_profile_wins_and_mini_is_always_main():
 def test_metadata_values_are_cut_to_meta_chars(headers, body_meta, key):
     """Metadata rides on every `call.completed`, which must fit the bus (a 1 MB session id
     in an Anthropic body made an event no publish could carry)."""
-    from gyre.roles import META_CHARS
+    from gyre.serving.roles import META_CHARS
 
     c = classify(facts(headers, user("hi"), api="responses" if "session-id" in headers else "messages",
                        body_meta=body_meta))

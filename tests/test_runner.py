@@ -13,8 +13,8 @@ from aiohttp import web
 
 import schemas
 from bus import Bus
-from gyre.harness import LaunchRequest, execution_key, get_profile, verify_key
-from gyre.tasks import load_tasks, task_index
+from gyre.env.harness import LaunchRequest, execution_key, get_profile, verify_key
+from gyre.env.tasks import load_tasks, task_index
 from handlers import runner as runner_mod
 from handlers.runner import Config, Paths, Runner
 from schemas import ids

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gyre.harness import python_installation
-from gyre.sandbox import (
+from gyre.env.harness import python_installation
+from gyre.env.sandbox import (
     SandboxConfig,
     _ancestors,
     base_env,
@@ -190,7 +190,7 @@ def test_private_tmp_is_writable_by_the_unprivileged_uid(tmp_path):
     """Harnesses (Claude Code) write to /tmp; the sandbox's private /tmp must allow it."""
     import subprocess
 
-    from gyre.sandbox import SandboxConfig, base_env, confine, own_tree, resolve_mode
+    from gyre.env.sandbox import SandboxConfig, base_env, confine, own_tree, resolve_mode
 
     cfg = SandboxConfig()
     mode, _warning = resolve_mode(cfg)

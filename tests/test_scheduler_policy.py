@@ -1,5 +1,5 @@
 """Colocate policy: dispatch → all finished → switch to training → step done → back."""
-from gyre.scheduler import ColocatePolicy, Dispatch, Done, Switch
+from gyre.control.colocate import ColocatePolicy, Dispatch, Done, Switch
 
 
 def test_colocate_cycle_two_steps():

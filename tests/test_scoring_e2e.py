@@ -37,13 +37,13 @@ import pytest
 
 import schemas
 from bus import Bus
-from gyre.tasks import GradeError
-from gyre.tokenizer import build_tokenizer
+from gyre.env.tasks import GradeError
+from gyre.serving.tokenizer import build_tokenizer
 from handlers import builder as builder_mod
 from handlers import evaluator as evaluator_mod
-from handlers import proxy as proxy_mod
+from handlers.proxy import daemon as proxy_mod
 from handlers import runner as runner_mod
-from handlers.scripted_engine import ScriptedEngine
+from handlers.engines.scripted import ScriptedEngine
 from schemas import ids
 
 SECRET = bytes(range(7, 39))

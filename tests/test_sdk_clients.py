@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from gyre.tokenizer import IM_END
-from handlers.scripted_engine import ScriptedEngine
+from gyre.serving.tokenizer import IM_END
+from handlers.engines.scripted import ScriptedEngine
 from tests.test_proxy import Stack, encode, tok  # noqa: F401 - tok is a fixture
 
 THINK_CALL = ('<think>\nI should list the files first.\n</think>\n\nLet me look.\n<tool_call>\n'
@@ -347,8 +347,8 @@ async def test_an_answer_cut_while_thinking_is_reasoning_in_every_api(local, tok
 
 
 def test_reasoning_tokens_end_at_the_think_end_id_or_span_a_cut_completion():
-    from gyre.tokenizer import THINK_END
-    from handlers.proxy import _reasoning_tokens
+    from gyre.serving.tokenizer import THINK_END
+    from handlers.proxy.daemon import _reasoning_tokens
 
     assert _reasoning_tokens([5, 6, THINK_END, 7, 8], cut=False) == 3
     assert _reasoning_tokens([5, 6, 7], cut=True) == 3  # cut short while thinking: all reasoning
@@ -471,8 +471,8 @@ async def test_responses_compact_is_an_endpoint_not_served_not_a_response_id(loc
 async def test_a_custom_call_with_keys_beside_input_is_answered_whole_and_its_echo_extends(local):
     """Arguments holding more than `input` are the input as a whole (nothing the policy wrote
     is dropped), and sent back they extend the call."""
-    from gyre.chat import custom_input
-    from handlers.scripted_engine import tool_call
+    from gyre.serving.chat import custom_input
+    from handlers.engines.scripted import tool_call
 
     extra = '{"input": "P", "note": "why"}'
     assert custom_input(extra) == extra and custom_input('{"input": "P"}') == "P"
@@ -517,7 +517,7 @@ async def test_a_tool_input_is_answered_as_the_policy_wrote_it_streamed_or_not(l
     `input_json_delta`s do: parsed by orjson and written again, an integer beyond 64 bits
     reached the harness as a float (1.2345678901234568e+22), another value than the one
     the policy sampled."""
-    from handlers.scripted_engine import tool_call
+    from handlers.engines.scripted import tool_call
 
     args = {"n": 12345678901234567890123, "s": "caf\u00e9", "nested": {"list": [1, -0.5, None, True]}}
     engine = await local.engine([tool_call("bash", args)] * 2)

@@ -1,4 +1,4 @@
-"""Synthetic Claude-Code-shaped executions (gyre.synth): shape, sizes, proxy-like structure."""
+"""Synthetic Claude-Code-shaped executions (gyre.trajectory.synth): shape, sizes, proxy-like structure."""
 from __future__ import annotations
 
 import os
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import schemas
-from gyre.microstep import common_prefix
-from gyre.synth import SynthSpec, synth_execution, synth_executions
-from gyre.tokenizer import IM_END, IM_START, THINK, THINK_END
-from gyre.trajectory import build_tree, trajectories
+from gyre.trajectory.microstep import common_prefix
+from gyre.trajectory.synth import SynthSpec, synth_execution, synth_executions
+from gyre.serving.tokenizer import IM_END, IM_START, THINK, THINK_END
+from gyre.trajectory.tree import build_tree, trajectories
 
 
 def _fulls(calls):
@@ -114,8 +114,8 @@ def test_bench_trajectories_smoke(tmp_path):
     Run as a subprocess: the command configures process-wide logging."""
     import json
 
-    from gyre.model import ModelSpec, init_model
-    from handlers.bench_trajectories import expand_all
+    from gyre.serving.model import ModelSpec, init_model
+    from handlers.bench.trajectories import expand_all
 
     model = init_model(tmp_path / "model", ModelSpec(layers=1, hidden=16, heads=2, kv_heads=1, head_dim=8,
                                                      intermediate=32))  # the real vocabulary, a tiny body

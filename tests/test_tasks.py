@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.tasks import (
+from gyre.env.tasks import (
     DEFAULT_TEST_COMMAND,
     GradeError,
     Task,

@@ -1,4 +1,4 @@
-"""TITO: normalisation, extension with verbatim id reuse, branches, drift (gyre.tito)."""
+"""TITO: normalisation, extension with verbatim id reuse, branches, drift (gyre.serving.tito)."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from gyre.chat import parse_completion, render
-from gyre.tito import (
+from gyre.serving.chat import parse_completion, render
+from gyre.serving.tito import (
     HEAVY_CHARS,
     MESSAGE_CHARS,
     CallStore,
@@ -20,7 +20,7 @@ from gyre.tito import (
     normalise,
     normalise_message,
 )
-from gyre.tokenizer import IM_END, build_tokenizer
+from gyre.serving.tokenizer import IM_END, build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a command",
                                            "parameters": {"type": "object",
@@ -41,7 +41,7 @@ def encode(tok, text):
 
 
 def answer_of(text, call_id="call_a_0"):
-    """The assistant message the proxy returns for a completion text (as in handlers.proxy)."""
+    """The assistant message the proxy returns for a completion text (as in handlers.proxy.daemon)."""
     parsed = parse_completion(text, id_prefix=call_id.rsplit("_", 1)[0])
     msg = {"role": "assistant", "content": parsed.content or (None if parsed.tool_calls else "")}
     if parsed.reasoning:
@@ -260,7 +260,7 @@ def test_an_extension_by_long_messages_is_pending_with_gyres_template(tok, monke
     """With gyre's template an extension renders only its new messages; when they are long
     (a huge tool output) `attach` returns it as Pending so that `prepare` can render and
     encode them off the loop, and `complete` gives what `match` gives."""
-    import gyre.tito
+    import gyre.serving.tito
 
     store, twin = CallStore(tok), CallStore(tok)
     turn1 = [SYSTEM, TASK]
@@ -268,7 +268,7 @@ def test_an_extension_by_long_messages_is_pending_with_gyres_template(tok, monke
     serve(twin, tok, turn1, TOOLS, CALL_TEXT, "e:0", 0)
     big = [*turn1, answer1, {"role": "tool", "tool_call_id": answer1["tool_calls"][0]["id"], "content": "ab " * 500}]
     want = twin.match(big, TOOLS)
-    monkeypatch.setattr(gyre.tito, "HEAVY_CHARS", 1_000)
+    monkeypatch.setattr(gyre.serving.tito, "HEAVY_CHARS", 1_000)
     pending = store.attach(big, TOOLS)
     assert isinstance(pending, Pending) and pending.heavy and pending.extends is c1 and pending.rest == (big[-1],)
     assert isinstance(store.attach(turn1 + [answer1, {"role": "tool", "tool_call_id": "x", "content": "ok"}],
@@ -339,7 +339,7 @@ def test_shared_len_over_a_tree_equals_the_plain_common_prefix(seed):
     """`_shared_len` (a branch's parent choice, memoised over a tree's ancestors) equals
     the common prefix of each call's full ids with the prompt, in any visiting order, on
     random trees whose calls share long prefixes (ids from a 3-letter alphabet)."""
-    from gyre.tito import CallRecord, _shared_len
+    from gyre.serving.tito import CallRecord, _shared_len
 
     rng = random.Random(seed)
     recs: list[CallRecord] = []
@@ -397,7 +397,7 @@ def test_an_answer_opening_with_a_newline_extends_without_drift(tok, incremental
 def test_anthropic_harness_noise_still_extends_verbatim(tok):
     """Claude Code's noise (billing line, moving cache marker, string → text block, echoed
     thinking with its signature, re-serialised tool input) leaves the conversation equal."""
-    from handlers.proxy_anthropic import anthropic_messages, anthropic_tools, thinking_signature
+    from handlers.proxy.anthropic import anthropic_messages, anthropic_tools, thinking_signature
 
     store = CallStore(tok)
     tools = anthropic_tools([{"name": "bash", "input_schema": {"type": "object"},
@@ -473,8 +473,8 @@ def test_fresh_match_is_a_root_and_leaves_the_store_alone(tok):
 from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from gyre.chat import render_appended, render_assistant_turn, uses_gyre_template  # noqa: E402
-from gyre.tito import TURN_HEADER, conversation_facts  # noqa: E402
+from gyre.serving.chat import render_appended, render_assistant_turn, uses_gyre_template  # noqa: E402
+from gyre.serving.tito import TURN_HEADER, conversation_facts  # noqa: E402
 
 _WORDS = ["ls", "done", "fix", " it", "\n", "\n\n", "a.py", "ok", "café", "{}", "  ", "x"]
 _text = st.lists(st.sampled_from(_WORDS), max_size=5).map("".join)
@@ -655,7 +655,7 @@ def test_a_store_encodes_each_first_turn_once(tok, monkeypatch):
     turn's ids from the store (FIRST_TURNS distinct ones, least recently used dropped), and every prompt
     equals the plain encoding, also where the texts either side of the first <|im_end|>
     would merge if encoded together ("é" + a combining accent)."""
-    from gyre.tito import FIRST_TURNS
+    from gyre.serving.tito import FIRST_TURNS
 
     encoded: list[str] = []
     plain = CallStore.encode

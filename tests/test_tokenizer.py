@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre import tokenizer as qtok
+from gyre.serving import tokenizer as qtok
 
 PUBLISHED_ORDER = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -242,7 +242,7 @@ def test_tokenizer_config_matches_qwen3_fields():
 def test_stop_string_helpers():
     """parse_stop takes what the APIs send, within bounds; stop_hit finds a string
     completed by the last id, even across ids and inside a multi-byte character's ids."""
-    from gyre.tokenizer import MAX_STOP_CHARS, MAX_STOP_STRINGS, build_tokenizer, fast_decoder, parse_stop, \
+    from gyre.serving.tokenizer import MAX_STOP_CHARS, MAX_STOP_STRINGS, build_tokenizer, fast_decoder, parse_stop, \
         stop_hit, stop_window
 
     assert parse_stop(None) == () and parse_stop("a") == ("a",) and parse_stop(["a", "", "b", "a"]) == ("a", "b")

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from gyre.microstep import Sample, from_bytes, pack, to_bytes
-from gyre.trainer import Trainer, TrainerConfig
-from gyre.trajectory import Trajectory
+from gyre.trajectory.microstep import Sample, from_bytes, pack, to_bytes
+from gyre.learning.trainer import Trainer, TrainerConfig
+from gyre.trajectory.tree import Trajectory
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 VOCAB = 151936
@@ -155,7 +155,7 @@ def test_config_validation():
 
 
 def test_head_logprobs_gradcheck_against_autograd():
-    from gyre.trainer import head_logprobs
+    from gyre.learning.trainer import head_logprobs
 
     torch.manual_seed(0)
     head = torch.nn.Linear(6, 11, bias=True).double()
@@ -260,7 +260,7 @@ def test_short_common_prefixes_are_not_shared(model_dir):
 
 
 def test_output_head_runs_only_at_loss_positions_when_sharing(model_dir, monkeypatch):
-    import gyre.trainer as trainer_mod
+    import gyre.learning.trainer as trainer_mod
 
     rows = []
     real = trainer_mod.head_logprobs
@@ -278,7 +278,7 @@ def test_output_head_runs_only_at_loss_positions_when_sharing(model_dir, monkeyp
 
 
 def test_prefix_forest_worked_example():
-    from gyre.trainer import prefix_forest
+    from gyre.learning.trainer import prefix_forest
 
     s = [np.array(x) for x in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9], [7, 7], [1, 2, 3, 4, 5, 8, 8], [1, 2, 3, 4, 5])]
     roots = prefix_forest(s, 2)
@@ -299,7 +299,7 @@ def test_prefix_forest_worked_example():
 
 
 def test_cached_prefix_attention_matches_masked_sdpa():
-    from gyre.trainer import _CachedPrefixAttention
+    from gyre.learning.trainer import _CachedPrefixAttention
 
     torch.manual_seed(0)
     P, S, H, D = 13, 7, 3, 8

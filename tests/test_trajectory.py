@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.trajectory import ROLE_PRIORITY, CallTree, build_tree, trajectories
+from gyre.trajectory.tree import ROLE_PRIORITY, CallTree, build_tree, trajectories
 from schemas import CallCompleted, CallTokens, SamplingParams
 
 
@@ -248,10 +248,10 @@ def test_random_trees(data, seed, j_max):
 
 def test_greedy_call_trains_under_temperature_one():
     # A `temperature: 0` request is greedy decoding; its behaviour log-probs are under T = 1
-    # (gyre.engine, SGLang), so the trainer must use T = 1 there, not divide the logits by 0.
+    # (gyre.serving.engine, SGLang), so the trainer must use T = 1 there, not divide the logits by 0.
     import torch
 
-    from gyre.trainer import head_logprobs
+    from gyre.learning.trainer import head_logprobs
 
     # SGLang samples any T below 1e-6 greedily too (`GREEDY_BELOW`); a float32 temperature
     # that small would underflow to 0 in the trainer.

@@ -16,9 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.gspo import gspo_loss
-from gyre.microstep import Sample, pack
-from gyre.trajectory import ROLE_PRIORITY, CallTree, trajectories
+from gyre.learning.gspo import gspo_loss
+from gyre.trajectory.microstep import Sample, pack
+from gyre.trajectory.tree import ROLE_PRIORITY, CallTree, trajectories
 from schemas import CallCompleted, CallTokens, SamplingParams
 
 TRAINED_STEP, MAX_STALENESS = 3, 1

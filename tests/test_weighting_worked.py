@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 import torch
 
-from gyre.gspo import gspo_loss
-from gyre.microstep import Sample, pack
-from gyre.trainer import Trainer, TrainerConfig
-from gyre.trajectory import build_tree, trajectories
+from gyre.learning.gspo import gspo_loss
+from gyre.trajectory.microstep import Sample, pack
+from gyre.learning.trainer import Trainer, TrainerConfig
+from gyre.trajectory.tree import build_tree, trajectories
 from schemas import CallCompleted, CallTokens, SamplingParams
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

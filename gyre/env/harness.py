@@ -7,15 +7,15 @@ and the host paths of its installation that must be visible (read-only) in the s
 
 Profiles (`PROFILES`, `get_profile(name)`):
 - `mini-swe-agent` (default): mini-swe-agent 2.x from PyPI, bash tool calls,
-  gyre/data/harness/mini.yaml.
+  gyre/env/data/harness/mini.yaml.
 - `mini-swe-agent-text`: the same with `--model-class litellm_textbased` and
-  gyre/data/harness/mini_textbased.yaml (commands in a ```mswea_bash_command fence).
-- `toy`: gyre/data/harness/toy_harness.py, one or two chat calls, writes `answer.txt`.
+  gyre/env/data/harness/mini_textbased.yaml (commands in a ```mswea_bash_command fence).
+- `toy`: gyre/env/data/harness/toy_harness.py, one or two chat calls, writes `answer.txt`.
 - `claude-code`: Claude Code (npm `@anthropic-ai/claude-code`, CLAUDE_CODE_VERSION),
   headless `claude -p`, Anthropic Messages against the proxy (HARNESSES.md).
 - `codex`: Codex CLI (npm `@openai/codex`, CODEX_VERSION), `codex exec`, OpenAI
   Responses through a custom provider in `$CODEX_HOME/config.toml`
-  (gyre/data/harness/codex_config.toml).
+  (gyre/env/data/harness/codex_config.toml).
 
 The npm harnesses live under `harness_prefix()` (`$GYRE_HARNESS_PREFIX`, else
 `<checkout>/.harnesses`, where ops/install.sh puts them), world-readable so the sandbox
@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Mapping
 
-from gyre.tasks import DATA_DIR, Task
+from gyre.env.tasks import DATA_DIR, Task
 
 HARNESS_DIR = DATA_DIR / "harness"
 KEY_PREFIX = "gyre-"
@@ -54,7 +54,7 @@ def harness_prefix() -> Path:
     """npm prefix of the Claude Code / Codex installation: `$GYRE_HARNESS_PREFIX`, else
     `<checkout>/.harnesses` (ops/install.sh)."""
     env = os.environ.get("GYRE_HARNESS_PREFIX")
-    return Path(env).resolve() if env else Path(__file__).resolve().parent.parent / ".harnesses"
+    return Path(env).resolve() if env else Path(__file__).resolve().parents[2] / ".harnesses"
 
 
 NPM_PROGRAMS = {"claude-code": "claude", "codex": "codex"}

@@ -88,7 +88,7 @@ class Task:
 
 
 def bundled_task_sets() -> list[str]:
-    """Names of the task sets shipped in gyre/data/tasks (e.g. `quickstart`, `toy`)."""
+    """Names of the task sets shipped in gyre/env/data/tasks (e.g. `quickstart`, `toy`)."""
     return sorted(p.stem for p in TASKS_DIR.glob("*.jsonl"))
 
 

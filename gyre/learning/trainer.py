@@ -4,7 +4,7 @@ Contract:
 - `Trainer(model_dir, cfg)` loads an HF causal LM from a local directory (float32, train
   mode) with AdamW. `policy_version` is the version of its current weights.
 - `accumulate(ms)` runs forward-backward on one micro-step and adds the gradient of the
-  micro-step's *summed* GSPO loss (`gyre.gspo`); the weights do not change, so every
+  micro-step's *summed* GSPO loss (`gyre.learning.gspo`); the weights do not change, so every
   micro-step of a step sees the same policy. Each trajectory's sequence is cut after its
   last loss position, and the output head runs only at the positions that predict a
   trained token (hidden state at t − 1), in chunks whose logits are recomputed in
@@ -48,9 +48,9 @@ import numpy as np
 import structlog
 import torch
 
-from gyre.gspo import gspo_loss
-from gyre.microstep import SHARED_PREFIX_MIN_TOKENS, MicrostepData, common_prefix
-from gyre.model import weights_readable_as_config
+from gyre.learning.gspo import gspo_loss
+from gyre.trajectory.microstep import SHARED_PREFIX_MIN_TOKENS, MicrostepData, common_prefix
+from gyre.serving.model import weights_readable_as_config
 
 log = structlog.get_logger()
 

@@ -1,7 +1,7 @@
 """Chat rendering and completion parsing in the Qwen3 format.
 
 - `render` turns OpenAI-format messages (+ tools) into the prompt text through the
-  tokenizer's chat template (gyre/templates/qwen3_chat.jinja on the embedded default).
+  tokenizer's chat template (gyre/serving/templates/qwen3_chat.jinja on the embedded default).
   Messages are normalised first: `developer` → `system`, content parts → one string,
   tool-call arguments → JSON text. Invalid input raises `ValueError` naming the message.
 - `parse_completion` splits a completion's text into reasoning (`<think>…</think>`),
@@ -15,7 +15,7 @@
 
 Rendering a conversation and then appending an assistant turn (without generation
 prompt) yields a string prefix of the rendering of any continuation that adds tool
-results or assistant turns; TITO prefix matching (gyre.tito) relies on it.
+results or assistant turns; TITO prefix matching (gyre.serving.tito) relies on it.
 """
 from __future__ import annotations
 
@@ -132,8 +132,8 @@ def custom_arguments(value: Any) -> str:
 def custom_input(arguments: str) -> str:
     """The free-form input of a custom tool call the policy wrote as `arguments` (JSON text):
     its `input` when that is a string and the only key (the form `custom_arguments` renders
-    and `handlers.proxy_api.custom_tool` asks for), else the arguments text itself, so
-    nothing the policy wrote is dropped (`gyre.tito` matches either form when the harness
+    and `handlers.proxy.api.custom_tool` asks for), else the arguments text itself, so
+    nothing the policy wrote is dropped (`gyre.serving.tito` matches either form when the harness
     sends the call back)."""
     try:
         value = json.loads(arguments)
@@ -182,7 +182,7 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
                 fn = call_function(call)
                 if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
                     raise ValueError(f"{where}.function.name must be a string")
-                if not isinstance(call.get("id"), (str, type(None))):  # (gyre.tito refuses them first in the proxy)
+                if not isinstance(call.get("id"), (str, type(None))):  # (gyre.serving.tito refuses them first in the proxy)
                     raise ValueError(f"{where}.id must be a string")
                 calls.append(
                     {
@@ -216,8 +216,8 @@ def render(
 ) -> str:
     """Prompt text for `messages` (and `tools`, OpenAI `{"type": "function", ...}` objects).
 
-    `tokenizer` is any HF tokenizer carrying a chat template (gyre.tokenizer.build_tokenizer
-    or gyre.model.load_tokenizer). `enable_thinking=False` ends the generation prompt with
+    `tokenizer` is any HF tokenizer carrying a chat template (gyre.serving.tokenizer.build_tokenizer
+    or gyre.serving.model.load_tokenizer). `enable_thinking=False` ends the generation prompt with
     an empty think block (Qwen3's switch); None leaves the template's default.
     Errors: `ValueError` for malformed messages (see `normalize_messages`).
     """
@@ -370,8 +370,8 @@ def _parse(text: str, id_prefix: str, cut: bool = False) -> Parsed:
 
 # --------------------------------------------------------------------------- incremental rendering
 #
-# TITO (gyre.tito) renders only the messages a call adds to its parent's conversation.
-# That is exact for gyre's own template (gyre/templates/qwen3_chat.jinja), where a
+# TITO (gyre.serving.tito) renders only the messages a call adds to its parent's conversation.
+# That is exact for gyre's own template (gyre/serving/templates/qwen3_chat.jinja), where a
 # message's rendering depends on the rest of the conversation only through:
 #   - whether it is the first message (a leading system message becomes the tools header;
 #     never the case for an appended message),
@@ -392,7 +392,7 @@ def uses_gyre_template(tokenizer: Any) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _gyre_template() -> str:
-    from gyre.tokenizer import chat_template
+    from gyre.serving.tokenizer import chat_template
 
     return chat_template()
 
@@ -477,7 +477,7 @@ def _head(tokenizer: Any, after_query: bool, with_assistant: bool) -> str:
 
 def _check_template(tokenizer: Any) -> None:
     if not uses_gyre_template(tokenizer):
-        raise ValueError("incremental rendering needs gyre's chat template (gyre/templates/qwen3_chat.jinja)")
+        raise ValueError("incremental rendering needs gyre's chat template (gyre/serving/templates/qwen3_chat.jinja)")
 
 
 def render_appended(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, after_query: bool,

@@ -21,7 +21,7 @@ Contract (DESIGN.md "Cells and engines"):
   only the ids after the longest common prefix. A weight update or `flush_cache()`
   drops every cached prefix, since it was computed with other weights.
 
-Never imports aiohttp or nats; `handlers/engine_server.py` puts it behind SGLang's
+Never imports aiohttp or nats; `handlers/engines/embedded.py` puts it behind SGLang's
 native HTTP API.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Literal
 import structlog
 import torch
 
-from gyre.tokenizer import fast_decoder, stop_hit, stop_window
+from gyre.serving.tokenizer import fast_decoder, stop_hit, stop_window
 from schemas.call import GREEDY_BELOW
 
 log = structlog.get_logger(__name__)
@@ -450,7 +450,7 @@ class Engine:
         once. Raises NoTokenizer when model_dir holds none (logged once, with the path)."""
         with self._decode_lock:  # not _state: loading takes a second, aborts must not wait
             if self._decode is None:
-                from gyre.model import load_tokenizer
+                from gyre.serving.model import load_tokenizer
 
                 try:
                     self._decode = fast_decoder(load_tokenizer(self.cfg.model_dir))

@@ -21,7 +21,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from gyre import tokenizer as qtok
+from gyre.serving import tokenizer as qtok
 
 log = structlog.get_logger(__name__)
 

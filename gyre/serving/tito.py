@@ -21,8 +21,8 @@ Contract:
      prefix of the request's rendering. Then
      `prompt_ids = c.full_ids (+ <|im_end|> unless c's completion ended with it) + encode(suffix)`,
      the suffix starting with "\\n<|im_start|>". parent = c, prefix_len = len(c.full_ids).
-     With gyre's template (`gyre.chat.uses_gyre_template`) only the new messages are
-     rendered (`gyre.chat.render_appended`) and the prefix relation is decided from two
+     With gyre's template (`gyre.serving.chat.uses_gyre_template`) only the new messages are
+     rendered (`gyre.serving.chat.render_appended`) and the prefix relation is decided from two
      facts kept per call (does the conversation hold a real user query; does an assistant
      after the last one show reasoning), so the cost does not grow with the history; with
      another template both conversations are rendered in full and compared.
@@ -103,10 +103,10 @@ from typing import Any
 import numpy as np
 import orjson
 
-from gyre.chat import (
+from gyre.serving.chat import (
     call_function, is_query, render_appended, render_assistant_turn, shows_reasoning, uses_gyre_template,
 )
-from gyre.tokenizer import IM_END, IM_END_TEXT, fast_encoder
+from gyre.serving.tokenizer import IM_END, IM_END_TEXT, fast_encoder
 
 TURN_HEADER = "\n<|im_start|>assistant\n"
 """What an assistant turn opens with in gyre's template, after the previous `<|im_end|>`."""
@@ -186,14 +186,14 @@ class _Unparsed:
 
 def _args_text(arguments: Any) -> str:
     if isinstance(arguments, str):
-        return arguments if arguments.strip() else "{}"  # as gyre.chat renders a call without arguments
+        return arguments if arguments.strip() else "{}"  # as gyre.serving.chat renders a call without arguments
     return orjson.dumps(arguments).decode()
 
 
 def _tool_call(tc: dict, tool_args: dict[str, str]) -> dict:
     fn = call_function(tc) or {}
     name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(name, str):  # as gyre.chat renders it: a call must name its function
+    if not isinstance(name, str):  # as gyre.serving.chat renders it: a call must name its function
         raise ValueError("a tool call's function name must be a string")
     args = _args_text(fn.get("arguments", ""))  # fn is a dict: it had a name
     tc_id = tc.get("id")
@@ -204,7 +204,7 @@ def _tool_call(tc: dict, tool_args: dict[str, str]) -> dict:
     if raw is not None and raw != args:
         sent = _parse_json(args)
         # the same JSON re-serialised; or a custom tool call answered with the policy's whole
-        # arguments text as its input (`gyre.chat.custom_input`) and sent back as {"input": …}
+        # arguments text as its input (`gyre.serving.chat.custom_input`) and sent back as {"input": …}
         if sent == _parse_json(raw) or (isinstance(sent, dict) and len(sent) == 1 and sent.get("input") == raw):
             args = raw
     return {"id": tc_id, "type": "function", "function": {"name": name, "arguments": args}}
@@ -592,8 +592,8 @@ def _shared_len(rec: CallRecord, ids: np.ndarray, memo: dict[str, int]) -> int:
 
 def conversation_facts(messages: Sequence[dict], after: tuple[bool, bool] = (False, False)) -> tuple[bool, bool]:
     """(query, shown) of a conversation in gyre's template: does it hold a real user query
-    (`gyre.chat.is_query`), and does an assistant after the last one show reasoning
-    (`gyre.chat.shows_reasoning`). `after`: the facts of the conversation `messages`
+    (`gyre.serving.chat.is_query`), and does an assistant after the last one show reasoning
+    (`gyre.serving.chat.shows_reasoning`). `after`: the facts of the conversation `messages`
     continue (default: an empty one), so the cost is O(len(messages)).
     Errors: `ValueError` for content the renderer rejects."""
     last = -1
@@ -625,8 +625,8 @@ class _Seen:
 class CallStore:
     """The calls of one execution and the raw tool-call payloads we emitted.
 
-    tokenizer: an HF tokenizer (`gyre.tokenizer.build_tokenizer()` or the model's).
-    render: `gyre.chat.render(tokenizer, messages, tools, add_generation_prompt)`; None =
+    tokenizer: an HF tokenizer (`gyre.serving.tokenizer.build_tokenizer()` or the model's).
+    render: `gyre.serving.chat.render(tokenizer, messages, tools, add_generation_prompt)`; None =
       that function, with incremental rendering when the tokenizer is on gyre's template.
     check_drift: count drift on extensions (module docstring; O(one turn) on gyre's
       template, O(prompt) re-tokenisation otherwise); False reports drift 0.
@@ -642,7 +642,7 @@ class CallStore:
         # First turns are split off only where encoding splits at <|im_end|> wherever it is written.
         self._first_turns: dict[str, np.ndarray] | None = {} if split and _im_end_stands_alone(tokenizer, self._splitting) else None
         if render is None:
-            from gyre.chat import render as chat_render
+            from gyre.serving.chat import render as chat_render
 
             render = chat_render
         self.tokenizer = tokenizer
@@ -676,14 +676,14 @@ class CallStore:
 
     def encode_list(self, text: str) -> list[int]:
         """Ids of `text` as a list, no special tokens added (special-token text is parsed)."""
-        if self._fast_encode is not None:  # same ids, several times faster (gyre.tokenizer.fast_encoder)
+        if self._fast_encode is not None:  # same ids, several times faster (gyre.serving.tokenizer.fast_encoder)
             return self._fast_encode(text)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def encode(self, text: str) -> np.ndarray:
         """(N,) int32 ids of `text`, no special tokens added (special-token text is parsed).
         Thread-safe; may be read-only. With gyre's tokenizer tiktoken encodes with the GIL
-        released (`gyre.tokenizer.FastEncoder.array`)."""
+        released (`gyre.serving.tokenizer.FastEncoder.array`)."""
         if self._fast_array is not None:
             return self._fast_array(text)
         return np.asarray(self.encode_list(text), dtype=np.int32)

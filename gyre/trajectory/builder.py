@@ -3,9 +3,9 @@
 Pure state machine fed by the builder daemon (handlers/builder.py):
 - `add_call(call)` files a `call.completed` (inline tokens) into its execution's tree.
 - `add_score(scored)` records an execution's score; once every execution of a group is
-  scored, the group is *finalised*: advantages (gyre.advantages), trajectories per
-  execution (gyre.trajectory, ≤ J_max), micro-steps packed to a token budget
-  (gyre.microstep). When the step's last group is finalised the step is sealed.
+  scored, the group is *finalised*: advantages (gyre.trajectory.advantages), trajectories per
+  execution (gyre.trajectory.tree, ≤ J_max), micro-steps packed to a token budget
+  (gyre.trajectory.microstep). When the step's last group is finalised the step is sealed.
 Both are idempotent: a redelivered fact changes nothing. A call arriving after its
 group was finalised is counted in `late_calls` (it can no longer be trained).
 |E| (DESIGN.md "Learning") = trained executions of the step: scored, not excluded,
@@ -18,9 +18,9 @@ import random
 
 import structlog
 
-from gyre.advantages import group_advantages
-from gyre.microstep import MicrostepData, Sample, pack
-from gyre.trajectory import CallTree, trajectories
+from gyre.trajectory.advantages import group_advantages
+from gyre.trajectory.microstep import MicrostepData, Sample, pack
+from gyre.trajectory.tree import CallTree, trajectories
 from schemas import CallCompleted, ExecutionScored
 
 log = structlog.get_logger()

@@ -6,7 +6,7 @@ Contract:
 - `pack(samples, token_budget)` fills micro-steps in order. A trajectory is never split;
   the budget is a soft cap on *distinct* positions — a trajectory costs its length minus
   the longest token prefix (of at least `shared_min_tokens`) it shares with a trajectory
-  already in the micro-step, because the trainer runs a shared prefix once (`gyre.trainer.prefix_forest`; DESIGN.md
+  already in the micro-step, because the trainer runs a shared prefix once (`gyre.learning.trainer.prefix_forest`; DESIGN.md
   "Trajectory processing": shared tokens are computed once) — so an execution's kept
   trajectories, which arrive together and share their system prompt, tend to land in one
   micro-step. A trajectory that would overflow a non-empty micro-step opens the next one,
@@ -34,7 +34,7 @@ import struct
 import numpy as np
 from safetensors.numpy import save as _st_save
 
-from gyre.trajectory import Trajectory
+from gyre.trajectory.tree import Trajectory
 
 FORMAT = "gyre.microstep.v1"
 SHARED_PREFIX_MIN_TOKENS = 64  # the trainer's default: shorter common prefixes are recomputed

@@ -17,7 +17,7 @@ Shape of one execution (all lengths in tokens, drawn log-uniformly in their rang
   `sub_agent_share` of the target (their lengths are scaled down, never below the ranges'
   minimum, so a small target with many sub-agents can overshoot).
 
-parent_call / prefix_len follow the proxy's matching rules (gyre.tito): a call extending
+parent_call / prefix_len follow the proxy's matching rules (gyre.serving.tito): a call extending
 its predecessor in the same agent line has parent = predecessor, prefix_len = its full
 length (the proxy's *extension*); a call that starts a new conversation is a *branch* at
 the longest common token prefix with an earlier call:
@@ -47,7 +47,7 @@ import dataclasses
 
 import numpy as np
 
-from gyre.tokenizer import (IM_END, IM_START, NUM_BPE_RANKS, THINK, THINK_END, TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE,
+from gyre.serving.tokenizer import (IM_END, IM_START, NUM_BPE_RANKS, THINK, THINK_END, TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE,
                             TOOL_RESPONSE_END)
 from schemas import ids as event_ids
 from schemas.call import CallCompleted, CallTokens, SamplingParams

@@ -4,7 +4,7 @@ carries, with every `call.completed` stored (BENCHMARKS.md "gyre bench proxy").
 Processes: a private nats-server (JetStream), an instant engine (`_engine`: SGLang's
 `/generate` answered at once with a fixed 20-token completion — a bash tool call in
 Qwen3's format ending with `<|im_end|>` — and its log-probs), one proxy process (`_proxy`:
-`handlers.proxy.run` with its production defaults: publishing with PubAck awaited, drift
+`handlers.proxy.daemon.run` with its production defaults: publishing with PubAck awaited, drift
 check on, JSON logs to a file), a bare aiohttp pass-through (`_passthrough`: the floor
 below) and this process as the load generator.
 
@@ -44,7 +44,7 @@ Per variant:
 Floor (`floor`): the same latency pair with a bare aiohttp pass-through in the proxy's
 place (an aiohttp server that forwards the pre-tokenised `/generate` body to the engine
 with an aiohttp client session (`make_session`; kept as it was when the proxy's
-`/generate` leg moved to `handlers.engine_http`, so floors stay comparable), and returns the engine's
+`/generate` leg moved to `handlers.engines.connections`, so floors stay comparable), and returns the engine's
 bytes): what one more HTTP hop and a third Python process cost on this machine before
 gyre does any work. Measured `reps` times, pass-through and direct alternating;
 `added_latency_ms_*` as for a variant, and `calls_per_s` from a closed loop of
@@ -159,7 +159,7 @@ class Workload:
 
     @property
     def arguments(self) -> str:
-        """The tool call's arguments as the proxy emits them (`gyre.chat.parse_completion` of
+        """The tool call's arguments as the proxy emits them (`gyre.serving.chat.parse_completion` of
         the completion): what a harness echoes back, so the direct path's prompts are the ids
         the proxy sends the engine."""
         return json.dumps({"command": self.command})
@@ -179,7 +179,7 @@ class Workload:
                 lines.append(f"-rw-r--r-- 1 agent agent {rng.randint(100, 99999):>5} Nov {rng.randint(1, 30):>2} "
                              f"src/mod_{i}_{len(lines)}.py  # {_words(rng, 3)}")
             results.append("\n".join(lines))
-        from gyre.tokenizer import IM_END
+        from gyre.serving.tokenizer import IM_END
 
         command = "ls src"  # 19 ids with the Qwen3 tokenizer, + <|im_end|> = 20
         text = f'<tool_call>\n{{"name": "bash", "arguments": {{"command": "{command}"}}}}\n</tool_call>'
@@ -206,8 +206,8 @@ def responses_tools() -> list[dict]:
 
 def direct_prompts(tok: Any, w: Workload) -> list[list[int]]:
     """Prompt ids of call k (k = 0..49) of an execution: the pre-tokenised equivalent of
-    the k-th request (gyre.chat.render of the same history)."""
-    from gyre.chat import render
+    the k-th request (gyre.serving.chat.render of the same history)."""
+    from gyre.serving.chat import render
 
     messages: list[dict] = [{"role": "system", "content": w.system}, {"role": "user", "content": w.task}]
     out = []
@@ -395,7 +395,7 @@ def serve_engine(url_file: str, completion_ids: list[int], seed: int = 0) -> Non
 
     rng = random.Random(seed)
     logprobs = [[round(-rng.expovariate(2.0) - 1e-4, 6), i, None] for i in completion_ids]
-    from gyre.tokenizer import IM_END
+    from gyre.serving.tokenizer import IM_END
 
     async def generate(request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
@@ -419,12 +419,12 @@ def serve_engine(url_file: str, completion_ids: list[int], seed: int = 0) -> Non
 def serve_passthrough(url_file: str, engine_url: str) -> None:
     """The floor: an aiohttp server whose `/generate` forwards the body to the engine's
     with an aiohttp client (`make_session`, the proxy's session for its other engine
-    requests; the proxy's `/generate` leg is leaner, `handlers.engine_http`: the floor is
+    requests; the proxy's `/generate` leg is leaner, `handlers.engines.connections`: the floor is
     kept as it was, a gauge of the machine's speed comparable across versions) and answers
     the engine's bytes."""
     from aiohttp import web
 
-    from handlers.engine_client import make_session
+    from handlers.engines.client import make_session
 
     async def serve() -> None:
         session = make_session()  # inside the running loop
@@ -447,9 +447,9 @@ def serve_passthrough(url_file: str, engine_url: str) -> None:
 
 def serve_proxy(url_file: str, engine_url: str, nats_url: str, nats_token: str | None, run: str,
                 check_drift: bool = True) -> None:
-    """`handlers.proxy.run` with production defaults (but `check_drift`), JSON logs on stderr."""
+    """`handlers.proxy.daemon.run` with production defaults (but `check_drift`), JSON logs on stderr."""
     from handlers.daemon import configure_logging
-    from handlers.proxy import Config, run as proxy_run
+    from handlers.proxy.daemon import Config, run as proxy_run
 
     configure_logging("proxy", json_lines=True)
     cfg = Config(run=run, key_secret=SECRET, nats_url=nats_url, nats_token=nats_token, engine_url=engine_url,
@@ -543,7 +543,7 @@ class Load:
         return Conversation(variant, self.w, f"b{uuid.uuid4().hex[:12]}")
 
     def _headers(self, conv: Conversation) -> dict[str, str]:
-        from gyre.harness import execution_key
+        from gyre.env.harness import execution_key
 
         key = execution_key(SECRET, conv.execution)
         if conv.api in ("chat", "responses"):
@@ -838,7 +838,7 @@ async def _wait_stored(bus: Any, run: str, expected: int, bound_s: float) -> tup
 
 async def _probe_messages(session: Any, proxy_url: str) -> str:
     """'' when the proxy serves /v1/messages, else why not."""
-    from gyre.harness import execution_key
+    from gyre.env.harness import execution_key
 
     body = orjson.dumps({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
     headers = {"x-api-key": execution_key(SECRET, "probe-messages"), "anthropic-version": "2023-06-01",
@@ -853,7 +853,7 @@ async def _probe_messages(session: Any, proxy_url: str) -> str:
 async def bench(cfg: BenchConfig, workdir: Path) -> dict:
     from bus import Bus
     from bus.server import NatsServer
-    from gyre.tokenizer import build_tokenizer
+    from gyre.serving.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     w = Workload.build(tok, cfg.seed)
@@ -869,7 +869,7 @@ async def bench(cfg: BenchConfig, workdir: Path) -> dict:
     try:
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         ids_arg = ",".join(map(str, w.completion_ids))
-        eng = subprocess.Popen([sys.executable, "-m", "handlers.bench_proxy", "_engine", "--url-file",
+        eng = subprocess.Popen([sys.executable, "-m", "handlers.bench.proxy", "_engine", "--url-file",
                                 str(workdir / "engine.url"), "--ids", ids_arg],
                                stdout=open(logs / "engine.log", "wb"), stderr=subprocess.STDOUT, env=env)
         procs.append(eng)
@@ -877,11 +877,11 @@ async def bench(cfg: BenchConfig, workdir: Path) -> dict:
         proxy_argv = [sys.executable]
         if cfg.profile:
             proxy_argv += ["-m", "cProfile", "-o", cfg.profile]
-        proxy_argv += ["-m", "handlers.bench_proxy", "_proxy", "--url-file", str(workdir / "proxy.json"),
+        proxy_argv += ["-m", "handlers.bench.proxy", "_proxy", "--url-file", str(workdir / "proxy.json"),
                        "--engine-url", engine_url, "--nats-url", nats.url, "--run", run]
         if not cfg.check_drift:
             proxy_argv.append("--no-drift-check")
-        passthrough = subprocess.Popen([sys.executable, "-m", "handlers.bench_proxy", "_passthrough", "--url-file",
+        passthrough = subprocess.Popen([sys.executable, "-m", "handlers.bench.proxy", "_passthrough", "--url-file",
                                         str(workdir / "passthrough.url"), "--engine-url", engine_url],
                                        stdout=open(logs / "passthrough.log", "wb"), stderr=subprocess.STDOUT, env=env)
         procs.append(passthrough)
@@ -952,7 +952,7 @@ async def bench(cfg: BenchConfig, workdir: Path) -> dict:
                         "concurrency": cfg.concurrency, "calls_per_execution": CALLS_PER_EXECUTION,
                         "completion_tokens": len(w.completion_ids), "system_tokens": len(prompts[0]),
                         "last_prompt_tokens": len(prompts[-1]),
-                        "proxy": "handlers.proxy defaults (PubAck awaited)", "check_drift": cfg.check_drift}
+                        "proxy": "handlers.proxy.daemon defaults (PubAck awaited)", "check_drift": cfg.check_drift}
     return result
 
 

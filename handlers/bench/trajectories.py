@@ -1,20 +1,20 @@
 """`gyre bench trajectories [--json PATH]`: trajectory processing cost and savings (BENCHMARKS.md).
 
-What it measures, on seeded synthetic Claude-Code-shaped executions (gyre.synth), 8 per
+What it measures, on seeded synthetic Claude-Code-shaped executions (gyre.trajectory.synth), 8 per
 size of 50K, 200K and 700K distinct tokens:
 - *builder throughput*: tree → samples, excluding I/O — `build_tree` from decoded
   `call.completed` events, `trajectories(j_max=5, max_staleness=1)` and `Sample`s, as the
   builder does; tokens/s = the executions' distinct ids / seconds. Key
   `builder_tokens_per_s` (700K) with `_min`/`_max` and `builder_tokens_per_s_by_size`.
 - *trained tokens* (Σ |K_τ| over the executions of a size) for three settings:
-  `jmax1`, `jmax5` (role-priority sampling with masking, gyre.trajectory) and `uncapped`:
+  `jmax1`, `jmax5` (role-priority sampling with masking, gyre.trajectory.tree) and `uncapped`:
   the full expansion — every root-to-leaf path, each trained on all its policy tokens,
   shared prefixes repeated (not `trajectories(j_max=None)`, which trains a shared token
   once). Keys `trained_tokens` (200K) and `trained_tokens_by_size`; `token_saving_jmax5`
   = 1 − jmax5 / uncapped on 200K.
-- *forward-backward*: `gyre.trainer.Trainer.accumulate` over the micro-steps of each
-  setting (`gyre.microstep.pack`, same token budget), on the embedded default model
-  (`gyre.model.init_model`, default spec), on the 50K executions, repetitions interleaved
+- *forward-backward*: `gyre.learning.trainer.Trainer.accumulate` over the micro-steps of each
+  setting (`gyre.trajectory.microstep.pack`, same token budget), on the embedded default model
+  (`gyre.serving.model.init_model`, default spec), on the 50K executions, repetitions interleaved
   micro-step by micro-step (jmax1, jmax5, uncapped, jmax1, …, each micro-step timed). A = +1
   for every execution so no backward pass is skipped. jmax1/jmax5 run on the trainer's
   defaults, which compute a token prefix shared by several trajectories of a micro-step
@@ -44,9 +44,9 @@ from pathlib import Path
 
 import orjson
 
-from gyre.microstep import Sample, pack
-from gyre.synth import SynthSpec, synth_executions
-from gyre.trajectory import CallTree, Trajectory, build_tree, trajectories
+from gyre.trajectory.microstep import Sample, pack
+from gyre.trajectory.synth import SynthSpec, synth_executions
+from gyre.trajectory.tree import CallTree, Trajectory, build_tree, trajectories
 
 SETTINGS = ("jmax1", "jmax5", "uncapped")
 SIZES = (50_000, 200_000, 700_000)
@@ -58,7 +58,7 @@ class BenchConfig:
     executions: executions per size. reps: repetitions (median reported).
     fwd_bwd_size: the size whose executions are forward-backwarded (must be in sizes).
     fwd_bwd_executions: how many of them (≤ executions). token_budget: soft positions per
-    micro-step (gyre.microstep.pack). seed: synthesis and trajectory-selection seed.
+    micro-step (gyre.trajectory.microstep.pack). seed: synthesis and trajectory-selection seed.
     model_dir: an existing checkpoint ('' = write the embedded default into a temp dir).
     """
 
@@ -86,7 +86,7 @@ class BenchConfig:
 
 
 def spec_for(size: int) -> SynthSpec:
-    """The synthesis spec of one size: gyre.synth's defaults (BENCHMARKS.md's shape), system
+    """The synthesis spec of one size: gyre.trajectory.synth's defaults (BENCHMARKS.md's shape), system
     prompts scaled down below 50K; below 20K (smoke tests only) also fewer and shorter
     sub-agents, completions and tool results, so the executions stay near their size."""
     spec = SynthSpec(target_tokens=size, system_tokens=(min(2000, max(16, size // 25)), min(8000, max(16, size // 6))))
@@ -185,12 +185,12 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         if n_fb < cfg.executions:
             notes.append(f"forward-backward ran on {n_fb} of the {cfg.executions} {_label(cfg.fwd_bwd_size)} executions "
                          f"(the first {n_fb} seeded) to stay within the time limit on {os.cpu_count()} cores")
-        from gyre.trainer import Trainer, TrainerConfig
+        from gyre.learning.trainer import Trainer, TrainerConfig
 
         with tempfile.TemporaryDirectory(prefix="gyre-bench-model-") as tmp:
             model_dir = cfg.model_dir
             if not model_dir:
-                from gyre.model import init_model
+                from gyre.serving.model import init_model
                 model_dir = str(init_model(Path(tmp) / "model"))
             # J_max settings use the trainer as configured (a prefix shared inside a micro-step is
             # run once); the uncapped expansion is defined with shared prefixes repeated, so it
@@ -256,7 +256,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     doc["execution_tokens_by_size"] = {by(s): actual[s] / cfg.executions for s in cfg.sizes}
     doc["config"] = {"sizes": list(cfg.sizes), "executions": cfg.executions, "reps": cfg.reps,
                      "fwd_bwd_size": cfg.fwd_bwd_size, "fwd_bwd_executions": n_fb, "token_budget": cfg.token_budget,
-                     "seed": cfg.seed, "model": cfg.model_dir or "embedded default (gyre.model.ModelSpec())"}
+                     "seed": cfg.seed, "model": cfg.model_dir or "embedded default (gyre.serving.model.ModelSpec())"}
     doc["targets"] = {"fwd_bwd_saving_jmax5": 0.25, "builder_tokens_per_s": 5e6}
     doc["notes"] = notes
     doc["machine"] = {"cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,

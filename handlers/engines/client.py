@@ -25,7 +25,7 @@ import aiohttp
 import numpy as np
 import orjson
 
-from handlers.engine_http import EngineConnections, Unreachable
+from handlers.engines.connections import EngineConnections, Unreachable
 
 
 class EngineClientError(Exception):

@@ -31,8 +31,8 @@ import orjson
 import structlog
 from aiohttp import web
 
-from gyre.engine import Engine, EngineError, GenerateRequest, InvalidRequest, SamplingParams, WeightLoadError
-from gyre.tokenizer import parse_stop
+from gyre.serving.engine import Engine, EngineError, GenerateRequest, InvalidRequest, SamplingParams, WeightLoadError
+from gyre.serving.tokenizer import parse_stop
 
 log = structlog.get_logger(__name__)
 

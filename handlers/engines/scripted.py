@@ -1,7 +1,7 @@
 """A scripted engine: SGLang's native HTTP contract, answering with chosen completions.
 
 For tests and demos that need an engine whose output is known in advance. It speaks the
-same endpoints as `handlers/engine_server.py` (SGLang native API):
+same endpoints as `handlers/engines/embedded.py` (SGLang native API):
 
 - `POST /generate` {input_ids, sampling_params{max_new_tokens, temperature, top_p, top_k},
   rid, return_logprob, ...; unknown fields (e.g. `gyre_execution`) ignored} →
@@ -42,7 +42,7 @@ user turn) or its own system prompt, a compaction by its instructions in the las
 turn, and each harness by its execution id. `tool_call(name, args)` writes
 a call in Qwen3's format: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`.
 
-CLI: `python -m handlers.scripted_engine --script file.jsonl --port N` where each line is
+CLI: `python -m handlers.engines.scripted --script file.jsonl --port N` where each line is
 a JSON string or an object with a `text` field, or a rule object (`turns` plus
 conditions), which makes the file a playbook.
 """
@@ -63,7 +63,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from gyre.tokenizer import IM_END, fast_decoder, parse_stop, stop_hit, stop_window
+from gyre.serving.tokenizer import IM_END, fast_decoder, parse_stop, stop_hit, stop_window
 
 log = structlog.get_logger(__name__)
 
@@ -73,7 +73,7 @@ Callback = Callable[[dict], "str | Awaitable[str]"]
 class ScriptedEngine:
     """An engine whose completions are scripted.
 
-    tokenizer: HF tokenizer with Qwen3's special tokens (`gyre.tokenizer.build_tokenizer()`).
+    tokenizer: HF tokenizer with Qwen3's special tokens (`gyre.serving.tokenizer.build_tokenizer()`).
     completions: texts answered in turn (cycled); or callback(body) -> text.
     policy_version: version reported in `weight_version` and `gyre_versions`.
     delay_s: seconds each generation takes (polled for abort every 10 ms).
@@ -415,7 +415,7 @@ def _load(path: str | Path) -> tuple[list[str], list[Rule]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m handlers.scripted_engine", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m handlers.engines.scripted", description=__doc__.splitlines()[0])
     p.add_argument("--script", required=True, help="JSONL file of completion texts (cycled) or playbook rules")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(a.model_dir)
     else:
-        from gyre.tokenizer import build_tokenizer
+        from gyre.serving.tokenizer import build_tokenizer
 
         tokenizer = build_tokenizer()
     texts, rules = _load(a.script)

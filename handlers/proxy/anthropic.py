@@ -1,6 +1,6 @@
 """Anthropic Messages wire shape of the proxy (`POST /v1/messages`, `/v1/messages/count_tokens`).
 
-Requests → internal chat messages (handlers/proxy_api.py):
+Requests → internal chat messages (handlers/proxy/api.py):
 - `system`: a string or text blocks, joined with a blank line; a block starting with
   `x-anthropic-billing-header:` is dropped. Claude Code changes its hash after compaction;
   it is transport metadata, not an instruction, so it is neither rendered nor matched
@@ -29,7 +29,7 @@ so a harness that echoes it matches), `text`, `tool_use` (ids `toolu_…`); `sto
 `tool_use` | `max_tokens` | `end_turn` | `stop_sequence` (with `stop_sequence`, the text cut
 before it); usage `input_tokens` = the whole prompt length.
 Streams: `message_start` (with the true prompt length; sent when the stream opens,
-`handlers.proxy_http.Reply`), `ping` keep-alives, per block `content_block_start` /
+`handlers.proxy.http.Reply`), `ping` keep-alives, per block `content_block_start` /
 `content_block_delta` (`thinking_delta` + `signature_delta`, `text_delta`, `input_json_delta` whose first
 fragment is "" and whose fragments concatenate to the input's JSON) / `content_block_stop`,
 `message_delta` (stop reason, usage), `message_stop`; no `[DONE]`.
@@ -44,7 +44,7 @@ from typing import Any
 
 import orjson
 
-from handlers.proxy_api import (
+from handlers.proxy.api import (
     Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, check_count, flag, function_tool, parse_sampling,
     pieces, sse, unique_hex,
 )
@@ -294,7 +294,7 @@ def stop_reason(answer: Answer) -> tuple[str, str | None]:
 
 def content_blocks(answer: Answer) -> list[dict]:
     """The answer's content blocks, complete. A tool's `input` is the arguments text the
-    policy wrote (`gyre.chat.ToolCall.arguments`, a JSON object), embedded as it is
+    policy wrote (`gyre.serving.chat.ToolCall.arguments`, a JSON object), embedded as it is
     (`orjson.Fragment`), as the streamed `input_json_delta`s carry it: parsed and written
     again, an integer beyond 64 bits would reach the harness as a float."""
     blocks: list[dict] = []

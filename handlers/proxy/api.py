@@ -1,9 +1,9 @@
 """What the proxy's API shapes share: errors, the parsed request, the answer, SSE framing.
 
 Contract: each wire API (OpenAI Chat Completions, OpenAI Responses, Anthropic Messages)
-is an `Api` object (handlers/proxy_openai.py, handlers/proxy_anthropic.py) that
+is an `Api` object (handlers/proxy/openai.py, handlers/proxy/anthropic.py) that
 - parses a request body into a `ModelRequest` whose `messages`/`tools` are in the internal
-  form `gyre.chat.render` and `gyre.tito` take (OpenAI chat messages: role, content string,
+  form `gyre.serving.chat.render` and `gyre.serving.tito` take (OpenAI chat messages: role, content string,
   tool_calls [{id, type, function{name, arguments JSON text}}], tool_call_id,
   reasoning_content; tools `{"type": "function", "function": {name, description, parameters}}`),
 - renders an `Answer` as its own non-streaming body or SSE frames,
@@ -11,7 +11,7 @@ is an `Api` object (handlers/proxy_openai.py, handlers/proxy_anthropic.py) that
 The assistant message recorded for TITO is `internal_message(answer)` for every API, so
 a harness that echoes our answer back in its own API's form converts to the same message.
 
-Pure: no aiohttp here (handlers/proxy.py does the HTTP).
+Pure: no aiohttp here (handlers/proxy/daemon.py does the HTTP).
 """
 from __future__ import annotations
 
@@ -25,16 +25,16 @@ from typing import Any
 
 import orjson
 
-from gyre.chat import ToolCall
-from gyre.tito import equal_prefix_len
-from gyre.tokenizer import parse_stop
+from gyre.serving.chat import ToolCall
+from gyre.serving.tito import equal_prefix_len
+from gyre.serving.tokenizer import parse_stop
 from schemas.call import SamplingParams
 
 
 MAX_MESSAGES = 100_000
 """Messages (Responses: input items) one request may hold; beyond, a 400. The hosted
 Messages API's own limit ("a limit of 100,000 messages in a single request"); it bounds how
-long one request's per-message work (conversion, `gyre.tito` normalisation, ≈ 10 µs a
+long one request's per-message work (conversion, `gyre.serving.tito` normalisation, ≈ 10 µs a
 message) holds the event loop, which the body limit alone left at seconds for a 64-MiB
 body of tiny messages."""
 
@@ -115,7 +115,7 @@ class ModelRequest:
     json_output: the request asks for a JSON-schema-shaped answer (title calls).
     options: API-specific switches (`include_usage`, the echoed request fields, …).
     body_meta: harness identity found in the body (e.g. Anthropic `metadata.user_id`'s
-    session id), for `gyre.roles`.
+    session id), for `gyre.serving.roles`.
     """
 
     api: str
@@ -143,7 +143,7 @@ class Answer:
     token_logprobs: when the request asked for log-probs (Chat Completions `logprobs`),
     (C,) pairs (the token's bytes, its behaviour log-prob as recorded: natural log, under
     the engine's sampling distribution at the call's temperature, T = 1 for greedy
-    decoding at temperature 0; `gyre.engine`), one per sampled token, stop token
+    decoding at temperature 0; `gyre.serving.engine`), one per sampled token, stop token
     included; None otherwise.
     """
 
@@ -186,7 +186,7 @@ class Api:
 
     name = "chat"
     history = "messages"
-    """The body's array that holds the conversation (`handlers.proxy_body.BodyMemo`)."""
+    """The body's array that holds the conversation (`handlers.proxy.body.BodyMemo`)."""
     keepalive = b": keep-alive\n\n"
     """SSE frame sent while a streamed call waits."""
 
@@ -246,8 +246,8 @@ def custom_tool(name: str, description: Any, fmt: Any) -> dict:
     `input`, whose description names the input's grammar when `format` gives one
     (`{"type": "grammar", "syntax": "lark" | "regex", "definition"}`, nested under
     `grammar` in Chat). The policy's call `{"input": …}` is answered as the API's custom
-    tool call (`gyre.chat.custom_input`), and sent back it renders the same
-    (`gyre.chat.custom_arguments`)."""
+    tool call (`gyre.serving.chat.custom_input`), and sent back it renders the same
+    (`gyre.serving.chat.custom_arguments`)."""
     note = "The tool's free-form input."
     if isinstance(fmt, dict) and fmt.get("type") == "grammar":
         grammar = fmt.get("grammar") if isinstance(fmt.get("grammar"), dict) else fmt

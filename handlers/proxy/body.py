@@ -3,7 +3,7 @@
 A harness resends its whole conversation on every call: after 50 calls of a bench
 execution a 57-KB body, after an hour of an agent's rollout ~4 MB for ~1M tokens. Parsing
 that whole body (`orjson.loads`: ≈ 70 µs for 57 KB here, 9–18 ms at 680k tokens) and then
-comparing the parsed history with the previous request's (`gyre.tito`, `MessageMemo`: a
+comparing the parsed history with the previous request's (`gyre.serving.tito`, `MessageMemo`: a
 walk over cold objects) costs O(history) on the event loop for every call.
 
 Contract: `BodyMemo.loads(raw, field)` returns what `orjson.loads(raw)` returns (equal
@@ -30,7 +30,7 @@ parsed whole gets its layout once, when a later body is first compared with it, 
 element it shared with an earlier body on; an extension finds only its new elements' ends.
 Callers must not mutate what `loads` returns (the objects are shared with later bodies).
 
-Cost (`ops/resent_history_cost.py`, a Claude Code-shaped history): at 600k tokens (2.7 MB)
+Cost (`handlers/bench/probes/resent_history_cost.py`, a Claude Code-shaped history): at 600k tokens (2.7 MB)
 ≈ 0.5 ms to read an extension's body, against ≈ 3 ms parsed whole. Memory: the latest
 `size` bodies' bytes (a ~1M-token execution's main line: ≈ 4 MB; more while lines that
 differ after the array coexist) beside the parsed objects the execution's memos keep

@@ -2,9 +2,9 @@
 
 Contract (DESIGN.md "Processes", "Token-in, token-out"):
 - Routes: `POST /v1/chat/completions`, `POST /v1/responses` and `POST
-  /v1/responses/input_tokens` (OpenAI shapes, handlers/proxy_openai.py; `/v1/responses/{id}`
+  /v1/responses/input_tokens` (OpenAI shapes, handlers/proxy/openai.py; `/v1/responses/{id}`
   is a 404: no response is stored), `POST /v1/messages` and `POST /v1/messages/count_tokens`
-  (Anthropic shapes, handlers/proxy_anthropic.py; a `?beta=true` query is ignored),
+  (Anthropic shapes, handlers/proxy/anthropic.py; a `?beta=true` query is ignored),
   `GET /v1/models` and `/v1/models/{id}` (any id), all of them also without `/v1`; `GET
   /health`, `GET|HEAD /`. Any model name is accepted; unknown fields and
   `anthropic-beta` flags are ignored. Sampling:
@@ -12,7 +12,7 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   completion cap (`max_tokens`, `max_completion_tokens`, `max_output_tokens`) clamped to
   `Config.max_completion_tokens`.
 - Auth: `Authorization: Bearer <key>` or `x-api-key: <key>`, a per-execution key checked
-  by `gyre.harness.verify_key`; the key alone names the execution a call is recorded in.
+  by `gyre.env.harness.verify_key`; the key alone names the execution a call is recorded in.
   Errors in the API's own shape: 401 (missing/invalid key), 403 code
   `execution_finished` (the key's execution has finished), 400 (malformed JSON or
   request), 413 (body over `body_limit_bytes`, also once decoded), 415 (a
@@ -23,7 +23,7 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   model calls (non-retryable, so the harness stops), 502/503 only when the engine refused
   the request or none was reachable within `retry_timeout_s` (or, once the proxy is
   stopping, no rollout cell is left: 503 code `proxy_stopping`).
-- Roles (gyre.roles): each call is classified with the execution's harness profile
+- Roles (gyre.serving.roles): each call is classified with the execution's harness profile
   (learnt from `execution.started`'s harness, else `Config.harness`, else detected from
   the headers); role and session metadata go on `call.completed`. `auxiliary` calls
   (count_tokens, titles, small side models) are answered and published but never enter
@@ -41,7 +41,7 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   ends a generation with `abort`, or its cell leaves rollout while the request is
   in flight (the request is then aborted upstream, `/abort_request`), the proxy retries
   on another rollout cell, or waits for one, for up to `retry_timeout_s`; the harness
-  sees no error (`handlers.proxy_routing.Dispatcher`). At most `concurrency` requests
+  sees no error (`handlers.proxy.routing.Dispatcher`). At most `concurrency` requests
   run on each engine; a reply that is not a sample of the policy (`engine_reply`) is a
   502.
   While waiting it sends keep-alives (SSE comments; Anthropic `ping` events; in
@@ -53,12 +53,12 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   with its answer or after min(`STREAM_OPEN_S` (0.25 s), keepalive_s), whichever comes
   first: an answer ready by then goes out in one write, and a failure by then is an HTTP
   error.
-- Per call: `gyre.tito.CallStore.match` (prompt ids reused or a branch; rendering and
-  encoding of more than `gyre.tito.HEAVY_CHARS` characters — a branch or count_tokens of a
+- Per call: `gyre.serving.tito.CallStore.match` (prompt ids reused or a branch; rendering and
+  encoding of more than `gyre.serving.tito.HEAVY_CHARS` characters — a branch or count_tokens of a
   long conversation, an extension by a huge message, with another template than gyre's
   any long extension — in the one branch thread, off the event loop), `/generate` with
   `gyre_execution` set and a fresh rid, decode (special tokens kept) and
-  `gyre.chat.parse_completion`, answer in the API's shape, then record: the store learns
+  `gyre.serving.chat.parse_completion`, answer in the API's shape, then record: the store learns
   the call only after its answer was delivered; `call.completed` (id
   `<run>:<execution>:call:<seq>`) is published in the background after delivery or a
   definitive failure, status `ok`, `aborted` (the client went away: the upstream request
@@ -84,7 +84,7 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   normalisation and, for Messages, the conversion of messages seen in the execution's
   earlier requests, and the JSON text of the prompt ids their calls sent the engine). The
   body itself is parsed only after the bytes it shares with one of the execution's latest
-  bodies (`handlers.proxy_body.BodyMemo`): the resent messages are that body's objects, so
+  bodies (`handlers.proxy.body.BodyMemo`): the resent messages are that body's objects, so
   comparing them downstream is identity checks. What still grows with the history are
   C-speed passes (comparing the body's bytes with the earlier body's, copying the prompt's
   ids and their JSON text). The answer's turn is
@@ -130,21 +130,21 @@ from aiohttp import web
 
 from bus.client import PayloadTooLarge
 from bus.subjects import CALLS_DUPLICATE_WINDOW_S
-from gyre.chat import parse_completion
-from gyre.harness import verify_key as harness_verify_key
-from gyre.roles import PROFILES, CallFacts, Classification, classify, clean_meta, profile_for_harness
-from gyre.tito import CallStore, Match, Pending, Prepared
-from gyre.tokenizer import THINK_END, fast_decoder, fast_encoder, token_bytes
-from handlers.engine_client import ids_json, make_session
-from handlers.proxy_anthropic import MessagesApi, parse_messages_request
-from handlers.proxy_body import BodyMemo
-from handlers.proxy_api import (
+from gyre.serving.chat import parse_completion
+from gyre.env.harness import verify_key as harness_verify_key
+from gyre.serving.roles import PROFILES, CallFacts, Classification, classify, clean_meta, profile_for_harness
+from gyre.serving.tito import CallStore, Match, Pending, Prepared
+from gyre.serving.tokenizer import THINK_END, fast_decoder, fast_encoder, token_bytes
+from handlers.engines.client import ids_json, make_session
+from handlers.proxy.anthropic import MessagesApi, parse_messages_request
+from handlers.proxy.body import BodyMemo
+from handlers.proxy.api import (
     Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, completion_room, context_exceeded,
     internal_message, unique_hex,
 )
-from handlers.proxy_http import Reply, error_response, key_of, read_json, serving_proxy, url_in
-from handlers.proxy_openai import ChatApi, ResponsesApi, parse_chat_request, parse_responses_request
-from handlers.proxy_routing import Attempt, Dispatcher, EngineResult, Router
+from handlers.proxy.http import Reply, error_response, key_of, read_json, serving_proxy, url_in
+from handlers.proxy.openai import ChatApi, ResponsesApi, parse_chat_request, parse_responses_request
+from handlers.proxy.routing import Attempt, Dispatcher, EngineResult, Router
 import schemas
 from schemas import encode, ids
 from schemas.call import CallCompleted, CallTokens, SamplingParams
@@ -250,7 +250,7 @@ class Config:
     run: str
     """Run id (bus subjects, event ids)."""
     key_secret: bytes
-    """HMAC secret of the per-execution keys (gyre.harness)."""
+    """HMAC secret of the per-execution keys (gyre.env.harness)."""
     host: str = "127.0.0.1"
     port: int = 0
     """Listening port; 0 = a free port (written to `url_file`)."""
@@ -293,7 +293,7 @@ class Config:
     retry_after_s: int = 1
     """`Retry-After` seconds on a 429."""
     harness: str = ""
-    """Roles profile (gyre.roles.PROFILES) for executions whose harness is not known from
+    """Roles profile (gyre.serving.roles.PROFILES) for executions whose harness is not known from
     `execution.started`; '' = detect it from each call's headers."""
     retry_timeout_s: float = 600.0
     """How long a call waits and retries for an engine before failing with 503, and a
@@ -315,7 +315,7 @@ class Config:
     """`call.completed` publishes awaiting their PubAck at once; later ones wait their turn
     in the background (never dropped; each is still acknowledged)."""
     check_drift: bool = True
-    """Count drift on extensions (`gyre.tito.CallStore`: one turn re-tokenised with gyre's
+    """Count drift on extensions (`gyre.serving.tito.CallStore`: one turn re-tokenised with gyre's
     template, the whole rendered request with another); False reports drift 0."""
     url_file: str = ""
     """If set, `{"url": ...}` is written there once the listener is bound."""
@@ -394,7 +394,7 @@ class _Execution:
     store: CallStore | None
     memo: MessageMemo | None = None
     bodies: BodyMemo | None = None
-    """The latest request bodies, so a resent history is not parsed again (`handlers.proxy_body`)."""
+    """The latest request bodies, so a resent history is not parsed again (`handlers.proxy.body`)."""
     finished: bool = False
     next_seq: int = 0
     model_calls: int = 0
@@ -582,7 +582,7 @@ class ProxyState:
         return ex
 
     def classify(self, ex: _Execution, headers: Any, req: ModelRequest, api: str) -> Classification:
-        """Role and metadata of a call (gyre.roles), with the execution's profile."""
+        """Role and metadata of a call (gyre.serving.roles), with the execution's profile."""
         facts = CallFacts(api=api, headers={k.lower(): v for k, v in headers.items()}, model=req.model,
                           messages=req.messages, tools=len(req.tools or ()), json_output=req.json_output,
                           body_meta=req.body_meta)
@@ -869,7 +869,7 @@ class ProxyState:
 
 def _encoded(event: CallCompleted) -> tuple[CallCompleted, bytes]:
     """(event, its bytes). An event holding a string that is not UTF-8 (a surrogate, which
-    orjson refuses and no retry mends; `gyre.roles.classify` cleans the metadata it takes
+    orjson refuses and no retry mends; `gyre.serving.roles.classify` cleans the metadata it takes
     from headers) is stored with its metadata escaped (`clean_meta`) rather than lost.
     Raises TypeError when it still does not encode."""
     try:
@@ -946,12 +946,12 @@ def _prepared_or_error(store: CallStore, pending: Pending) -> Prepared | Excepti
 async def _match(store: CallStore, req: ModelRequest, auxiliary: bool, execution: str,
                  thread: concurrent.futures.Executor, remember: bool = True) -> Match:
     """TITO attachment of a request (a fresh root for auxiliary calls). A heavy one whose
-    prompt needs whole conversations rendered (`gyre.tito.Pending.heavy`: a branch of a long
+    prompt needs whole conversations rendered (`gyre.serving.tito.Pending.heavy`: a branch of a long
     conversation, ≈ 0.2 s for 600k tokens; with a template other than gyre's, any long
     request) is rendered and encoded in `thread` (the proxy's `ProxyState.branch_thread()`),
     so the event loop goes on serving other calls. Raises ApiError(400) for a request the
     template cannot render. remember=False: a token count, which leaves the store's
-    normalisation memo as it was (`gyre.tito.CallStore.attach`)."""
+    normalisation memo as it was (`gyre.serving.tito.CallStore.attach`)."""
     try:
         found = store.attach(req.messages, req.tools, fresh=auxiliary, remember=remember)
     except MemoryError:
@@ -1139,7 +1139,7 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
 def _reasoning_tokens(output_ids: list[int], cut: bool) -> int:
     """Completion tokens up to and including the first `</think>` id. cut: the completion's
     text has no `</think>` (its reasoning was cut short while thinking:
-    `gyre.chat.parse_completion`), so all of them; 0 when the text has one but not as that
+    `gyre.serving.chat.parse_completion`), so all of them; 0 when the text has one but not as that
     id (sampled in pieces: where the reasoning ends in tokens is not known)."""
     if cut:
         return len(output_ids)
@@ -1358,7 +1358,7 @@ client that sent nothing or part of its headers) before the proxy closes it: aio
 keep-alive timeout, as `web.run_app` sets it (its `AppRunner` default is an hour, which
 let a local process hold connections until the proxy ran out of file descriptors). The
 SDKs' own idle timeouts are shorter (httpx 5 s, undici 4 s). A body that stalls once its
-head has come: `handlers.proxy_http.BODY_READ_S`."""
+head has come: `handlers.proxy.http.BODY_READ_S`."""
 
 
 async def start(state: ProxyState, reuse_port_of: str = "") -> tuple[web.AppRunner, str]:
@@ -1402,7 +1402,7 @@ def vocab_size(model_dir: str) -> int:
     padded Qwen3 vocabulary (151,936) for the built-in tokenizer; 2**31 (int32, no other
     bound) when the checkpoint's config does not say."""
     if not model_dir:
-        from gyre.tokenizer import VOCAB_SIZE
+        from gyre.serving.tokenizer import VOCAB_SIZE
 
         return VOCAB_SIZE
     try:
@@ -1417,10 +1417,10 @@ def vocab_size(model_dir: str) -> int:
 
 def load_tokenizer(model_dir: str) -> Any:
     if model_dir:
-        from gyre.model import load_tokenizer as from_checkpoint
+        from gyre.serving.model import load_tokenizer as from_checkpoint
 
         return from_checkpoint(model_dir)
-    from gyre.tokenizer import build_tokenizer
+    from gyre.serving.tokenizer import build_tokenizer
 
     return build_tokenizer()
 

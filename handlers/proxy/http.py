@@ -14,7 +14,7 @@ import orjson
 import structlog
 from aiohttp import HttpVersion11, web
 
-from handlers.proxy_api import Api, ApiError, StreamStart, decode_body
+from handlers.proxy.api import Api, ApiError, StreamStart, decode_body
 
 log = structlog.get_logger()
 
@@ -35,13 +35,13 @@ def key_of(request: web.Request) -> str | None:
 BODY_READ_S = 60.0
 """Seconds a request's body may take to arrive once its headers have (a 64-MiB body takes
 under a second on loopback); then a 408, and the connection closes. A client that stalls
-before its headers end is closed by the server's idle timeout (`handlers.proxy.IDLE_CLOSE_S`)."""
+before its headers end is closed by the server's idle timeout (`handlers.proxy.daemon.IDLE_CLOSE_S`)."""
 
 
 async def read_json(request: web.Request, limit: int, raw_bodies: bool,
                     loads: Callable[[bytes], Any] = orjson.loads) -> Any:
     """The request body as JSON, parsed by `loads` (an execution's
-    `handlers.proxy_body.BodyMemo`, which parses a resent history only where it is new).
+    `handlers.proxy.body.BodyMemo`, which parses a resent history only where it is new).
     limit: bytes, as sent and once decoded. raw_bodies: the server does not decompress
     (aiohttp `auto_decompress=False`), so `Content-Encoding` is undone here. Raises
     ApiError 400/408/413/415."""

@@ -59,8 +59,8 @@ from typing import Any
 
 import orjson
 
-from gyre.chat import call_id_prefix, custom_arguments, custom_input
-from handlers.proxy_api import (
+from gyre.serving.chat import call_id_prefix, custom_arguments, custom_input
+from handlers.proxy.api import (
     Answer, Api, ApiError, ModelRequest, StreamStart, check_count, custom_tool, flag, function_tool,
     internal_message, parse_sampling, pieces, sse, unique_hex,
 )
@@ -134,7 +134,7 @@ def answer_message(answer: Answer, custom: set[str] | frozenset[str] = frozenset
     """The assistant message as OpenAI returns it: the recorded message, with content None
     when there are only tool calls, and a call of a custom tool (a name in `custom`) in
     OpenAI's custom shape `{"id", "type": "custom", "custom": {"name", "input"}}`
-    (`gyre.chat.custom_input`)."""
+    (`gyre.serving.chat.custom_input`)."""
     msg = internal_message(answer)
     if not answer.content and answer.tool_calls:
         msg["content"] = None
@@ -368,7 +368,7 @@ def responses_tools(tools: Any) -> tuple[list[dict] | None, dict[str, tuple[str,
     functions of a `namespace` tool (Codex's sub-agent tools: `{"type": "namespace", "name":
     "multi_agent_v1", "tools": [functions]}`) are shown under their flat name (`flat_name`);
     `custom` tools (free-form input, e.g. Codex's `apply_patch` for the models it knows) as
-    functions of one `input` string (`handlers.proxy_api.custom_tool`), their calls answered
+    functions of one `input` string (`handlers.proxy.api.custom_tool`), their calls answered
     as `custom_tool_call` items; other tool types are tolerated and not rendered. Raises
     ApiError(400) for a tool that is not an object, or a function, custom or namespace tool
     (or a namespace's function) without a string `name`."""
@@ -518,7 +518,7 @@ class ResponsesApi(Api):
         """The answer's output items, complete; a call to a function of a `namespace` tool
         (`responses_tools`: its flat name → (namespace, name)) names both, as Codex
         dispatches it; a call of a custom tool (a name in `custom`) is a `custom_tool_call`
-        item with its `input` (`gyre.chat.custom_input`)."""
+        item with its `input` (`gyre.serving.chat.custom_input`)."""
         key = answer.rid.removeprefix("resp_")
         items: list[dict] = []
         if answer.reasoning:

@@ -23,8 +23,8 @@ from typing import Any
 import orjson
 import structlog
 
-from handlers.engine_client import EngineClient, EngineRequestError, EngineUnavailable
-from handlers.proxy_api import ApiError, context_exceeded, unique_hex
+from handlers.engines.client import EngineClient, EngineRequestError, EngineUnavailable
+from handlers.proxy.api import ApiError, context_exceeded, unique_hex
 from schemas.call import SamplingParams
 from schemas.cell import CellSwitched, RouteUpdated
 

@@ -1,5 +1,5 @@
 """How long a request whose prompt needs whole conversations rendered holds the proxy's
-event loop (handlers.proxy._match, gyre.tito).
+event loop (handlers.proxy.daemon._match, gyre.serving.tito).
 
 Builds one execution's call store of N calls (a ~8k-token system prompt, +1 tool call and a
 ~2k-token tool result per call: N=300 gives ~600k tokens), then attaches a request to it
@@ -10,9 +10,9 @@ message edited, so no call extends it); with `--other-template` the tokenizer ca
 template other than gyre's (gyre's text plus a comment: the same rendering), which renders
 every extension whole, and the request is an extension (one more user message).
 `--omega` ends the system prompt with an ohm sign (U+2126, not NFC), a text piece that goes
-to the HF encoder (gyre.tokenizer.FastEncoder).
+to the HF encoder (gyre.serving.tokenizer.FastEncoder).
 
-    .venv/bin/python ops/branch_loop_lag.py [--calls N] [--omega] [--other-template]
+    .venv/bin/python -m handlers.bench.probes.branch_loop_lag [--calls N] [--omega] [--other-template]
     (from the repository root)
 """
 import argparse
@@ -20,17 +20,14 @@ import asyncio
 import concurrent.futures
 import copy
 import random
-import sys
 import time
 import types
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's gyre, not an installed one
-from gyre.tito import CallStore  # noqa: E402
-from gyre.tokenizer import build_tokenizer  # noqa: E402
-from handlers.proxy import _match  # noqa: E402
+from gyre.serving.tito import CallStore
+from gyre.serving.tokenizer import build_tokenizer
+from handlers.proxy.daemon import _match
 
 WORDS = ["def", "return", "self", "import", "numpy", "value", "the", "file", "error", "test", "x", "=", "(", ")",
          ":", "\n", "    "]

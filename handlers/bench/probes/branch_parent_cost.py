@@ -1,26 +1,23 @@
 """What choosing a branch's parent costs on the proxy's event loop (`CallStore.complete`).
 
-One execution of N calls (`ops/branch_loop_lag.py`'s conversation: N=300 is ~600k tokens),
+One execution of N calls (`handlers/bench/probes/branch_loop_lag.py`'s conversation: N=300 is ~600k tokens),
 then 30 leaves: the last turn forked 30 times (retries, each an extension of the tip that
 nothing extends). A branch must compare its ids with every leaf. Timed twice: a branch
 diverging early (an edited task) and one diverging late (5 ids before the leaves' prompts
 end).
 
-    .venv/bin/python ops/branch_parent_cost.py [N]      (from the repository root)
+    .venv/bin/python -m handlers.bench.probes.branch_parent_cost [N]      (from the repository root)
 """
 import random
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's gyre, not an installed one
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from branch_loop_lag import conversation  # noqa: E402
+from handlers.bench.probes.branch_loop_lag import conversation
 
-from gyre.tito import CallStore, Prepared  # noqa: E402
-from gyre.tokenizer import build_tokenizer  # noqa: E402
+from gyre.serving.tito import CallStore, Prepared
+from gyre.serving.tokenizer import build_tokenizer
 
 
 def main(calls: int) -> None:

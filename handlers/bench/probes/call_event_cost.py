@@ -3,23 +3,21 @@
 await (the object-store payload included). A 680,000-token prompt (a root or branch of a
 long rollout carries its whole prompt), 500 sampled tokens; three runs.
 
-    .venv/bin/python ops/call_event_cost.py [TOKENS]      (from the repository root)
+    .venv/bin/python -m handlers.bench.probes.call_event_cost [TOKENS]      (from the repository root)
 """
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's gyre, not an installed one
 
-from gyre.tito import Match  # noqa: E402
-from gyre.tokenizer import build_tokenizer  # noqa: E402
-from handlers.proxy import Config, ProxyState  # noqa: E402
-from handlers.proxy_routing import EngineResult  # noqa: E402
-from schemas import encode  # noqa: E402
-from schemas.call import SamplingParams  # noqa: E402
+from gyre.serving.tito import Match
+from gyre.serving.tokenizer import build_tokenizer
+from handlers.proxy.daemon import Config, ProxyState
+from handlers.proxy.routing import EngineResult
+from schemas import encode
+from schemas.call import SamplingParams
 
 
 def main(tokens: int) -> None:

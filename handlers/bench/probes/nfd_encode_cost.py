@@ -1,17 +1,14 @@
 """Encoding a 3 MB tool output (40,000 `ls -l` lines) with gyre's encoder, all NFC and with one
-decomposed character (U+0301) on its last line (gyre.tokenizer.FastEncoder: only the run of
+decomposed character (U+0301) on its last line (gyre.serving.tokenizer.FastEncoder: only the run of
 lines that is not NFC goes to the HF encoder).
 
-    .venv/bin/python ops/nfd_encode_cost.py      (from the repository root)
+    .venv/bin/python -m handlers.bench.probes.nfd_encode_cost      (from the repository root)
 """
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's gyre, not an installed one
-import random  # noqa: E402
-import time  # noqa: E402
+import random
+import time
 
-from gyre import tokenizer as q  # noqa: E402
+from gyre.serving import tokenizer as q
 
 tok = q.build_tokenizer()
 enc = q.fast_encoder(tok)

@@ -1,32 +1,29 @@
 """What the proxy's event loop spends on a long history that every call resends: reading the
-body and attaching the request to the call store (`handlers.proxy._parsed`'s parse, then
-`gyre.tito.CallStore.match`), per call, before the engine request.
+body and attaching the request to the call store (`handlers.proxy.daemon._parsed`'s parse, then
+`gyre.serving.tito.CallStore.match`), per call, before the engine request.
 
 One execution in Claude Code's shape (Anthropic Messages: a ~8k-token system prompt, a
 `tool_use` and a ~2k-token `tool_result` per call, the `cache_control` marker on the newest
 message, so the message that held it before changes), grown call by call to N calls
 (N=300: ~600k tokens, a ~2.6 MB body); the last 10 calls are timed. Twice: the body parsed
-with the execution's `handlers.proxy_body.BodyMemo` (the proxy's way) and parsed whole
+with the execution's `handlers.proxy.body.BodyMemo` (the proxy's way) and parsed whole
 with `orjson.loads` (before it).
 
-    .venv/bin/python ops/resent_history_cost.py [--calls N]      (from the repository root)
+    .venv/bin/python -m handlers.bench.probes.resent_history_cost [--calls N]      (from the repository root)
 """
 import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's gyre, not an installed one
-from gyre.tito import CallStore  # noqa: E402
-from gyre.tokenizer import build_tokenizer  # noqa: E402
-from handlers.proxy_anthropic import parse_messages_request  # noqa: E402
-from handlers.proxy_api import MessageMemo  # noqa: E402
-from handlers.proxy_body import BodyMemo  # noqa: E402
-from schemas.call import SamplingParams  # noqa: E402
+from gyre.serving.tito import CallStore
+from gyre.serving.tokenizer import build_tokenizer
+from handlers.proxy.anthropic import parse_messages_request
+from handlers.proxy.api import MessageMemo
+from handlers.proxy.body import BodyMemo
+from schemas.call import SamplingParams
 
 WORDS = ["def", "return", "self", "import", "numpy", "value", "the", "file", "error", "test", "x", "=", "(", ")",
          ":", "\n", "    "]

@@ -1,0 +1,3 @@
+from handlers.proxy.daemon import main
+
+main()
