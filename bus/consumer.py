@@ -14,6 +14,8 @@ While a handler runs, `in_progress()` is sent every `heartbeat_s` (default a thi
 consumer's `ack_wait`) so long handlers are not redelivered. `run_loop` fetches only as many
 messages as it has free handler slots (`concurrency`), so a fetched message never waits out its
 `ack_wait` in a local queue; on stop it fetches nothing more and finishes the handlers in hand.
+
+Also the loop helpers `bus.history` shares (`wait_any`, `fetch_or_stop`, `unsubscribe`, `TRANSIENT`).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import time
 from typing import Any, Awaitable, Callable, Literal
 
 import nats.errors
+import nats.js.errors
 import structlog
 
 import schemas
@@ -38,6 +41,19 @@ DLQ_CONSUMER = "Gyre-Dlq-Consumer"
 DLQ_DELIVERED = "Gyre-Dlq-Delivered"
 _MAX_HEADER_CHARS = 1000
 ACK_TIMEOUT_S = 5.0
+
+TRANSIENT = (
+    nats.errors.TimeoutError,
+    asyncio.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+)
+"""nats errors that pass with time (a timeout, a reconnect, JetStream briefly away): `Bus.publish`
+retries them, a replay re-creates its consumer after them."""
 
 
 class Retry(Exception):
@@ -269,6 +285,14 @@ async def wait_any(events: list[asyncio.Event]) -> None:
     finally:
         for w in waiters:
             w.cancel()
+
+
+async def unsubscribe(sub: Any) -> None:
+    """Unsubscribe `sub`, quietly when the connection is already closed or draining."""
+    try:
+        await sub.unsubscribe()
+    except Exception:  # noqa: BLE001 - connection already closed or draining
+        pass
 
 
 async def fetch_or_stop(sub: Any, n: int, poll_s: float, stopped: asyncio.Future) -> list[Any] | None:
