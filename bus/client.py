@@ -331,9 +331,13 @@ class Bus:
     async def ensure_consumer(self, spec: subjects.ConsumerSpec) -> None:
         """Create (or update in place) the durable pull consumer `spec` on its stream.
 
-        Also remembers it so `consume(spec.durable, ...)` finds a run-time consumer.
-        Raises nats APIError when the server refuses (e.g. an unchangeable field differs).
+        Also remembers it so `consume(spec.durable, ...)` finds a run-time consumer. A cell's
+        durable is `subjects.cell_consumer(cell)`. Raises ValueError for a template whose
+        `<cell>` is not filled in, nats APIError when the server refuses (e.g. an unchangeable
+        field differs).
         """
+        if subjects.CELL in spec.durable:
+            raise ValueError(f"consumer {spec.durable!r} is a template: fill it in with subjects.cell_consumer(cell)")
         stream = subjects.stream(spec.stream)
         for n in spec.names:
             if n not in stream.names:
