@@ -5,8 +5,9 @@ Contract (STYLE.md "Bus"), applied by `classify` + `settle` and nowhere else:
 - it raises `Retry(delay_s)` → `nak(delay_s)` (redelivered after the delay; backoff if None);
 - it raises `Invalid(reason)`, or the message is undecodable (`SchemaError`, not a gyre
   subject) → a dead-letter copy on `dlq_subject(run, name)` (original bytes as body, reason,
-  subject, stream and sequence in `Gyre-Dlq-*` headers, `Nats-Msg-Id = dlq:<stream>:<seq>` so
-  a redelivered poison message is dead-lettered once), then `term`, plus a warning;
+  subject, stream and sequence in `Gyre-Dlq-*` headers, `Nats-Msg-Id = dlq:<stream>:<seq>`
+  (`schemas.ids.dead_letter`) so a redelivered poison message is dead-lettered once), then
+  `term`, plus a warning;
 - any other exception → `nak` with exponential backoff by delivery count, logged with its
   traceback; never dropped. If the dead-letter copy cannot be stored the message is nak'd too.
 
@@ -30,6 +31,7 @@ import structlog
 
 import schemas
 from bus import subjects
+from schemas import ids
 
 log = structlog.get_logger("gyre.bus")
 
@@ -149,11 +151,6 @@ def classify(exc: BaseException | None, num_delivered: int, backoff: Backoff) ->
     return Outcome("nak", backoff.delay(num_delivered), f"{type(exc).__name__}: {exc}")
 
 
-def dead_letter_id(stream: str, stream_seq: int) -> str:
-    """Nats-Msg-Id of the dead-letter copy of message `stream_seq` of `stream`."""
-    return f"dlq:{stream}:{stream_seq}"
-
-
 def _header_value(text: str) -> str:
     one_line = " ".join(str(text).split())
     return one_line[:_MAX_HEADER_CHARS]
@@ -162,7 +159,7 @@ def _header_value(text: str) -> str:
 def dead_letter_headers(meta: Delivery, reason: str) -> dict[str, str]:
     """Headers of a dead-letter copy: reason, original subject, stream, sequence, consumer."""
     return {
-        "Nats-Msg-Id": dead_letter_id(meta.stream, meta.stream_seq),
+        "Nats-Msg-Id": ids.dead_letter(meta.stream, meta.stream_seq),
         DLQ_REASON: _header_value(reason) or "invalid",
         DLQ_SUBJECT: meta.subject,
         DLQ_STREAM: meta.stream,
