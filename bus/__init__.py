@@ -1,4 +1,4 @@
-"""gyre's only NATS JetStream code: the `Bus` client, consumer outcomes, subjects, server."""
+"""gyre's only NATS JetStream code: the `Bus` client, consumer outcomes, history and taps, subjects, server."""
 from bus.client import (
     MAX_EVENT_BYTES,
     OBJECT_THRESHOLD_BYTES,
@@ -8,9 +8,9 @@ from bus.client import (
     ConnectError,
     PayloadTooLarge,
     PublishError,
-    Tap,
     too_big,
 )
+from bus.history import Tap
 from bus.consumer import Backoff, Delivery, Invalid, Outcome, Retry, classify
 
 __all__ = [

@@ -10,15 +10,15 @@ Contract:
   Events over `MAX_EVENT_BYTES` raise `PayloadTooLarge`; producers move arrays above
   `OBJECT_THRESHOLD_BYTES` to the object store themselves (`too_big`, `put_object`).
 - `consume` runs a durable pull consumer; outcomes map to acks in `bus.consumer` only.
-- `replay` delivers every stored event of some names from the start, then live ones, in
-  stream order (ordered per stream; ephemeral consumer, nothing acked).
+- `replay`, `stored_ids` and `tap` read history and live traffic; they delegate to `bus.history`.
 - `close` stops consume/replay loops, waits for handlers in hand within a bound, then drains.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-from typing import Any, Awaitable, Callable, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping
 
 import nats
 import nats.errors
@@ -27,8 +27,9 @@ import structlog
 from nats.js import api
 
 import schemas
-from bus import subjects
-from bus.consumer import Backoff, Handler, Worker, fetch_or_stop, run_loop, wait_any
+from bus import history, subjects
+from bus.consumer import TRANSIENT, Backoff, Handler, Worker, run_loop, unsubscribe
+from bus.history import Tap
 
 log = structlog.get_logger("gyre.bus")
 
@@ -41,16 +42,6 @@ _MAY_HAVE_LANDED = (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.
 """Publish failures after which the message may be stored all the same (the PubAck was
 lost, not the message); the others mean the server did not take it."""
 
-_TRANSIENT = (
-    nats.errors.TimeoutError,
-    asyncio.TimeoutError,
-    nats.errors.NoRespondersError,
-    nats.js.errors.NoStreamResponseError,
-    nats.js.errors.ServiceUnavailableError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.StaleConnectionError,
-    nats.errors.OutboundBufferLimitError,
-)
 _STREAM_CONFIG_DIFFERS = 10058  # JetStream err_code: stream name in use with a different config
 
 
@@ -139,19 +130,6 @@ def too_big(data: bytes | schemas.Event) -> bool:
     if isinstance(data, schemas.Event):
         data = schemas.encode(data)
     return len(data) > OBJECT_THRESHOLD_BYTES
-
-
-class Tap:
-    """A core-NATS subscription made by `Bus.tap`; `await tap.close()` ends it."""
-
-    def __init__(self, sub: Any):
-        self._sub = sub
-
-    async def close(self) -> None:
-        try:
-            await self._sub.unsubscribe()
-        except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError):
-            pass
 
 
 class Bus:
@@ -353,9 +331,13 @@ class Bus:
     async def ensure_consumer(self, spec: subjects.ConsumerSpec) -> None:
         """Create (or update in place) the durable pull consumer `spec` on its stream.
 
-        Also remembers it so `consume(spec.durable, ...)` finds a run-time consumer.
-        Raises nats APIError when the server refuses (e.g. an unchangeable field differs).
+        Also remembers it so `consume(spec.durable, ...)` finds a run-time consumer. A cell's
+        durable is `subjects.cell_consumer(cell)`. Raises ValueError for a template whose
+        `<cell>` is not filled in, nats APIError when the server refuses (e.g. an unchangeable
+        field differs).
         """
+        if subjects.CELL in spec.durable:
+            raise ValueError(f"consumer {spec.durable!r} is a template: fill it in with subjects.cell_consumer(cell)")
         stream = subjects.stream(spec.stream)
         for n in spec.names:
             if n not in stream.names:
@@ -412,7 +394,7 @@ class Bus:
         for attempt in range(1, self.config.publish_attempts + 1):
             try:
                 return await self.js.publish(subject, data, headers=dict(headers) if headers else None), landed
-            except _TRANSIENT as exc:
+            except TRANSIENT as exc:
                 landed = landed or isinstance(exc, _MAY_HAVE_LANDED)
                 if attempt == self.config.publish_attempts:
                     raise PublishError(
@@ -472,16 +454,13 @@ class Bus:
         worker = Worker(run=self.run, durable=spec.durable, handler=handler, with_meta=with_meta,
                         heartbeat_s=ack_wait_s / 3.0 if heartbeat_s is None else heartbeat_s,
                         backoff=backoff, dead_letter=self._dead_letter)
-        done = asyncio.Event()
-        self._loops.add(done)
         log.info("bus.consume.started", consumer=spec.durable, stream=stream, concurrency=concurrency)
         try:
-            await run_loop(sub, worker, concurrency=concurrency, batch=batch, poll_s=poll_s,
-                           stop_events=[stop, self._closing])
+            with self.loop_scope() as closing:
+                await run_loop(sub, worker, concurrency=concurrency, batch=batch, poll_s=poll_s,
+                               stop_events=[stop, closing])
         finally:
-            done.set()
-            self._loops.discard(done)
-            await _unsubscribe(sub)
+            await unsubscribe(sub)
             log.info("bus.consume.stopped", consumer=spec.durable)
 
     async def _consumer_spec(self, durable: str) -> subjects.ConsumerSpec:
@@ -501,170 +480,32 @@ class Bus:
     async def _dead_letter(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
         await self.publish_raw(subject, data, headers)
 
-    # ---- replay and tap -----------------------------------------------------------------
+    # ---- history and tap (bus.history) ----------------------------------------------------
 
-    async def replay(self, names: Iterable[str], handler: Callable[[schemas.Event], Awaitable[Any]], *,
-                     stop: asyncio.Event, caught_up: asyncio.Event | None = None,
-                     batch: int = 256, poll_s: float = 1.0) -> None:
-        """Deliver every stored event of `names` from the start, then live ones, until `stop`.
-
-        Order is the stream's order within each stream (names of different streams are replayed
-        concurrently). `caught_up` is set once all history stored at start has been handled.
-        Nothing is acked or redelivered: a handler error or an undecodable event is logged and
-        skipped. Raises ValueError for names on a work-queue stream (replay would consume them).
-        """
-        groups: dict[str, list[str]] = {}
-        for n in names:
-            groups.setdefault(_kept_stream(n, "replay").concern, []).append(n)
-        done_events = {concern: asyncio.Event() for concern in groups}
+    @contextlib.contextmanager
+    def loop_scope(self) -> Iterator[asyncio.Event]:
+        """Scope of a consume/replay loop that `close()` waits for (≤ drain_timeout_s); yields
+        the event `close()` sets to stop it."""
         done = asyncio.Event()
         self._loops.add(done)
-
-        async def all_caught_up() -> None:
-            for e in done_events.values():
-                await e.wait()
-            if caught_up is not None:
-                caught_up.set()
-
         try:
-            async with asyncio.TaskGroup() as tg:
-                watcher = tg.create_task(all_caught_up())
-                loops = [tg.create_task(self._replay_stream(subjects.stream(c), ns, handler, stop,
-                                                            done_events[c], batch, poll_s))
-                         for c, ns in groups.items()]
-                await asyncio.gather(*loops)
-                watcher.cancel()
+            yield self._closing
         finally:
             done.set()
             self._loops.discard(done)
 
-    async def _replay_stream(self, spec: subjects.StreamSpec, names: list[str], handler: Callable, stop: asyncio.Event,
-                             caught_up: asyncio.Event, batch: int, poll_s: float) -> None:
-        stream = spec.stream_name(self.run)
-        rlog = log.bind(stream=stream, names=names)
-        stopped = asyncio.ensure_future(wait_any([stop, self._closing]))
-        next_seq = 1
-        try:
-            while not stopped.done():
-                cfg = api.ConsumerConfig(
-                    ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-                    opt_start_seq=next_seq, filter_subjects=[subjects.subject(self.run, n) for n in names],
-                    inactive_threshold=max(30.0, 5 * poll_s), mem_storage=True)
-                try:
-                    info = await self.js.add_consumer(stream, cfg)
-                    sub = await self.js.pull_subscribe_bind(consumer=info.name, stream=stream)
-                except _TRANSIENT as exc:
-                    rlog.warning("bus.replay.create_failed", error=repr(exc))
-                    await asyncio.wait({stopped}, timeout=poll_s)
-                    continue
-                if info.num_pending == 0:
-                    caught_up.set()
-                try:
-                    while not stopped.done():
-                        msgs = await fetch_or_stop(sub, batch, poll_s, stopped)
-                        if msgs is None:
-                            break
-                        if not msgs:
-                            caught_up.set()
-                        for msg in msgs:
-                            next_seq = msg.metadata.sequence.stream + 1
-                            await _replay_one(msg, handler, rlog)
-                            if msg.metadata.num_pending == 0:
-                                caught_up.set()
-                except nats.errors.ConnectionClosedError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - consumer lost (server restart): recreate
-                    rlog.warning("bus.replay.restarting", next_seq=next_seq, error=repr(exc))
-                    await asyncio.wait({stopped}, timeout=min(poll_s, 1.0))
-                finally:
-                    await self._drop_ephemeral(sub, stream, info.name)
-        finally:
-            stopped.cancel()
+    async def replay(self, names: Iterable[str], handler: Callable[[schemas.Event], Awaitable[Any]], *,
+                     stop: asyncio.Event, caught_up: asyncio.Event | None = None,
+                     batch: int = 256, poll_s: float = 1.0) -> None:
+        """`bus.history.replay` on this bus: every stored event of `names`, then live ones."""
+        await history.replay(self, names, handler, stop=stop, caught_up=caught_up, batch=batch, poll_s=poll_s)
 
     async def stored_ids(self, name: str, *, stop: asyncio.Event | None = None,
                          batch: int = 1024) -> dict[str, dict[str, str]] | None:
-        """The event ids (`Nats-Msg-Id`) of the events of `name` stored when called, oldest
-        first, each with its message headers (`publish`'s headers, `Nats-Msg-Id` among
-        them); None once `stop` is set. Both it and a cancellation are checked between
-        batches too (nats-py's fetch can swallow a cancellation on Python 3.11). Read
-        with a headers-only ephemeral consumer: payloads stay on the server (a
-        `call.completed` with inline tokens costs ~150 bytes here, not its ~10-250 KB).
-        Raises ValueError for a name on a work-queue stream, nats errors when the server
-        cannot be read (callers that must not go on without the ids let them propagate)."""
-        stream = _kept_stream(name, "list").stream_name(self.run)
-        cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL,
-                                 filter_subject=subjects.subject(self.run, name), headers_only=True,
-                                 inactive_threshold=30.0, mem_storage=True)
-        info = await self.js.add_consumer(stream, cfg)
-        sub = await self.js.pull_subscribe_bind(consumer=info.name, stream=stream)
-        out: dict[str, dict[str, str]] = {}
-        try:
-            pending = info.num_pending
-            task = asyncio.current_task()
-            while pending > 0:
-                if task is not None and task.cancelling():
-                    raise asyncio.CancelledError
-                if stop is not None and stop.is_set():
-                    return None
-                msgs = await sub.fetch(min(batch, pending), timeout=self.config.timeout_s)
-                out.update((m.headers["Nats-Msg-Id"], m.headers) for m in msgs if m.headers and "Nats-Msg-Id" in m.headers)
-                pending = msgs[-1].metadata.num_pending
-        finally:
-            await self._drop_ephemeral(sub, stream, info.name)
-        return out
-
-    async def _drop_ephemeral(self, sub: Any, stream: str, consumer: str) -> None:
-        """Unsubscribe from and delete an ephemeral consumer of `stream`."""
-        await _unsubscribe(sub)
-        try:
-            await self.js.delete_consumer(stream, consumer)
-        except Exception:  # noqa: BLE001 - ephemeral: the server removes it anyway
-            pass
+        """`bus.history.stored_ids` on this bus: ids and headers of the stored events of `name`."""
+        return await history.stored_ids(self, name, stop=stop, batch=batch)
 
     async def tap(self, pattern: str | None, callback: Callable[[str, bytes], Awaitable[Any]]) -> Tap:
-        """Core-NATS subscription: `await callback(subject, data)` for every message on `pattern`.
+        """`bus.history.tap` on this bus: `await callback(subject, data)` for every message on `pattern`."""
+        return await history.tap(self, pattern, callback)
 
-        pattern: a subject pattern; None = everything of this run (`gyre.v1.<run>.>`).
-        Raises ValueError for a pattern NATS refuses (spaces, empty tokens, a misplaced wildcard).
-        """
-        async def on_msg(msg: Any) -> None:
-            try:
-                await callback(msg.subject, msg.data)
-            except Exception:  # noqa: BLE001 - a tap callback must not kill the subscription
-                log.exception("bus.tap.callback_failed", subject=msg.subject)
-
-        pattern = pattern or subjects.run_wildcard(self.run)
-        try:
-            sub = await self.nc.subscribe(pattern, cb=on_msg)
-        except nats.errors.BadSubjectError:
-            raise ValueError(f"{pattern!r} is not a NATS subject pattern (dot-separated tokens without spaces; "
-                             "* stands for one token, > for the rest)") from None
-        return Tap(sub)
-
-
-def _kept_stream(name: str, what: str) -> subjects.StreamSpec:
-    """The stream holding `name`'s history. Raises ValueError for a work-queue stream
-    (reading it would consume the events)."""
-    spec = subjects.stream_for(name)
-    if spec.work_queue:
-        raise ValueError(f"cannot {what} {name!r}: stream {spec.concern} is a work queue")
-    return spec
-
-
-async def _replay_one(msg: Any, handler: Callable, rlog: Any) -> None:
-    try:
-        event = schemas.decode(subjects.name_of(msg.subject), msg.data)
-    except (schemas.SchemaError, ValueError) as exc:
-        rlog.warning("bus.replay.undecodable", subject=msg.subject, error=str(exc))
-        return
-    try:
-        await handler(event)
-    except Exception:  # noqa: BLE001 - replay has no redelivery; keep going
-        rlog.exception("bus.replay.handler_failed", subject=msg.subject, event_id=event.event_id)
-
-
-async def _unsubscribe(sub: Any) -> None:
-    try:
-        await sub.unsubscribe()
-    except Exception:  # noqa: BLE001 - connection already closed or draining
-        pass

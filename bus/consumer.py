@@ -5,8 +5,9 @@ Contract (STYLE.md "Bus"), applied by `classify` + `settle` and nowhere else:
 - it raises `Retry(delay_s)` → `nak(delay_s)` (redelivered after the delay; backoff if None);
 - it raises `Invalid(reason)`, or the message is undecodable (`SchemaError`, not a gyre
   subject) → a dead-letter copy on `dlq_subject(run, name)` (original bytes as body, reason,
-  subject, stream and sequence in `Gyre-Dlq-*` headers, `Nats-Msg-Id = dlq:<stream>:<seq>` so
-  a redelivered poison message is dead-lettered once), then `term`, plus a warning;
+  subject, stream and sequence in `Gyre-Dlq-*` headers, `Nats-Msg-Id = dlq:<stream>:<seq>`
+  (`schemas.ids.dead_letter`) so a redelivered poison message is dead-lettered once), then
+  `term`, plus a warning;
 - any other exception → `nak` with exponential backoff by delivery count, logged with its
   traceback; never dropped. If the dead-letter copy cannot be stored the message is nak'd too.
 
@@ -14,6 +15,8 @@ While a handler runs, `in_progress()` is sent every `heartbeat_s` (default a thi
 consumer's `ack_wait`) so long handlers are not redelivered. `run_loop` fetches only as many
 messages as it has free handler slots (`concurrency`), so a fetched message never waits out its
 `ack_wait` in a local queue; on stop it fetches nothing more and finishes the handlers in hand.
+
+Also the loop helpers `bus.history` shares (`wait_any`, `fetch_or_stop`, `unsubscribe`, `TRANSIENT`).
 """
 from __future__ import annotations
 
@@ -23,10 +26,12 @@ import time
 from typing import Any, Awaitable, Callable, Literal
 
 import nats.errors
+import nats.js.errors
 import structlog
 
 import schemas
 from bus import subjects
+from schemas import ids
 
 log = structlog.get_logger("gyre.bus")
 
@@ -38,6 +43,19 @@ DLQ_CONSUMER = "Gyre-Dlq-Consumer"
 DLQ_DELIVERED = "Gyre-Dlq-Delivered"
 _MAX_HEADER_CHARS = 1000
 ACK_TIMEOUT_S = 5.0
+
+TRANSIENT = (
+    nats.errors.TimeoutError,
+    asyncio.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+)
+"""nats errors that pass with time (a timeout, a reconnect, JetStream briefly away): `Bus.publish`
+retries them, a replay re-creates its consumer after them."""
 
 
 class Retry(Exception):
@@ -133,11 +151,6 @@ def classify(exc: BaseException | None, num_delivered: int, backoff: Backoff) ->
     return Outcome("nak", backoff.delay(num_delivered), f"{type(exc).__name__}: {exc}")
 
 
-def dead_letter_id(stream: str, stream_seq: int) -> str:
-    """Nats-Msg-Id of the dead-letter copy of message `stream_seq` of `stream`."""
-    return f"dlq:{stream}:{stream_seq}"
-
-
 def _header_value(text: str) -> str:
     one_line = " ".join(str(text).split())
     return one_line[:_MAX_HEADER_CHARS]
@@ -146,7 +159,7 @@ def _header_value(text: str) -> str:
 def dead_letter_headers(meta: Delivery, reason: str) -> dict[str, str]:
     """Headers of a dead-letter copy: reason, original subject, stream, sequence, consumer."""
     return {
-        "Nats-Msg-Id": dead_letter_id(meta.stream, meta.stream_seq),
+        "Nats-Msg-Id": ids.dead_letter(meta.stream, meta.stream_seq),
         DLQ_REASON: _header_value(reason) or "invalid",
         DLQ_SUBJECT: meta.subject,
         DLQ_STREAM: meta.stream,
@@ -269,6 +282,14 @@ async def wait_any(events: list[asyncio.Event]) -> None:
     finally:
         for w in waiters:
             w.cancel()
+
+
+async def unsubscribe(sub: Any) -> None:
+    """Unsubscribe `sub`, quietly when the connection is already closed or draining."""
+    try:
+        await sub.unsubscribe()
+    except Exception:  # noqa: BLE001 - connection already closed or draining
+        pass
 
 
 async def fetch_or_stop(sub: Any, n: int, poll_s: float, stopped: asyncio.Future) -> list[Any] | None:

@@ -2,12 +2,28 @@
 
 Subjects: `gyre.v1.<run>.<name>`; dead letters `gyre.v1.<run>.dlq.<name>`.
 Streams: `GYRE_<RUN>_<CONCERN>` (file storage, limits retention). Consumers: one
-durable per handler per major version (`builder-v1`).
+durable per handler per major version (`builder-v1`), and one per cell (`cell_consumer`).
+Event names come from the schemas' `NAME`s.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
+
+from schemas import (
+    CallCompleted,
+    CellSwitch,
+    CellSwitched,
+    ExecutionDispatched,
+    ExecutionFinished,
+    ExecutionScored,
+    ExecutionStarted,
+    MicrostepReady,
+    RouteUpdated,
+    StepCompleted,
+    StepSealed,
+    WeightsPublished,
+)
 
 PREFIX = "gyre.v1"
 _RUN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -75,14 +91,14 @@ CALLS_DUPLICATE_WINDOW_S = 1200.0
 `call.completed` is retried (`handlers.proxy.daemon.Config.retry_timeout_s` is checked against it)."""
 
 STREAMS: tuple[StreamSpec, ...] = (
-    StreamSpec("EXECUTIONS", ("execution.started", "execution.finished", "execution.scored")),
-    StreamSpec("DISPATCH", ("execution.dispatched",), work_queue=True),
+    StreamSpec("EXECUTIONS", (ExecutionStarted.NAME, ExecutionFinished.NAME, ExecutionScored.NAME)),
+    StreamSpec("DISPATCH", (ExecutionDispatched.NAME,), work_queue=True),
     # The proxy retries a call's publish for up to its retry_timeout_s (600 s) after an
     # attempt whose PubAck may have been lost: a duplicate must still be recognised then.
-    StreamSpec("CALLS", ("call.completed",), duplicate_window_s=CALLS_DUPLICATE_WINDOW_S),
-    StreamSpec("MICROSTEPS", ("microstep.ready",), work_queue=True),
-    StreamSpec("STEPS", ("step.sealed", "step.completed", "weights.published")),
-    StreamSpec("CELLS", ("cell.switch", "cell.switched", "route.updated")),
+    StreamSpec("CALLS", (CallCompleted.NAME,), duplicate_window_s=CALLS_DUPLICATE_WINDOW_S),
+    StreamSpec("MICROSTEPS", (MicrostepReady.NAME,), work_queue=True),
+    StreamSpec("STEPS", (StepSealed.NAME, StepCompleted.NAME, WeightsPublished.NAME)),
+    StreamSpec("CELLS", (CellSwitch.NAME, CellSwitched.NAME, RouteUpdated.NAME)),
     StreamSpec("DLQ", ("dlq.>",)),
 )
 
@@ -105,15 +121,32 @@ class ConsumerSpec:
 
 
 CONSUMERS: tuple[ConsumerSpec, ...] = (
-    ConsumerSpec("runner-v1", "DISPATCH", ("execution.dispatched",), ack_wait_s=60.0, max_ack_pending=64),
-    ConsumerSpec("builder-v1", "EXECUTIONS", ("execution.started", "execution.scored")),
-    ConsumerSpec("builder-calls-v1", "CALLS", ("call.completed",)),
-    ConsumerSpec("evaluator-v1", "EXECUTIONS", ("execution.finished",), ack_wait_s=120.0, max_ack_pending=8),
-    ConsumerSpec("scheduler-v1", "EXECUTIONS", ("execution.started", "execution.finished", "execution.scored")),
-    ConsumerSpec("scheduler-steps-v1", "STEPS", ("step.sealed", "step.completed")),
-    ConsumerSpec("scheduler-cells-v1", "CELLS", ("cell.switched",)),
-    ConsumerSpec("trainer-v1", "MICROSTEPS", ("microstep.ready",), ack_wait_s=120.0, max_ack_pending=4),
+    ConsumerSpec("runner-v1", "DISPATCH", (ExecutionDispatched.NAME,), ack_wait_s=60.0, max_ack_pending=64),
+    ConsumerSpec("builder-v1", "EXECUTIONS", (ExecutionStarted.NAME, ExecutionScored.NAME)),
+    ConsumerSpec("builder-calls-v1", "CALLS", (CallCompleted.NAME,)),
+    ConsumerSpec("evaluator-v1", "EXECUTIONS", (ExecutionFinished.NAME,), ack_wait_s=120.0, max_ack_pending=8),
+    ConsumerSpec("scheduler-v1", "EXECUTIONS", (ExecutionStarted.NAME, ExecutionFinished.NAME, ExecutionScored.NAME)),
+    ConsumerSpec("scheduler-steps-v1", "STEPS", (StepSealed.NAME, StepCompleted.NAME)),
+    ConsumerSpec("scheduler-cells-v1", "CELLS", (CellSwitched.NAME,)),
+    ConsumerSpec("trainer-v1", "MICROSTEPS", (MicrostepReady.NAME,), ack_wait_s=120.0, max_ack_pending=4),
 )
+"""The durables of one run, created by `Bus.ensure_streams` at every daemon's start."""
+
+CELL = "<cell>"
+"""Placeholder for a cell id in the durable name of a `CONSUMER_TEMPLATES` entry."""
+
+CELL_CONSUMER = ConsumerSpec(f"{CELL}-v1", "CELLS", (CellSwitch.NAME,), ack_wait_s=120.0, max_ack_pending=1)
+"""Each cell's own durable of `cell.switch` (`cell0-v1`): every cell sees every switch and
+takes one at a time. Created by the cell itself (`Bus.ensure_consumer(cell_consumer(cell))`),
+since the run's cells are known only to them."""
+
+CONSUMER_TEMPLATES: tuple[ConsumerSpec, ...] = (CELL_CONSUMER,)
+"""Durables made once per cell; their names hold the `CELL` placeholder."""
+
+
+def cell_consumer(cell: str) -> ConsumerSpec:
+    """The durable consumer of cell `cell` (`CELL_CONSUMER` with its id filled in)."""
+    return dataclasses.replace(CELL_CONSUMER, durable=CELL_CONSUMER.durable.replace(CELL, cell))
 
 
 def stream_for(name: str) -> StreamSpec:
@@ -146,10 +179,17 @@ def object_bucket(run: str) -> str:
     return f"GYRE_{check_run(run).upper().replace('-', '_')}_OBJECTS"
 
 
+def _consumer_entry(c: ConsumerSpec, run: str) -> dict:
+    return {"durable": c.durable, "stream": stream(c.stream).stream_name(run),
+            "filter_subjects": [subject(run, n) for n in c.names], "ack_policy": "explicit",
+            "ack_wait_s": c.ack_wait_s, "max_ack_pending": c.max_ack_pending, "max_deliver": c.max_deliver}
+
+
 def catalogue(run: str = "RUN") -> dict:
     """Streams and durable consumers of one run as plain data (mirrored in ops/nats/).
 
     `run` is substituted everywhere; ops/nats/catalogue.json uses the placeholder "RUN".
+    `consumer_templates` are made once per cell, `<cell>` standing for the cell id.
     """
     return {
         "subject_prefix": f"{PREFIX}.{run}",
@@ -159,12 +199,8 @@ def catalogue(run: str = "RUN") -> dict:
              "max_age_s": s.max_age_s, "max_bytes": s.max_bytes, "duplicate_window_s": s.duplicate_window_s}
             for s in STREAMS
         ],
-        "consumers": [
-            {"durable": c.durable, "stream": stream(c.stream).stream_name(run),
-             "filter_subjects": [subject(run, n) for n in c.names], "ack_policy": "explicit",
-             "ack_wait_s": c.ack_wait_s, "max_ack_pending": c.max_ack_pending, "max_deliver": c.max_deliver}
-            for c in CONSUMERS
-        ],
+        "consumers": [_consumer_entry(c, run) for c in CONSUMERS],
+        "consumer_templates": [_consumer_entry(c, run) for c in CONSUMER_TEMPLATES],
         "object_store": object_bucket(run),
         "dead_letters": dlq_subject(run, "<name>"),
     }

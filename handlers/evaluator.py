@@ -177,7 +177,7 @@ class Evaluator:
         elog = log.bind(execution=info.execution, task=info.task, status=event.status)
         record = self._record(info.execution)
         if record.exists():
-            await self.bus.publish(schemas.decode("execution.scored", record.read_bytes()))
+            await self.bus.publish(schemas.decode(schemas.ExecutionScored.NAME, record.read_bytes()))
             elog.info("evaluator.already_scored")
             return
         attempts_path = record.with_suffix(".attempts")

@@ -99,7 +99,7 @@ class Progress:
                 self.exit_nonzero.add(event.info.execution)
             step = event.info.step
             done = sum(1 for e in self.finished if e.startswith(f"s{step}-"))
-            self._emit("execution.finished", execution=event.info.execution, status=event.status,
+            self._emit(schemas.ExecutionFinished.NAME, execution=event.info.execution, status=event.status,
                        duration_s=event.duration_s)
             running = len(self.started - self.finished.keys())
             self._say(f"step {step}: execution {event.info.execution} {event.status} "
@@ -110,7 +110,7 @@ class Progress:
                 self.excluded.add(event.info.execution)
             else:
                 self.rewards.setdefault(step, {})[event.info.execution] = float(event.reward or 0.0)
-            self._emit("execution.scored", execution=event.info.execution, outcome=event.outcome,
+            self._emit(schemas.ExecutionScored.NAME, execution=event.info.execution, outcome=event.outcome,
                        reward=event.reward, reason=event.reason)
         elif isinstance(event, schemas.CallCompleted):
             self.calls += 1
@@ -124,14 +124,14 @@ class Progress:
                       f"reward mean {event.reward_mean:.3f}, zero-variance groups {event.zero_variance_groups}")
         elif isinstance(event, schemas.CellSwitched):
             self.switches.append({"cell": event.cell, "to": event.to_role, **event.durations})
-            self._emit("cell.switched", cell=event.cell, to_role=event.to_role, durations=event.durations)
+            self._emit(schemas.CellSwitched.NAME, cell=event.cell, to_role=event.to_role, durations=event.durations)
             if event.seq >= 0 or event.from_role != "idle":
                 self._say(f"{event.cell} → {event.to_role} ({event.durations.get('total_s', 0.0):.2f}s)")
         elif isinstance(event, schemas.StepCompleted):
             if event.step in self.completed:
                 return
             self.completed[event.step] = event
-            self._emit("step.completed", step=event.step, loss=event.loss, grad_norm=event.grad_norm,
+            self._emit(schemas.StepCompleted.NAME, step=event.step, loss=event.loss, grad_norm=event.grad_norm,
                        tokens=event.tokens, policy_version=event.policy_version, duration_s=event.duration_s)
             self._say(f"step {event.step}: completed — loss {event.loss:.3g}, grad norm {event.grad_norm:.4g}, "
                       f"{event.tokens} tokens trained, policy version {event.policy_version}")
@@ -267,8 +267,8 @@ async def _follow(bus: Bus, progress: Progress, sup: Supervisor, timeout_s: floa
     """Follow the run until done, a daemon dies, `interrupted` or the timeout; returns the
     outcome."""
     stop = asyncio.Event()
-    names = ["execution.started", "execution.finished", "execution.scored", "call.completed",
-             "step.sealed", "step.completed", "cell.switched"]
+    names = [e.NAME for e in (schemas.ExecutionStarted, schemas.ExecutionFinished, schemas.ExecutionScored,
+                              schemas.CallCompleted, schemas.StepSealed, schemas.StepCompleted, schemas.CellSwitched)]
     follower = asyncio.create_task(bus.replay(names, progress.on_event, stop=stop))
     deadline = time.monotonic() + timeout_s
     outcome = "done"

@@ -153,7 +153,7 @@ class Runner:
         elog = log.bind(execution=info.execution, task=info.task, harness=info.harness)
         paths = Paths.of(self.cfg.run_dir, info.execution)
         if paths.record.exists():
-            recorded = schemas.decode("execution.finished", paths.record.read_bytes())
+            recorded = schemas.decode(schemas.ExecutionFinished.NAME, paths.record.read_bytes())
             await self.bus.publish(recorded)
             elog.info("runner.execution.already_finished", status=recorded.status)
             return

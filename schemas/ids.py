@@ -1,5 +1,9 @@
-"""Deterministic event ids (DESIGN.md "Event ids"): one id per fact."""
+"""Event ids (DESIGN.md "Event ids"): one id per fact, sent as `Nats-Msg-Id`; the only
+place that builds them. Each is deterministic in its arguments except `announce`, which
+names a cell's start by the wall-clock time it happened."""
 from __future__ import annotations
+
+import time
 
 
 def dispatched(run: str, execution: str) -> str:
@@ -48,3 +52,16 @@ def switched(run: str, cell: str, seq: int) -> str:
 
 def weights(run: str, version: int) -> str:
     return f"{run}:weights:{version}"
+
+
+def announce(run: str, cell: str, now_s: float | None = None) -> str:
+    """A cell's announcement of its role at start (a `cell.switched` with no switch behind it).
+    now_s: Unix time in seconds (default now); the id holds it in whole microseconds, so a
+    restarted cell announces anew."""
+    return f"{run}:cell:{cell}:announce:{int((time.time() if now_s is None else now_s) * 1e6)}"
+
+
+def dead_letter(stream: str, stream_seq: int) -> str:
+    """The dead-letter copy of message `stream_seq` of `stream` (a full stream name, which
+    holds the run): a redelivered poison message is dead-lettered once."""
+    return f"dlq:{stream}:{stream_seq}"
