@@ -210,8 +210,8 @@ def _chain(seed: bytes, keys: Iterable[bytes]) -> list[bytes]:
 MESSAGE_CHARS = 100
 """What `_text_chars` counts for each message and tool call besides its text: the template's
 framing (`<|im_start|>role\n`, `<tool_call>` with the name, `<tool_response>`…), ≈ 60–90
-characters, and rendering's per-message cost (≈ 0.1 ms a message in Jinja here: 2,400
-short turns rendered in 0.35 s)."""
+characters, and rendering's fixed cost per message (Jinja), so many short messages are heavy
+too."""
 
 
 def _text_chars(messages: Iterable[dict], tools: Sequence[dict]) -> int:

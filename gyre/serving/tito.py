@@ -31,7 +31,7 @@ Contract:
   gyre-template extension by more than `HEAVY_CHARS` of new messages.
   A caller on an event loop can run `prepare(pending)` — the rendering and encoding, which
   read no store state calls change — in a worker thread between the two (the proxy does for
-  `Pending.heavy` requests: a 600k-token branch is ≈ 0.2–0.3 s of work).
+  `Pending.heavy` requests).
   Messages are normalised and hashed incrementally: a request is compared (as parsed
   JSON, in C) with the few latest requests of the execution, and only the messages after
   the common part are normalised and hashed again.
@@ -42,9 +42,9 @@ Contract:
 - A branch or fresh request's first turn (the system prompt and tool definitions, up to
   and including the first `<|im_end|>`) is encoded once per store: the latest
   `FIRST_TURNS` distinct ones used are kept with their ids. Branches (a compaction, the main
-  line after it, a second sub-agent of a kind) and count_tokens calls resend them, and
-  Claude Code's are ~17k tokens, 4 ms of encoding on the event loop on the 2-core CI
-  machine. They name the execution's working directory, so stores do not share them.
+  line after it, a second sub-agent of a kind) and count_tokens calls resend them, so each
+  is encoded once, not on every such call. They name the execution's working directory, so
+  stores do not share them.
   Exact because encoding splits at `<|im_end|>` (see Drift below).
 - `CallStore.record(match, call=, seq=, answer=, completion_ids=)` adds a served call; its
   answer's tool-call payloads enter `tool_args`. Only calls whose answer reached the harness
@@ -105,18 +105,15 @@ sub-agents and side calls interleave)."""
 TIP_CACHE = 8
 """Latest calls per execution whose full ids are also kept whole, as their prompt and
 completion int32 arrays, so extending one costs one copy in C, not a walk over the call
-chain. Arrays, not lists of
-Python ints: a list of 10^4 ints is a container the cyclic GC walks item by item on
-every collection while it lives (`gyre bench proxy` measured 15-80 ms pauses)."""
+chain. Arrays, not lists of Python ints: a list of 10^4 ints is a container the cyclic GC
+walks item by item on every collection while it lives, pausing the event loop."""
 
 HEAVY_CHARS = 100_000
-"""Characters (≈ 25k tokens, ≈ 6 ms of tiktoken on the 2-core CI machine) above which a
-`Pending` request is `heavy` and the proxy renders and encodes it in a worker thread
-(`CallStore.prepare`), off the event loop: a request whose prompt needs whole
-conversations rendered (a branch, a fresh request, and every extension when the store is
-not incremental) counting its messages and tools, or an incremental extension counting its
-new messages (a huge tool output). A 600k-token conversation, 2.6 MB of text, takes 25–40
-ms to render and 130–300 ms to encode."""
+"""Characters (≈ 25k tokens) above which a `Pending` request is `heavy` and the proxy
+renders and encodes it in a worker thread (`CallStore.prepare`), off the event loop: a
+request whose prompt needs whole conversations rendered (a branch, a fresh request, and
+every extension when the store is not incremental) counting its messages and tools, or an
+incremental extension counting its new messages (a huge tool output)."""
 
 Renderer = Callable[..., str]
 _IM_END_IDS = np.array([IM_END], np.int32)
