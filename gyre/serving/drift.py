@@ -12,10 +12,26 @@ disagreement; an unpaired chunk counts all its unsampled positions. The template
 before a sampled span does not count where the fresh tokenisation joined it with the span's
 start (the header's "\n" and a completion opening with "\n" encode as one "\n\n" id): that
 id holds sampled text. It is 0 for a BPE-stable template (every template boundary is a
-special token, or a join of that kind). A branch is a fresh
-tokenisation, so its drift is 0.
-`count_drift` counts it on a whole prompt; `gyre.serving.tito.CallStore` counts it
-incrementally (one turn per call) with gyre's template.
+special token, or a join of that kind). A branch is a fresh tokenisation, so its drift is 0.
+`count_drift` counts it on a whole prompt.
+
+Counted incrementally by `gyre.serving.tito.CallStore` with gyre's template, for a request
+extending a call c: every rendered message starts right after a `<|im_end|>`, a special
+token, and the tokenizer splits special tokens out before BPE, so
+`encode(a + b) == encode(a) + encode(b)` whenever `a` ends with `<|im_end|>`. The request's
+rendering is c's conversation cut after its last `<|im_end|>` followed by the suffix, and
+its encoding splits the same way: the suffix region agrees by construction, and the
+prefix chunks are c's prompt chunks (counted when c was matched: `c.drift`) plus c's last
+turn — the generation prompt and c's completion (+ the closing `<|im_end|>`) against
+`encode(render_assistant_turn(c.answer))`, counted once when c is recorded (after its
+answer was delivered: `CallRecord.turn_drift`; when that turn is one chunk and its body
+opens with an added token such as `<tool_call>` or `<think>`, only the ids before the
+first sampled one count, and only the header up to that token is encoded). So
+`drift = c.drift + that turn's count`, O(one turn). It equals the full-request count
+(`CallStore.full_drift`, kept as the reference) except where a sampled span
+re-tokenises to a different number of `<|im_end|>` chunks (the model wrote "<|im_end|>"
+as plain text, or sampled `<|im_end|>` mid-completion): the full count then compares
+every later message against the wrong one, the incremental one stays inside that message.
 
 Tokenizer facts (HF tokenizers; none raises): `_special_tokens_split` (`<|im_end|>` is an
 added token stripping no whitespace, so encoding splits at it), `_splitting_tokens` (the

@@ -45,29 +45,13 @@ Contract:
   line after it, a second sub-agent of a kind) and count_tokens calls resend them, so each
   is encoded once, not on every such call. They name the execution's working directory, so
   stores do not share them.
-  Exact because encoding splits at `<|im_end|>` (see Drift below).
+  Exact because encoding splits at `<|im_end|>` (`gyre.serving.drift`).
 - `CallStore.record(match, call=, seq=, answer=, completion_ids=)` adds a served call; its
   answer's tool-call payloads enter `tool_args`. Only calls whose answer reached the harness
   should be recorded.
 
-Drift (`gyre.serving.drift`) is counted incrementally with gyre's template: every rendered
-message starts right after a `<|im_end|>`, a special token, and the tokenizer splits special
-tokens out before BPE, so `encode(a + b) == encode(a) + encode(b)` whenever `a` ends with
-`<|im_end|>`. The request's
-rendering is c's conversation cut after its last `<|im_end|>` followed by the suffix, and
-its encoding splits the same way: the suffix region agrees by construction, and the
-prefix chunks are c's prompt chunks (counted when c was matched: `c.drift`) plus c's last
-turn — the generation prompt and c's completion (+ the closing `<|im_end|>`) against
-`encode(render_assistant_turn(c.answer))`, counted once when c is recorded (after its
-answer was delivered: `CallRecord.turn_drift`; when that turn is one chunk and its body
-opens with an added token such as `<tool_call>` or `<think>`, only the ids before the
-first sampled one count, and only the header up to that token is encoded). So
-`drift = c.drift + that turn's count`, O(one turn). It equals the full-request count
-(`CallStore.full_drift`, kept as the reference) except where a sampled span
-re-tokenises to a different number of `<|im_end|>` chunks (the model wrote "<|im_end|>"
-as plain text, or sampled `<|im_end|>` mid-completion): the full count then compares
-every later message against the wrong one, the incremental one stays
-inside that message. `check_drift=False` skips the count (drift 0).
+Drift: `gyre.serving.drift` defines it and says how the store counts it, O(one turn) with
+gyre's template; `check_drift=False` skips the count (drift 0).
 Memory: the normalisation memo holds the latest `MEMO_REQUESTS` requests' messages, sharing
 the message objects they have in common (a call's ids: `gyre.serving.call_record`).
 """
@@ -127,7 +111,7 @@ class Match:
     prefix_len: leading ids of parent's full ids reused verbatim (0 for a root).
     prompt_ids: (P,) int32, the whole prompt to send to the engine.
     extended: True for a message-level extension (ids reused), False for a branch/root.
-    drift: `gyre.serving.drift`, counted as the module docstring says. messages/tools: what
+    drift: `gyre.serving.drift`. messages/tools: what
     was rendered (normalised). digest: names (tools, messages) for message-level matching.
     query / shown: facts of `messages` in gyre's template (see CallRecord.conv_query /
     conv_shown).
@@ -228,7 +212,7 @@ class CallStore:
     tokenizer: an HF tokenizer (`gyre.serving.tokenizer.build_tokenizer()` or the model's).
     render: `gyre.serving.chat.render(tokenizer, messages, tools, add_generation_prompt)`; None =
       that function, with incremental rendering when the tokenizer is on gyre's template.
-    check_drift: count drift on extensions (module docstring; O(one turn) on gyre's
+    check_drift: count drift on extensions (`gyre.serving.drift`; O(one turn) on gyre's
       template, O(prompt) re-tokenisation otherwise); False reports drift 0.
     Attributes: `incremental` (only new messages are rendered; module docstring).
     Not thread-safe; one event loop owns it. Only `prepare` and `encode` may run in another
@@ -532,7 +516,7 @@ class CallStore:
         """Drift of a call's last turn as an extension reuses it: `ids` (T,) the stored ids
         from the prompt's last turn start to the end (+ the closing <|im_end|> when the
         completion did not stop), `sampled` (T,) bool, against `encode(text)`, the turn as
-        rendered (module docstring).
+        rendered (`gyre.serving.drift`).
 
         Shortcut, same count: when the turn is one chunk on both sides (a single
         <|im_end|>, at the end) and the rendered body opens with an added token, only the
