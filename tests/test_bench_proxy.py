@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from handlers.bench import proxy as bench_proxy
+from handlers.bench import proxy_load
 
 
 def test_bench_proxy_smoke(tmp_path):
@@ -28,7 +29,7 @@ def test_bench_proxy_smoke(tmp_path):
     assert set(rows) == {*variants, "floor"} and table[-1] == f"wrote {out}"
     assert float(rows["chat"][1]) == round(result["chat"]["added_latency_ms_p50"], 2)
     assert result["machine"]["cpus"] >= 1
-    assert result["config"]["completion_tokens"] == bench_proxy.COMPLETION_TOKENS
+    assert result["config"]["completion_tokens"] == proxy_load.COMPLETION_TOKENS
     for variant in variants:
         figures = result[variant]
         if figures.get("skipped"):
@@ -93,9 +94,9 @@ def test_every_variant_sends_the_prompt_of_the_direct_path(variant):
     from schemas.call import SamplingParams
 
     tok = build_tokenizer()
-    w = bench_proxy.Workload.build(tok)
-    prompts = bench_proxy.direct_prompts(tok, w)
-    conv = bench_proxy.Conversation(variant, w, "e")
+    w = proxy_load.Workload.build(tok)
+    prompts = proxy_load.direct_prompts(tok, w)
+    conv = proxy_load.Conversation(variant, w, "e")
     parse = {"chat": parse_chat_request, "messages": parse_messages_request, "responses": parse_responses_request}
     api = {"chat": CHAT, "messages": MESSAGES, "responses": RESPONSES}[conv.api]
     conv.fast_forward(3)
@@ -144,8 +145,8 @@ async def test_failed_calls_are_counted_not_fatal():
     runner, url = await serve(app)
     try:
         async with aiohttp.ClientSession() as session:
-            prompts = [[1, 2, 3]] * bench_proxy.CALLS_PER_EXECUTION
-            load = bench_proxy.Load(session, "", url, None, prompts, None, "r")
+            prompts = [[1, 2, 3]] * proxy_load.CALLS_PER_EXECUTION
+            load = proxy_load.Load(session, "", url, None, prompts, None, "r")
             stats = await load.run_direct(4, 0.01, 0.3, random.Random(0))
             assert stats.errors > 0 and stats.calls == 0 and stats.error_samples[0].startswith("500 ")
             gone = await load.run_direct(2, 0.01, 0.2, random.Random(0), url="http://127.0.0.1:1")
@@ -156,13 +157,13 @@ async def test_failed_calls_are_counted_not_fatal():
 
 def test_process_cpu_s_reads_a_process_cpu_time():
     if not os.path.exists("/proc/self/stat"):
-        assert bench_proxy.process_cpu_s(os.getpid()) is None
+        assert proxy_load.process_cpu_s(os.getpid()) is None
         return
-    before = bench_proxy.process_cpu_s(os.getpid())
+    before = proxy_load.process_cpu_s(os.getpid())
     deadline = time.process_time() + 0.1
     while time.process_time() < deadline:  # 100 ms of CPU: ten clock ticks
         pass
-    after = bench_proxy.process_cpu_s(os.getpid())
+    after = proxy_load.process_cpu_s(os.getpid())
     assert 0.05 <= after - before <= 5.0
-    assert bench_proxy.process_cpu_s(None) is None
-    assert bench_proxy.process_cpu_s(2**22 + 12345) is None  # above pid_max: no such process
+    assert proxy_load.process_cpu_s(None) is None
+    assert proxy_load.process_cpu_s(2**22 + 12345) is None  # above pid_max: no such process

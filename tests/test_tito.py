@@ -1,4 +1,5 @@
-"""TITO: normalisation, extension with verbatim id reuse, branches, drift (gyre.serving.tito)."""
+"""TITO: normalisation, extension with verbatim id reuse, branches, drift (gyre.serving.tito,
+.normalise, .drift, .call_record)."""
 from __future__ import annotations
 
 import json
@@ -8,18 +9,9 @@ import numpy as np
 import pytest
 
 from gyre.serving.chat import parse_completion, render
-from gyre.serving.tito import (
-    HEAVY_CHARS,
-    MESSAGE_CHARS,
-    CallStore,
-    Match,
-    Pending,
-    count_drift,
-    equal_prefix_len,
-    message_key,
-    normalise,
-    normalise_message,
-)
+from gyre.serving.drift import count_drift
+from gyre.serving.normalise import MESSAGE_CHARS, equal_prefix_len, message_key, normalise, normalise_message
+from gyre.serving.tito import HEAVY_CHARS, CallStore, Match, Pending
 from gyre.serving.tokenizer import IM_END, build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a command",
@@ -339,7 +331,7 @@ def test_shared_len_over_a_tree_equals_the_plain_common_prefix(seed):
     """`_shared_len` (a branch's parent choice, memoised over a tree's ancestors) equals
     the common prefix of each call's full ids with the prompt, in any visiting order, on
     random trees whose calls share long prefixes (ids from a 3-letter alphabet)."""
-    from gyre.serving.tito import CallRecord, _shared_len
+    from gyre.serving.call_record import CallRecord, _shared_len
 
     rng = random.Random(seed)
     recs: list[CallRecord] = []

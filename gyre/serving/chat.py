@@ -133,7 +133,7 @@ def custom_input(arguments: str) -> str:
     """The free-form input of a custom tool call the policy wrote as `arguments` (JSON text):
     its `input` when that is a string and the only key (the form `custom_arguments` renders
     and `handlers.proxy.api.custom_tool` asks for), else the arguments text itself, so
-    nothing the policy wrote is dropped (`gyre.serving.tito` matches either form when the harness
+    nothing the policy wrote is dropped (`gyre.serving.normalise` matches either form when the harness
     sends the call back)."""
     try:
         value = json.loads(arguments)
@@ -182,7 +182,7 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
                 fn = call_function(call)
                 if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
                     raise ValueError(f"{where}.function.name must be a string")
-                if not isinstance(call.get("id"), (str, type(None))):  # (gyre.serving.tito refuses them first in the proxy)
+                if not isinstance(call.get("id"), (str, type(None))):  # (gyre.serving.normalise refuses them first in the proxy)
                     raise ValueError(f"{where}.id must be a string")
                 calls.append(
                     {

@@ -1,18 +1,12 @@
-"""Token-in, token-out (TITO): per-execution call store, normalisation, prefix matching.
+"""Token-in, token-out (TITO): per-execution call store and prefix matching.
 
 DESIGN.md "Token-in, token-out". The trainer never re-tokenises text: for every call the
 proxy keeps the exact ids the engine saw and sampled, and a new request reuses them
-wherever it extends an earlier call.
+wherever it extends an earlier call. Requests are normalised first (`gyre.serving.normalise`),
+calls are kept as `gyre.serving.call_record.CallRecord`s, and drift is defined and counted
+on a whole prompt in `gyre.serving.drift`.
 
 Contract:
-- `normalise(messages, tool_args)` maps harness noise onto one canonical form: a list of
-  text parts becomes one string, `None` content becomes "", `cache_control` markers and
-  unknown keys are dropped, and each tool call's arguments are restored from `tool_args`
-  (tool-call id → the raw argument payload we emitted) when they parse to the same JSON
-  (or are `{"input": payload}`: a custom tool call answered with the whole payload as
-  its input), so a harness that re-serialises arguments (spacing, key order, \\u
-  escapes) still matches. Messages are compared by `message_key`, which holds tool-call arguments as
-  parsed JSON and ignores `reasoning_content` (harnesses drop or keep it at will).
 - `CallStore.match(messages, tools) -> Match`:
   1. *Extension.* Find the recorded call c (same tools; the system prompt is a message)
      whose `c.messages + [c.answer]` is the longest message-level prefix of the request.
@@ -37,7 +31,7 @@ Contract:
   gyre-template extension by more than `HEAVY_CHARS` of new messages.
   A caller on an event loop can run `prepare(pending)` — the rendering and encoding, which
   read no store state calls change — in a worker thread between the two (the proxy does for
-  `Pending.heavy` requests: a 600k-token branch is ≈ 0.2–0.3 s of work).
+  `Pending.heavy` requests).
   Messages are normalised and hashed incrementally: a request is compared (as parsed
   JSON, in C) with the few latest requests of the execution, and only the messages after
   the common part are normalised and hashed again.
@@ -48,63 +42,36 @@ Contract:
 - A branch or fresh request's first turn (the system prompt and tool definitions, up to
   and including the first `<|im_end|>`) is encoded once per store: the latest
   `FIRST_TURNS` distinct ones used are kept with their ids. Branches (a compaction, the main
-  line after it, a second sub-agent of a kind) and count_tokens calls resend them, and
-  Claude Code's are ~17k tokens, 4 ms of encoding on the event loop on the 2-core CI
-  machine. They name the execution's working directory, so stores do not share them.
-  Exact because encoding splits at `<|im_end|>` (see Drift below).
+  line after it, a second sub-agent of a kind) and count_tokens calls resend them, so each
+  is encoded once, not on every such call. They name the execution's working directory, so
+  stores do not share them.
+  Exact because encoding splits at `<|im_end|>` (`gyre.serving.drift`).
 - `CallStore.record(match, call=, seq=, answer=, completion_ids=)` adds a served call; its
   answer's tool-call payloads enter `tool_args`. Only calls whose answer reached the harness
   should be recorded.
 
-Drift (the `drift` of `call.completed`): for an extension, the number of prompt positions
-*outside the model-sampled completion spans* where the reused ids disagree with a fresh
-`encode(render(request))`. Both sequences are aligned message by message (split after
-every `<|im_end|>`), so a sampled span that re-tokenises to a different length shifts
-nothing after it. Within a message chunk that holds sampled positions only the positions
-before the first sampled one are compared (the template part `<|im_start|>assistant\\n`);
-a chunk without sampled positions is compared in full, a length difference counting as
-disagreement; an unpaired chunk counts all its unsampled positions. The template id just
-before a sampled span does not count where the fresh tokenisation joined it with the span's
-start (the header's "\n" and a completion opening with "\n" encode as one "\n\n" id): that
-id holds sampled text. It is 0 for a BPE-stable template (every template boundary is a
-special token, or a join of that kind). A branch is a fresh
-tokenisation, so its drift is 0.
-Counted incrementally with gyre's template: every rendered message starts right after a
-`<|im_end|>`, a special token, and the tokenizer splits special tokens out before BPE, so
-`encode(a + b) == encode(a) + encode(b)` whenever `a` ends with `<|im_end|>`. The request's
-rendering is c's conversation cut after its last `<|im_end|>` followed by the suffix, and
-its encoding splits the same way: the suffix region agrees by construction, and the
-prefix chunks are c's prompt chunks (counted when c was matched: `c.drift`) plus c's last
-turn — the generation prompt and c's completion (+ the closing `<|im_end|>`) against
-`encode(render_assistant_turn(c.answer))`, counted once when c is recorded (after its
-answer was delivered: `CallRecord.turn_drift`; when that turn is one chunk and its body
-opens with an added token such as `<tool_call>` or `<think>`, only the ids before the
-first sampled one count, and only the header up to that token is encoded). So
-`drift = c.drift + that turn's count`, O(one turn). It equals the full-request count
-(`CallStore.full_drift`, kept as the reference) except where a sampled span
-re-tokenises to a different number of `<|im_end|>` chunks (the model wrote "<|im_end|>"
-as plain text, or sampled `<|im_end|>` mid-completion): the full count then compares
-every later message against the wrong one, the incremental one stays
-inside that message. `check_drift=False` skips the count (drift 0).
-Memory: a call stores only the ids after its prefix (`own_ids`, int32) and a reference to
-its parent, so an execution of N calls over L tokens keeps O(L) ids, not O(N·L). The
-normalisation memo holds the latest `MEMO_REQUESTS` requests' messages, sharing the
-message objects they have in common.
+Drift: `gyre.serving.drift` defines it and says how the store counts it, O(one turn) with
+gyre's template; `check_drift=False` skips the count (drift 0).
+Memory: the normalisation memo holds the latest `MEMO_REQUESTS` requests' messages, sharing
+the message objects they have in common (a call's ids: `gyre.serving.call_record`).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
-import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import orjson
 
-from gyre.serving.chat import (
-    call_function, is_query, render_appended, render_assistant_turn, shows_reasoning, uses_gyre_template,
+from gyre.serving.call_record import CallRecord, _last_im_end_before, _shared_len
+from gyre.serving.chat import is_query, render_appended, render_assistant_turn, shows_reasoning, uses_gyre_template
+from gyre.serving.drift import (
+    _im_end_stands_alone, _opening_pattern, _special_tokens_split, _splitting_tokens, count_drift,
+)
+from gyre.serving.normalise import (
+    _chain, _text_chars, _tools_json, equal_prefix_len, message_key, normalise, normalise_message, normalise_tools,
 )
 from gyre.serving.tokenizer import IM_END, IM_END_TEXT, fast_encoder
 
@@ -122,298 +89,18 @@ sub-agents and side calls interleave)."""
 TIP_CACHE = 8
 """Latest calls per execution whose full ids are also kept whole, as their prompt and
 completion int32 arrays, so extending one costs one copy in C, not a walk over the call
-chain. Arrays, not lists of
-Python ints: a list of 10^4 ints is a container the cyclic GC walks item by item on
-every collection while it lives (`gyre bench proxy` measured 15-80 ms pauses)."""
+chain. Arrays, not lists of Python ints: a list of 10^4 ints is a container the cyclic GC
+walks item by item on every collection while it lives, pausing the event loop."""
 
 HEAVY_CHARS = 100_000
-"""Characters (≈ 25k tokens, ≈ 6 ms of tiktoken on the 2-core CI machine) above which a
-`Pending` request is `heavy` and the proxy renders and encodes it in a worker thread
-(`CallStore.prepare`), off the event loop: a request whose prompt needs whole
-conversations rendered (a branch, a fresh request, and every extension when the store is
-not incremental) counting its messages and tools, or an incremental extension counting its
-new messages (a huge tool output). A 600k-token conversation, 2.6 MB of text, takes 25–40
-ms to render and 130–300 ms to encode."""
+"""Characters (≈ 25k tokens) above which a `Pending` request is `heavy` and the proxy
+renders and encodes it in a worker thread (`CallStore.prepare`), off the event loop: a
+request whose prompt needs whole conversations rendered (a branch, a fresh request, and
+every extension when the store is not incremental) counting its messages and tools, or an
+incremental extension counting its new messages (a huge tool output)."""
 
 Renderer = Callable[..., str]
 _IM_END_IDS = np.array([IM_END], np.int32)
-
-
-# --------------------------------------------------------------------------- normalisation
-
-
-def _strip_cache_control(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _strip_cache_control(v) for k, v in value.items() if k != "cache_control"}
-    if isinstance(value, list):
-        return [_strip_cache_control(v) for v in value]
-    return value
-
-
-def _content(content: Any) -> Any:
-    """Canonical content: a string, or a list of parts when any part is not text."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if isinstance(part, str):
-                texts.append(part)
-            elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text") \
-                    and isinstance(part.get("text"), str):
-                texts.append(part["text"])
-            else:
-                return _strip_cache_control(content)
-        return "".join(texts)
-    return _strip_cache_control(content)
-
-
-def _parse_json(text: str) -> Any:
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return _Unparsed(text)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Unparsed:
-    """Arguments that are not JSON: compared as the raw string."""
-
-    text: str
-
-
-def _args_text(arguments: Any) -> str:
-    if isinstance(arguments, str):
-        return arguments if arguments.strip() else "{}"  # as gyre.serving.chat renders a call without arguments
-    return orjson.dumps(arguments).decode()
-
-
-def _tool_call(tc: dict, tool_args: dict[str, str]) -> dict:
-    fn = call_function(tc) or {}
-    name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(name, str):  # as gyre.serving.chat renders it: a call must name its function
-        raise ValueError("a tool call's function name must be a string")
-    args = _args_text(fn.get("arguments", ""))  # fn is a dict: it had a name
-    tc_id = tc.get("id")
-    if not isinstance(tc_id, (str, type(None))):  # it keys the raw-arguments cache
-        raise ValueError(f"a tool call's id must be a string, got {type(tc_id).__name__}")
-    tc_id = tc_id or ""
-    raw = tool_args.get(tc_id) if tc_id else None
-    if raw is not None and raw != args:
-        sent = _parse_json(args)
-        # the same JSON re-serialised; or a custom tool call answered with the policy's whole
-        # arguments text as its input (`gyre.serving.chat.custom_input`) and sent back as {"input": …}
-        if sent == _parse_json(raw) or (isinstance(sent, dict) and len(sent) == 1 and sent.get("input") == raw):
-            args = raw
-    return {"id": tc_id, "type": "function", "function": {"name": name, "arguments": args}}
-
-
-def normalise_message(message: dict, tool_args: dict[str, str] | None = None) -> dict:
-    """One message in canonical form (see module docstring). Raises ValueError when it
-    is not an object with a string `role`."""
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise ValueError(f"a message must be an object with a string 'role', got {str(message)[:80]!r}")
-    tool_args = tool_args or {}
-    out: dict[str, Any] = {"role": message["role"], "content": _content(message.get("content"))}
-    calls = message.get("tool_calls")
-    if calls:
-        if not isinstance(calls, list) or not all(isinstance(tc, dict) for tc in calls):
-            raise ValueError("'tool_calls' must be a list of objects")
-        out["tool_calls"] = [_tool_call(tc, tool_args) for tc in calls]
-    for key in ("tool_call_id", "name"):
-        if isinstance(message.get(key), str) and message[key]:
-            out[key] = message[key]
-        elif message.get(key) is not None and not isinstance(message[key], str):
-            raise ValueError(f"a message's {key!r} must be a string, got {type(message[key]).__name__}")
-    reasoning = message.get("reasoning_content")
-    if isinstance(reasoning, str) and reasoning:
-        out["reasoning_content"] = reasoning
-    return out
-
-
-def normalise(messages: Iterable[dict], tool_args: dict[str, str] | None = None) -> list[dict]:
-    """Canonical form of a request's messages. Raises ValueError on a malformed message."""
-    return [normalise_message(m, tool_args) for m in messages]
-
-
-def _unmarked(d: dict) -> dict:
-    return {k: v for k, v in d.items() if k != "cache_control"} if "cache_control" in d else d
-
-
-def normalise_tools(tools: Any) -> list[dict]:
-    """Tools without their `cache_control` markers (on a tool, or on a chat tool's
-    `function`); a schema's own property of that name is the tool's and stays. None and []
-    are the same (no tools). Key order is kept: the template writes each tool as JSON in
-    the order given."""
-    if not tools:
-        return []
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise ValueError("'tools' must be a list of objects")
-    out = []
-    for tool in tools:
-        tool = _unmarked(tool)
-        fn = tool.get("function")
-        if isinstance(fn, dict) and "cache_control" in fn:
-            tool = {**tool, "function": _unmarked(fn)}
-        out.append(tool)
-    return out
-
-
-def _tools_json(tools: Any) -> bytes | None:
-    """A request's tools as JSON, as sent (key order and number types kept: `1`, `1.0` and
-    `true` render differently, though Python holds them equal); None when orjson cannot
-    write them (nested past its 255 levels), which matches no earlier request."""
-    try:
-        return orjson.dumps(tools)
-    except orjson.JSONEncodeError:
-        return None
-
-
-def _key_default(value: Any) -> Any:
-    if isinstance(value, _Unparsed):
-        return {"__unparsed__": value.text}
-    raise TypeError
-
-
-def message_key(message: dict) -> bytes:
-    """Comparison key of a normalised message: tool-call arguments as parsed JSON (as
-    their text when they nest deeper than orjson writes), `reasoning_content` ignored.
-    Equal keys ⇔ the same message for TITO."""
-    key: dict[str, Any] = {k: v for k, v in message.items() if k not in ("reasoning_content", "tool_calls")}
-    if message.get("tool_calls"):
-        key["tool_calls"] = [
-            {"id": tc["id"], "name": tc["function"]["name"], "arguments": _parse_json(tc["function"]["arguments"])}
-            for tc in message["tool_calls"]
-        ]
-    try:
-        return orjson.dumps(key, option=orjson.OPT_SORT_KEYS, default=_key_default)
-    except orjson.JSONEncodeError:  # arguments nested deeper than orjson writes (255 levels): compared as text
-        for tc, raw in zip(key["tool_calls"], message["tool_calls"]):
-            tc["arguments"] = _Unparsed(raw["function"]["arguments"])
-        return orjson.dumps(key, option=orjson.OPT_SORT_KEYS, default=_key_default)
-
-
-def equal_prefix_len(a: Sequence, b: Sequence, limit: int) -> int:
-    """Length of the longest common prefix of a[:limit] and b[:limit] (items compared with
-    `is` / `==`). The usual case, a resent history equal up to `limit`, is one list
-    comparison in C."""
-    limit = min(limit, len(a), len(b))
-    if a[:limit] == b[:limit]:
-        return limit
-    k = 0
-    while k < limit and (a[k] is b[k] or a[k] == b[k]):
-        k += 1
-    return k
-
-
-def _chain(seed: bytes, keys: Iterable[bytes]) -> list[bytes]:
-    """Cumulative digests: out[k] names (seed, keys[:k])."""
-    out = [hashlib.sha256(b"tools\0" + seed).digest()]
-    for key in keys:
-        out.append(hashlib.sha256(out[-1] + key).digest())
-    return out
-
-
-# --------------------------------------------------------------------------- records
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class CallRecord:
-    """One served call of an execution.
-
-    call: call id. seq: order in the execution. parent/prefix_len: this call's full ids
-    are `parent.full_ids()[:prefix_len] + own_ids` (parent None ⇒ prefix_len 0).
-    own_ids: (N,) int32, the new prompt ids after the prefix followed by the completion.
-    completion_len: C, the trailing ids of own_ids the model sampled (stop token included).
-    messages: normalised request messages (shared with the parent's where reused).
-    tools: normalised tools. answer: the assistant message returned to the harness
-    (normalised; tool-call arguments are the raw payload the model emitted).
-    drift: the drift of this call's prompt (module docstring). conv_query / conv_shown:
-    facts of `messages + [answer]` in gyre's template (a real user query is present; an
-    assistant after the last one shows reasoning). turn_start: index in `full_ids()` of
-    the last prompt turn (right after the prompt's last `<|im_end|>`). turn_drift: that
-    turn's drift as every extension of this call reuses it, against
-    `encode(render_assistant_turn(answer))` (`CallStore._turn_drift`; 0 when drift is not
-    counted or the template is not gyre's).
-    """
-
-    call: str
-    seq: int
-    parent: CallRecord | None
-    prefix_len: int
-    own_ids: np.ndarray
-    completion_len: int
-    messages: tuple[dict, ...]
-    tools: tuple[dict, ...]
-    answer: dict
-    conv_key: bytes
-    drift: int = 0
-    conv_query: bool = False
-    conv_shown: bool = False
-    turn_start: int = 0
-    turn_drift: int = 0
-
-    @property
-    def full_len(self) -> int:
-        return self.prefix_len + len(self.own_ids)
-
-    @property
-    def prompt_len(self) -> int:
-        return self.full_len - self.completion_len
-
-    @property
-    def stopped(self) -> bool:
-        """True when the completion ended with `<|im_end|>` (the template's turn end)."""
-        return self.completion_len > 0 and int(self.own_ids[-1]) == IM_END
-
-    def segments(self, limit: int | None = None) -> list[np.ndarray]:
-        """Views whose concatenation is `full_ids()[:limit]`, root first."""
-        limit = self.full_len if limit is None else min(limit, self.full_len)
-        out: list[np.ndarray] = []
-        rec: CallRecord | None = self
-        while rec is not None and limit > 0:
-            if limit > rec.prefix_len:
-                out.append(rec.own_ids[: limit - rec.prefix_len])
-                limit = rec.prefix_len
-            rec = rec.parent
-        out.reverse()
-        return out
-
-    def full_ids(self) -> np.ndarray:
-        """(L,) int32: prompt ids + completion ids."""
-        segs = self.segments()
-        return np.concatenate(segs) if segs else np.zeros(0, np.int32)
-
-    def sampled_range(self, start: int, end: int) -> np.ndarray:
-        """(end - start,) bool: `sampled_mask(end)[start:]`, walking only the calls whose
-        completions can reach past `start`."""
-        mask = np.zeros(end - start, bool)
-        limit = min(end, self.full_len)
-        rec: CallRecord | None = self
-        while rec is not None and limit > start:
-            lo = max(rec.full_len - rec.completion_len, start)
-            hi = min(limit, rec.full_len)
-            if lo < hi:
-                mask[lo - start:hi - start] = True
-            limit = min(limit, rec.prefix_len)
-            rec = rec.parent
-        return mask
-
-    def sampled_mask(self, length: int) -> np.ndarray:
-        """(length,) bool: positions of `full_ids()[:length]` sampled by the model (in
-        this call or an ancestor whose ids it reuses)."""
-        mask = np.zeros(length, bool)
-        limit = min(length, self.full_len)
-        rec: CallRecord | None = self
-        while rec is not None and limit > 0:
-            start = rec.full_len - rec.completion_len
-            if start < limit:
-                mask[start:min(limit, rec.full_len)] = True
-            limit = min(limit, rec.prefix_len)
-            rec = rec.parent
-        return mask
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -424,9 +111,10 @@ class Match:
     prefix_len: leading ids of parent's full ids reused verbatim (0 for a root).
     prompt_ids: (P,) int32, the whole prompt to send to the engine.
     extended: True for a message-level extension (ids reused), False for a branch/root.
-    drift: see module docstring. messages/tools: what was rendered (normalised).
-    digest: names (tools, messages) for message-level matching. query / shown: facts of
-    `messages` in gyre's template (see CallRecord.conv_query / conv_shown).
+    drift: `gyre.serving.drift`. messages/tools: what
+    was rendered (normalised). digest: names (tools, messages) for message-level matching.
+    query / shown: facts of `messages` in gyre's template (see CallRecord.conv_query /
+    conv_shown).
     """
 
     parent: CallRecord | None
@@ -483,110 +171,6 @@ class Prepared:
     reference_ids: np.ndarray | None = None
 
 
-MESSAGE_CHARS = 100
-"""What `_text_chars` counts for each message and tool call besides its text: the template's
-framing (`<|im_start|>role\n`, `<tool_call>` with the name, `<tool_response>`…), ≈ 60–90
-characters, and rendering's per-message cost (≈ 0.1 ms a message in Jinja here: 2,400
-short turns rendered in 0.35 s)."""
-
-
-def _text_chars(messages: Iterable[dict], tools: Sequence[dict]) -> int:
-    """Characters in normalised messages' text (content and its text parts, reasoning,
-    tool-call arguments) and in the tools' JSON, plus `MESSAGE_CHARS` per message and tool
-    call. An estimate of the rendering's length."""
-    n = len(orjson.dumps(list(tools))) if tools else 0
-    for m in messages:
-        n += MESSAGE_CHARS
-        content = m["content"]
-        if isinstance(content, str):
-            n += len(content)
-        elif isinstance(content, list):  # parts, not all typed text (`_content`): their text counts
-            for part in content:
-                if isinstance(part, str):
-                    n += len(part)
-                elif isinstance(part, dict) and isinstance(part.get("text"), str):
-                    n += len(part["text"])
-        n += len(m.get("reasoning_content", ""))
-        for tc in m.get("tool_calls", ()):
-            n += MESSAGE_CHARS + len(tc["function"]["arguments"])
-    return n
-
-
-# --------------------------------------------------------------------------- drift
-
-
-def _chunks(ids: np.ndarray) -> list[tuple[int, int]]:
-    """[start, end) ranges split right after every <|im_end|>."""
-    ends = (np.flatnonzero(ids == IM_END) + 1).tolist()
-    if not ends or ends[-1] != len(ids):
-        ends.append(len(ids))
-    starts = [0, *ends[:-1]]
-    return [(s, e) for s, e in zip(starts, ends) if e > s]
-
-
-def count_drift(recorded: np.ndarray, sampled: np.ndarray, rendered: np.ndarray,
-                joins: Callable[[int, int], bool] | None = None) -> int:
-    """Prompt positions outside sampled spans where recorded and re-rendered ids disagree.
-
-    recorded: (P,) int ids sent to the engine; sampled: (P,) bool, True where the model
-    sampled the id; rendered: (R,) int, a fresh tokenisation of the rendered request.
-    joins(r, f): True when id f's text is id r's text followed by more; with it, the
-    template id just before a sampled span is not counted where the fresh tokenisation
-    joined it with the span's first characters (a completion opening with "\n" after the
-    header's "\n": one "\n\n" id), since that id then spans sampled text.
-    Alignment and counting rules: module docstring ("Drift").
-    """
-    if len(recorded) == len(rendered) and np.array_equal(recorded, rendered):
-        return 0  # the usual case: nothing disagrees, whatever was sampled
-    rec_chunks, ren_chunks = _chunks(recorded), _chunks(rendered)
-    drift = 0
-    for i in range(max(len(rec_chunks), len(ren_chunks))):
-        if i >= len(rec_chunks):
-            s, e = ren_chunks[i]
-            drift += e - s
-            continue
-        s, e = rec_chunks[i]
-        mask = sampled[s:e]
-        if i >= len(ren_chunks):
-            drift += int((~mask).sum())
-            continue
-        a, b = recorded[s:e], rendered[ren_chunks[i][0]:ren_chunks[i][1]]
-        hits = np.flatnonzero(mask)
-        if len(hits):
-            n = int(hits[0])
-            m = min(n, len(b))
-            drift += int((a[:m] != b[:m]).sum()) + (n - m)
-            if joins is not None and 0 < n == m and a[n - 1] != b[n - 1] and joins(int(a[n - 1]), int(b[n - 1])):
-                drift -= 1
-        else:
-            m = min(len(a), len(b))
-            drift += int((a[:m] != b[:m]).sum()) + abs(len(a) - len(b))
-    return drift
-
-
-def _shared_len(rec: CallRecord, ids: np.ndarray, memo: dict[str, int]) -> int:
-    """Length of the common prefix of `rec.full_ids()` and `ids` (P,), from its ancestors':
-    rec's full ids are its parent's first `prefix_len` then `own_ids`, so only `own_ids` is
-    compared, and only when the parent's share covers the prefix. memo: call → that length
-    for the calls seen so far (filled here), so calls sharing ancestors compare them once:
-    O(records + shared ids) for all the leaves of a tree, not O(leaves × prompt)."""
-    chain: list[CallRecord] = []
-    r: CallRecord | None = rec
-    while r is not None and r.call not in memo:
-        chain.append(r)
-        r = r.parent
-    n = memo[r.call] if r is not None else 0
-    for c in reversed(chain):
-        if n >= c.prefix_len:
-            n = c.prefix_len
-            m = min(len(c.own_ids), len(ids) - n)
-            if m > 0:
-                eq = c.own_ids[:m] == ids[n:n + m]
-                n += m if eq.all() else int(np.argmin(eq))
-        memo[c.call] = n
-    return n
-
-
 # --------------------------------------------------------------------------- store
 
 
@@ -628,7 +212,7 @@ class CallStore:
     tokenizer: an HF tokenizer (`gyre.serving.tokenizer.build_tokenizer()` or the model's).
     render: `gyre.serving.chat.render(tokenizer, messages, tools, add_generation_prompt)`; None =
       that function, with incremental rendering when the tokenizer is on gyre's template.
-    check_drift: count drift on extensions (module docstring; O(one turn) on gyre's
+    check_drift: count drift on extensions (`gyre.serving.drift`; O(one turn) on gyre's
       template, O(prompt) re-tokenisation otherwise); False reports drift 0.
     Attributes: `incremental` (only new messages are rendered; module docstring).
     Not thread-safe; one event loop owns it. Only `prepare` and `encode` may run in another
@@ -932,7 +516,7 @@ class CallStore:
         """Drift of a call's last turn as an extension reuses it: `ids` (T,) the stored ids
         from the prompt's last turn start to the end (+ the closing <|im_end|> when the
         completion did not stop), `sampled` (T,) bool, against `encode(text)`, the turn as
-        rendered (module docstring).
+        rendered (`gyre.serving.drift`).
 
         Shortcut, same count: when the turn is one chunk on both sides (a single
         <|im_end|>, at the end) and the rendered body opens with an added token, only the
@@ -972,7 +556,7 @@ class CallStore:
     def full_drift(self, match: Match) -> int:
         """The drift of an extension counted on the whole request: `match.prompt_ids`
         against a fresh `encode(render(...))` of its messages, O(prompt) — the reference
-        definition (module docstring), for tests and audits. 0 for a branch."""
+        definition (`gyre.serving.drift`), for tests and audits. 0 for a branch."""
         if not match.extended or match.parent is None:
             return 0
         sampled = np.zeros(len(match.prompt_ids), bool)
@@ -1030,19 +614,6 @@ class CallStore:
         return self._by_call.get(call)
 
 
-def _last_im_end_before(rec: CallRecord, limit: int) -> int:
-    """Index of the last <|im_end|> in `rec.full_ids()[:limit]`, -1 when there is none."""
-    r: CallRecord | None = rec
-    limit = min(limit, rec.full_len)
-    while r is not None and limit > 0:
-        if limit > r.prefix_len:
-            hits = np.flatnonzero(r.own_ids[: limit - r.prefix_len] == IM_END)
-            if len(hits):
-                return r.prefix_len + int(hits[-1])
-            limit = r.prefix_len
-        r = r.parent
-    return -1
-
 
 def _drops_shown_reasoning(c: CallRecord, rest: Sequence[dict]) -> bool:
     """With gyre's template: a real user query in `rest` after c's conversation showed
@@ -1050,45 +621,3 @@ def _drops_shown_reasoning(c: CallRecord, rest: Sequence[dict]) -> bool:
     request's (a branch, not an extension)."""
     return c.conv_shown and any(is_query(m) for m in rest)
 
-
-def _splitting_tokens(tokenizer: Any) -> tuple[str, ...]:
-    """Texts of the tokenizer's added tokens that its encoding splits at exactly as written:
-    matched on the raw text (not normalised, not only as a whole word) and stripping no
-    neighbouring whitespace (`_special_tokens_split`). () when it lists none."""
-    decoder = getattr(tokenizer, "added_tokens_decoder", None)
-    if not isinstance(decoder, dict) or getattr(tokenizer, "split_special_tokens", False):
-        return ()
-    return tuple(str(t) for t in decoder.values()
-                 if str(t) and not any(getattr(t, flag, True) for flag in ("lstrip", "rstrip", "single_word",
-                                                                          "normalized")))
-
-
-@functools.lru_cache(maxsize=8)
-def _opening_pattern(tokens: tuple[str, ...]) -> re.Pattern | None:
-    """A regex matching any of `tokens` where none is a prefix of another (then at most one
-    matches at a position), else None."""
-    if any(a != b and b.startswith(a) for a in tokens for b in tokens):
-        return None
-    return re.compile("|".join(map(re.escape, tokens)))
-
-
-def _im_end_stands_alone(tokenizer: Any, splitting: tuple[str, ...]) -> bool:
-    """True when every written `<|im_end|>` encodes as that token: it splits as written
-    (it is in `splitting`, the tokenizer's `_splitting_tokens`) and no other added token can
-    match over it (added tokens match leftmost, then longest): none holds it, and none ends
-    with a proper prefix of it."""
-    if IM_END_TEXT not in splitting:
-        return False
-    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    heads = tuple(IM_END_TEXT[:k] for k in range(1, len(IM_END_TEXT)))
-    return not any(t != IM_END_TEXT and (IM_END_TEXT in t or t.endswith(heads)) for t in map(str, decoder.values()))
-
-
-def _special_tokens_split(tokenizer: Any) -> bool:
-    """True when `<|im_end|>` is an added token that strips no neighbouring whitespace, so
-    encoding splits at it (incremental drift relies on `encode(a + b) == encode(a) + encode(b)`
-    for `a` ending with it)."""
-    decoder = getattr(tokenizer, "added_tokens_decoder", None)
-    token = decoder.get(IM_END) if isinstance(decoder, dict) else None
-    return token is not None and str(token) == IM_END_TEXT and not getattr(token, "lstrip", True) \
-        and not getattr(token, "rstrip", True)

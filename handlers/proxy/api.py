@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from gyre.serving.chat import ToolCall
-from gyre.serving.tito import equal_prefix_len
+from gyre.serving.normalise import equal_prefix_len
 from gyre.serving.tokenizer import parse_stop
 from schemas.call import SamplingParams
 

@@ -101,7 +101,8 @@ async def main(a: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m handlers.bench.probes.branch_loop_lag",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=300, help="calls in the execution (default 300: ~600k tokens)")
     p.add_argument("--omega", action="store_true", help="end the system prompt with an ohm sign (not NFC)")
     p.add_argument("--other-template", action="store_true",

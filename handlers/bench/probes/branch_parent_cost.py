@@ -8,16 +8,15 @@ end).
 
     .venv/bin/python -m handlers.bench.probes.branch_parent_cost [N]      (from the repository root)
 """
+import argparse
 import random
-import sys
 import time
 
 import numpy as np
 
-from handlers.bench.probes.branch_loop_lag import conversation
-
 from gyre.serving.tito import CallStore, Prepared
 from gyre.serving.tokenizer import build_tokenizer
+from handlers.bench.probes.branch_loop_lag import conversation
 
 
 def main(calls: int) -> None:
@@ -41,4 +40,7 @@ def main(calls: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 300)
+    p = argparse.ArgumentParser(prog="python -m handlers.bench.probes.branch_parent_cost",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("calls", nargs="?", type=int, default=300, help="calls in the execution (default 300: ~600k tokens)")
+    main(p.parse_args().calls)

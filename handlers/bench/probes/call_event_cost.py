@@ -5,12 +5,11 @@ long rollout carries its whole prompt), 500 sampled tokens; three runs.
 
     .venv/bin/python -m handlers.bench.probes.call_event_cost [TOKENS]      (from the repository root)
 """
-import sys
+import argparse
 import time
 
 import numpy as np
 import orjson
-
 
 from gyre.serving.tito import Match
 from gyre.serving.tokenizer import build_tokenizer
@@ -40,4 +39,7 @@ def main(tokens: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 680_000)
+    p = argparse.ArgumentParser(prog="python -m handlers.bench.probes.call_event_cost",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("tokens", nargs="?", type=int, default=680_000, help="prompt tokens (default 680,000)")
+    main(p.parse_args().tokens)

@@ -69,7 +69,8 @@ def run(tok, calls: int, reuse: bool) -> dict[str, list[float]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m handlers.bench.probes.resent_history_cost",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=300)
     a = ap.parse_args()
     tok = build_tokenizer()
