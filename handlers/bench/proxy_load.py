@@ -531,8 +531,9 @@ def process_cpu_s(pid: int | None) -> float | None:
 
 async def _stored_calls(bus: Any, run: str) -> int:
     from bus import subjects
+    from schemas.call import CallCompleted
 
-    info = await bus.js.stream_info(subjects.stream_for("call.completed").stream_name(run))
+    info = await bus.js.stream_info(subjects.stream_for(CallCompleted.NAME).stream_name(run))
     return int(info.state.messages)
 
 
