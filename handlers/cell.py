@@ -20,9 +20,12 @@ import structlog
 import schemas
 from bus import Bus
 from bus.subjects import ConsumerSpec
-from gyre.serving.engine import Engine, EngineConfig
-from gyre.trajectory.microstep import from_bytes
+from gyre.config import fields_of
+from gyre.learning.settings import TrainerSettings
 from gyre.learning.trainer import Trainer, TrainerConfig
+from gyre.serving.engine import Engine, EngineConfig
+from gyre.serving.settings import EngineSettings
+from gyre.trajectory.microstep import from_bytes
 from handlers.engines import embedded as engine_server
 from handlers.daemon import RunContext, connected, daemon_main, run_loops
 from schemas import ids
@@ -30,21 +33,27 @@ from schemas import ids
 log = structlog.get_logger()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
-    """cell: cell id; the core cell is `cell0`. weights_dir: where new versions are
-    written (`v<k>/`). host/port: engine listener (port 0 = free port)."""
+    """The cell's settings. run, nats_url, nats_token: the bus (`handlers.daemon.BusSettings`)."""
 
     run: str
     nats_url: str
     nats_token: str | None
     cell: str
+    """Cell id; the core cell is `cell0` (gyre.config.CellsSection.ids)."""
     model_dir: Path
+    """The policy checkpoint the trainer starts from."""
     weights_dir: Path
+    """Where new versions are written (`v<k>/`)."""
     engine: EngineConfig
+    """The embedded engine's configuration."""
     trainer: TrainerConfig
+    """The trainer replica's configuration (used by the core cell only)."""
     host: str = "127.0.0.1"
+    """Engine listener address."""
     port: int = 0
+    """Engine listener port (0 = a free port)."""
 
     @property
     def core(self) -> bool:
@@ -52,14 +61,15 @@ class Config:
 
 
 def config_from_context(ctx: RunContext, args) -> Config:
+    """The cell's Config from the recipe: the engine's and the trainer's configs are built
+    from their recipe tables here, and only here."""
     r = ctx.recipe
     model_dir = ctx.checkpoint()
     return Config(run=ctx.run, nats_url=ctx.nats_url, nats_token=ctx.nats_token, cell=args.cell,
                   model_dir=model_dir, weights_dir=ctx.run_dir / "weights",
-                  engine=EngineConfig(model_dir=str(model_dir), max_context_tokens=r.engine.max_context_tokens,
+                  engine=EngineConfig(**fields_of(r.engine, EngineSettings), model_dir=str(model_dir),
                                       max_completion_tokens=r.sampling.max_tokens, seed=r.run.seed),
-                  trainer=TrainerConfig(lr=r.train.lr, weight_decay=r.train.weight_decay, grad_clip=r.train.grad_clip,
-                                        eps_low=r.train.eps_low, eps_high=r.train.eps_high, seed=r.run.seed))
+                  trainer=TrainerConfig(**fields_of(r.train, TrainerSettings), seed=r.run.seed))
 
 
 class Cell:
