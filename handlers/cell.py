@@ -22,6 +22,7 @@ from bus import Bus
 from bus.subjects import ConsumerSpec
 from gyre.config import fields_of
 from gyre.learning.settings import TrainerSettings
+from gyre.learning.steps import StepAccounts, apply_step
 from gyre.learning.trainer import Trainer, TrainerConfig
 from gyre.serving.engine import Engine, EngineConfig
 from gyre.serving.settings import EngineSettings
@@ -82,9 +83,7 @@ class Cell:
         self.trainer: Trainer | None = None
         self.app = None
         self.url = ""
-        self.sealed: dict[int, schemas.StepSealed] = {}
-        self.claimed: dict[int, int] = {}
-        self.step_started: dict[int, float] = {}
+        self.steps = StepAccounts()
         self.training_stop: asyncio.Event | None = None
         self.training_task: asyncio.Task | None = None
         self.step_lock = asyncio.Lock()
@@ -146,7 +145,7 @@ class Cell:
             # A step sealed while we were still rolling out (e.g. one with no micro-steps)
             # must still be applied: nothing else would trigger it. Announced after
             # `cell.switched`, so the scheduler sees the role before the step completes.
-            for step in sorted(self.sealed):
+            for step in self.steps.sealed_steps():
                 await self._maybe_apply(step)
 
     # --- training -------------------------------------------------------------------
@@ -168,14 +167,14 @@ class Cell:
         assert self.trainer is not None
         data = await self.bus.get_object(event.key)
         ms = from_bytes(data)
-        self.step_started.setdefault(event.step, time.perf_counter())
+        self.steps.microstep_arrived(event.step, time.perf_counter())
         await asyncio.to_thread(self.trainer.accumulate, ms)
-        self.claimed[event.step] = self.claimed.get(event.step, 0) + 1
+        self.steps.microstep_counted(event.step)
         log.info("cell.microstep.trained", step=event.step, microstep=event.microstep, tokens=event.tokens)
         await self._maybe_apply(event.step)
 
     async def handle_sealed(self, event: schemas.StepSealed) -> None:
-        self.sealed[event.step] = event
+        self.steps.seal(event)
         if self.role == "training":
             await self._maybe_apply(event.step)
 
@@ -185,21 +184,18 @@ class Cell:
 
     async def _maybe_apply(self, step: int) -> None:
         async with self.step_lock:
-            sealed = self.sealed.get(step)
-            if sealed is None or self.trainer is None or self.claimed.get(step, 0) < sealed.microsteps:
+            if self.trainer is None:
                 return
-            if self.trainer.policy_version > step:
-                return  # already applied
-            stats = await asyncio.to_thread(self.trainer.apply, max(sealed.executions, 1))
-            version = self.trainer.policy_version
-            out = self.cfg.weights_dir / f"v{version}"
-            await asyncio.to_thread(self.trainer.save, out)
+            sealed = self.steps.ready(step, self.trainer.policy_version)
+            if sealed is None:
+                return
+            done = await asyncio.to_thread(apply_step, self.trainer, sealed.executions, self.cfg.weights_dir)
+            stats, version = done.stats, done.policy_version
             weights = schemas.WeightsPublished(event_id=ids.weights(self.cfg.run, version), policy_version=version,
-                                               step=step, path=str(out))
+                                               step=step, path=str(done.path))
             self.latest_weights = weights
             await self.bus.publish(weights)
-            now = time.perf_counter()
-            duration = now - self.step_started.get(step, now)  # 0 for a step without micro-steps
+            duration = self.steps.duration_s(step, time.perf_counter())
             await self.bus.publish(schemas.StepCompleted(
                 event_id=ids.step_completed(self.cfg.run, step), step=step, loss=float(stats.loss),
                 grad_norm=float(stats.grad_norm), tokens=int(stats.tokens), executions=sealed.executions,
