@@ -6,7 +6,9 @@ so the proxy waits or reroutes. The core cell (`cell0`) owns the optimizer state
 
 Consumes `cell.switch` (its own durable `cell-<id>-v1`), `microstep.ready` (work queue,
 only while training) and `step.sealed` (replayed); publishes `cell.switched` with
-measured durations, `weights.published` and `step.completed`.
+measured durations, `weights.published` and `step.completed`. What a switch does is
+planned by gyre.control.switch and which step is ready to apply is decided by
+gyre.learning.steps; this module executes both and publishes the outcomes.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import schemas
 from bus import Bus
 from bus.subjects import ConsumerSpec
 from gyre.config import fields_of
+from gyre.control.switch import SwitchAction, durations as switch_durations, plan_switch
 from gyre.learning.settings import TrainerSettings
 from gyre.learning.steps import StepAccounts, apply_step
 from gyre.learning.trainer import Trainer, TrainerConfig
@@ -115,30 +118,18 @@ class Cell:
             return
         if event.to_role == self.role:
             return  # redelivered: already there
-        t0 = time.perf_counter()
-        durations: dict[str, float] = {}
-        if event.to_role == "training":
-            engine_server.set_serving(self.app, False)
-            await asyncio.to_thread(self.engine.flush_cache)
-            durations["release_s"] = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            if self.trainer is None and self.cfg.core:
-                self.trainer = await asyncio.to_thread(Trainer, str(self.cfg.model_dir), self.cfg.trainer)
-            durations["load_s"] = time.perf_counter() - t1
-            self.role = "training"
-            self._start_training()
-        elif event.to_role == "rollout":
-            await self._stop_training()
-            durations["release_s"] = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            weights = self.latest_weights
-            if weights is not None and weights.policy_version > self.engine.version:
-                await asyncio.to_thread(self.engine.load_weights, weights.path, weights.policy_version)
-                self.version = weights.policy_version
-            durations["load_s"] = time.perf_counter() - t1
-            engine_server.set_serving(self.app, True)
-            self.role = "rollout"
-        durations["total_s"] = time.perf_counter() - t0
+        plan = plan_switch(self.role, event.to_role, core=self.cfg.core)
+        started = time.perf_counter()
+        for action in plan.release:
+            await self._act(action)
+        released = time.perf_counter()
+        for action in plan.load:
+            await self._act(action)
+        loaded = time.perf_counter()
+        self.role = plan.to_role
+        for action in plan.resume:
+            await self._act(action)
+        durations = switch_durations(started, released, loaded, time.perf_counter())
         await self._switched(event.seq, event.from_role, event.to_role, durations)
         log.info("cell.switched", cell=self.cfg.cell, to_role=event.to_role, policy_version=self.version, **durations)
         if self.role == "training":
@@ -148,10 +139,31 @@ class Cell:
             for step in self.steps.sealed_steps():
                 await self._maybe_apply(step)
 
+    async def _act(self, action: SwitchAction) -> None:
+        """Run one action of a switch plan (gyre.control.switch)."""
+        if action == "stop_serving":
+            engine_server.set_serving(self.app, False)
+        elif action == "flush_cache":
+            await asyncio.to_thread(self.engine.flush_cache)
+        elif action == "stop_training":
+            await self._stop_training()
+        elif action == "load_trainer":
+            if self.trainer is None:
+                self.trainer = await asyncio.to_thread(Trainer, str(self.cfg.model_dir), self.cfg.trainer)
+        elif action == "load_weights":
+            weights = self.latest_weights
+            if weights is not None and weights.policy_version > self.engine.version:
+                await asyncio.to_thread(self.engine.load_weights, weights.path, weights.policy_version)
+                self.version = weights.policy_version
+        elif action == "start_training":
+            self._start_training()
+        elif action == "start_serving":
+            engine_server.set_serving(self.app, True)
+        else:
+            raise ValueError(f"unknown switch action {action!r}")
+
     # --- training -------------------------------------------------------------------
     def _start_training(self) -> None:
-        if not self.cfg.core:
-            return  # satellites join later (elastic issue); the core trains alone here
         self.training_stop = asyncio.Event()
         self.training_task = asyncio.create_task(
             self.bus.consume("trainer-v1", self.handle_microstep, stop=self.training_stop))
