@@ -1,12 +1,30 @@
 """Recipes: the typed configuration of one training run.
 
 A recipe is a TOML file (bundled recipes live in `gyre/recipes/<name>.toml` and are
-found by name). Each table maps onto one frozen dataclass below; every field has a
-docstring-style comment with its unit, and `__post_init__` names the broken rule.
-Unknown keys are an error (a typo must not silently fall back to a default).
+found by name). Each table maps onto one frozen dataclass (`Recipe` composes them);
+every field has a docstring with its meaning and unit, and `__post_init__` raises
+RecipeError naming the broken rule. Unknown keys and values of the wrong type are an
+error too (a typo must not silently fall back to a default).
+
+Each setting is defined once. A table whose settings a component owns is, or extends,
+that component's settings class (`*Settings`), and the component's own config extends
+the same class, so it is built from the table with `fields_of`:
+
+    [run]      RunSection
+    [tasks]    TasksSection
+    [harness]  HarnessSection   = RunnerSettings (the runner's) + the executions' harness and limits
+    [model]    ModelSection
+    [sampling] SamplingSection
+    [engine]   gyre.serving.settings.EngineSettings (gyre.serving.engine.EngineConfig extends it)
+    [proxy]    ProxySection
+    [train]    TrainSection     = gyre.learning.settings.TrainerSettings (TrainerConfig extends
+                                  it) + the builder's trajectory selection and packing
+    [cells]    CellsSection
 
     recipe = load_recipe("quickstart")           # bundled name or path to a .toml
     recipe.to_dict()                             # resolved, JSON-serialisable
+
+Imports stay light (no torch): the daemons, `gyre run` and the simulator load recipes.
 """
 from __future__ import annotations
 
@@ -15,6 +33,9 @@ import tomllib
 import typing
 from pathlib import Path
 from typing import Any, Literal
+
+from gyre.learning.settings import TrainerSettings
+from gyre.serving.settings import EngineSettings
 
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
@@ -31,12 +52,25 @@ def _positive(obj: Any, *names: str) -> None:
             raise RecipeError(f"{type(obj).__name__}.{name} must be > 0, got {getattr(obj, name)!r}")
 
 
+def fields_of(section: Any, cls: type) -> dict[str, Any]:
+    """The values in `section` of the fields `cls` declares (`section` is a `cls` or extends
+    it): how a component's config is built from the recipe table that carries its
+    settings, e.g. `TrainerConfig(**fields_of(recipe.train, TrainerSettings), seed=...)`."""
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(cls)}
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RunSection:
-    name: str = "run"  # label shown in progress and summary
-    seed: int = 0  # seeds task order, sampling and trajectory selection
-    steps: int = 2  # optimizer steps (= bursts) to run
-    mode: Mode = "colocate"  # scheduling policy (DESIGN.md "Elastic scheduling")
+    """[run]: what the run is called, how long it runs and how it is scheduled."""
+
+    name: str = "run"
+    """Label of the run, shown in progress and summary; a generated run id starts with it."""
+    seed: int = 0
+    """Seeds task order, sampling, trajectory selection and the trainer."""
+    steps: int = 2
+    """Optimizer steps (= bursts) to run, > 0."""
+    mode: Mode = "colocate"
+    """Scheduling policy (DESIGN.md "Elastic scheduling"); only `colocate` is implemented."""
 
     def __post_init__(self) -> None:
         _positive(self, "steps")
@@ -46,9 +80,14 @@ class RunSection:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class TasksSection:
-    set: str = "quickstart"  # bundled task set name or path to a JSONL file
-    groups_per_step: int = 3  # tasks (= groups) per step
-    group_size: int = 4  # G, executions per task per step
+    """[tasks]: the task set and how many of its tasks a step takes."""
+
+    set: str = "quickstart"
+    """Bundled task set name or path to a JSONL file (gyre.env.tasks); it must load."""
+    groups_per_step: int = 3
+    """Tasks (= groups) per step, > 0."""
+    group_size: int = 4
+    """G: executions per task per step, > 0."""
 
     def __post_init__(self) -> None:
         _positive(self, "groups_per_step", "group_size")
@@ -60,14 +99,31 @@ class TasksSection:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class HarnessSection:
-    name: str = "mini-swe-agent"  # harness profile (gyre.env.harness)
-    timeout_s: float = 120.0  # wall-clock limit of one execution, seconds
-    max_calls: int = 8  # model calls the proxy serves one execution (0 = no cap)
-    concurrency: int = 16  # executions running at once on this runner
+class RunnerSettings:
+    """The runner's settings (handlers.runner.Config extends them)."""
+
+    concurrency: int = 16
+    """Executions running at once on one runner (each a confined harness process), > 0."""
 
     def __post_init__(self) -> None:
-        _positive(self, "timeout_s", "concurrency")
+        _positive(self, "concurrency")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class HarnessSection(RunnerSettings):
+    """[harness]: the harness every execution runs and the limits the scheduler gives each
+    execution, plus the runner's concurrency (`RunnerSettings`)."""
+
+    name: str = "mini-swe-agent"
+    """Harness profile (gyre.env.harness.PROFILES)."""
+    timeout_s: float = 120.0
+    """Wall-clock limit of one execution, seconds, > 0."""
+    max_calls: int = 8
+    """Model calls the proxy serves one execution, >= 0 (0 = no cap)."""
+
+    def __post_init__(self) -> None:
+        RunnerSettings.__post_init__(self)  # explicit: zero-argument super() fails in a slotted dataclass
+        _positive(self, "timeout_s")
         from gyre.env.harness import PROFILES
         if self.name not in PROFILES:
             raise RecipeError(f"harness.name {self.name!r} is not a harness profile; known: {sorted(PROFILES)}")
@@ -77,12 +133,22 @@ class HarnessSection:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSection:
-    dir: str = ""  # existing HF checkpoint; '' = `gyre init-model` into the run directory
+    """[model]: the policy's checkpoint, or the sizes of the embedded default model that
+    `gyre run` writes (gyre.serving.model.ModelSpec with head_dim = hidden / heads and
+    intermediate = 3 · hidden)."""
+
+    dir: str = ""
+    """An existing HF checkpoint directory; '' = `gyre init-model` into the run directory."""
     layers: int = 2
+    """Decoder layers of the default model, > 0."""
     hidden: int = 64
+    """Residual width of the default model, > 0."""
     heads: int = 4
+    """Query heads of the default model, > 0."""
     kv_heads: int = 2
+    """Key/value heads of the default model (grouped-query attention), > 0."""
     seed: int = 0
+    """torch seed of the default model's weight initialisation."""
 
     def __post_init__(self) -> None:
         _positive(self, "layers", "hidden", "heads", "kv_heads")
@@ -90,25 +156,22 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingSection:
-    temperature: float = 1.0  # behaviour and trainer log-probs use logits / temperature
-    top_p: float = 1.0  # 1 = off (training default, DESIGN.md "Learning")
-    top_k: int = -1  # -1 = off
-    max_tokens: int = 64  # cap on completion tokens per call, whatever the harness asks
+    """[sampling]: how the proxy asks the engine to sample every call."""
+
+    temperature: float = 1.0
+    """Sampling temperature, > 0; behaviour and trainer log-probs use logits / temperature."""
+    top_p: float = 1.0
+    """Nucleus mass, in (0, 1]; 1 = off (the training default, DESIGN.md "Learning")."""
+    top_k: int = -1
+    """Top-k cut; -1 = off."""
+    max_tokens: int = 64
+    """Cap on completion tokens per call whatever the harness asks, > 0 (the proxy's and the
+    embedded engine's `max_completion_tokens`)."""
 
     def __post_init__(self) -> None:
         _positive(self, "temperature", "max_tokens")
         if not 0.0 < self.top_p <= 1.0:
             raise RecipeError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class EngineSection:
-    # prompt + completion window of the policy: the embedded engine's cap, and the proxy's (a prompt
-    # that leaves no room gets the API's prompt-too-long error; completions are capped at the room left)
-    max_context_tokens: int = 32768
-
-    def __post_init__(self) -> None:
-        _positive(self, "max_context_tokens")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,38 +193,49 @@ class ProxySection:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class TrainSection:
-    lr: float = 1e-3  # AdamW learning rate
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0  # global L2 norm clip
-    eps_low: float = 3e-4  # GSPO clip range (Zheng et al. 2025)
-    eps_high: float = 4e-4
-    microstep_tokens: int = 16384  # soft budget of distinct token positions in one micro-step
-    j_max: int = 5  # trajectories kept per execution (DESIGN.md "Trajectory processing")
-    max_staleness: int = 1  # S: tokens older than this many versions are masked
+class TrainSection(TrainerSettings):
+    """[train]: the trainer's settings (`TrainerSettings`: lr, weight_decay, grad_clip,
+    eps_low, eps_high) and the builder's: which trajectories are kept and how they are
+    packed into micro-steps (gyre.trajectory.builder)."""
+
+    microstep_tokens: int = 16384
+    """Soft budget of distinct token positions in one micro-step (gyre.trajectory.microstep.pack), > 0."""
+    j_max: int = 5
+    """Trajectories kept per execution (DESIGN.md "Trajectory processing"), > 0."""
+    max_staleness: int = 1
+    """S: a token sampled more than this many policy versions before the trained one is masked."""
 
     def __post_init__(self) -> None:
-        _positive(self, "lr", "grad_clip", "eps_low", "eps_high", "microstep_tokens", "j_max")
-        if self.weight_decay < 0:
-            raise RecipeError("train.weight_decay must be >= 0")
+        TrainerSettings.__post_init__(self)
+        _positive(self, "microstep_tokens", "j_max")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class CellsSection:
-    count: int = 1  # cells; the first is the core cell
+    """[cells]: the processes that hold an engine or a trainer replica."""
+
+    count: int = 1
+    """Cells, > 0; their ids are `ids`."""
 
     def __post_init__(self) -> None:
         _positive(self, "count")
 
+    @property
+    def ids(self) -> tuple[str, ...]:
+        """cell0 … cell<count − 1>, in switch order; cell0 is the core cell (it owns the optimizer state)."""
+        return tuple(f"cell{i}" for i in range(self.count))
+
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Recipe:
+    """One training run's configuration: one section per recipe table (see the module docstring)."""
+
     run: RunSection = RunSection()
     tasks: TasksSection = TasksSection()
     harness: HarnessSection = HarnessSection()
     model: ModelSection = ModelSection()
     sampling: SamplingSection = SamplingSection()
-    engine: EngineSection = EngineSection()
+    engine: EngineSettings = EngineSettings()
     proxy: ProxySection = ProxySection()
     train: TrainSection = TrainSection()
     cells: CellsSection = CellsSection()
@@ -190,6 +264,10 @@ def recipe_from_dict(data: dict[str, Any]) -> Recipe:
             sections[key] = cls(**value)
         except TypeError as exc:
             raise RecipeError(f"[{key}]: {exc}") from None
+        except RecipeError:
+            raise
+        except ValueError as exc:  # a component's settings (gyre.*.settings) name the rule themselves
+            raise RecipeError(str(exc)) from None
     return Recipe(**sections)
 
 

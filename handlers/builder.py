@@ -13,6 +13,7 @@ import structlog
 
 import schemas
 from bus import Bus
+from gyre.config import TrainSection
 from gyre.trajectory.builder import BuilderPolicy, Sealed
 from gyre.trajectory.microstep import to_bytes
 from handlers.daemon import RunContext, connected, daemon_main, run_loops
@@ -21,32 +22,30 @@ from schemas import ids
 log = structlog.get_logger()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
-    """token_budget: soft budget of distinct token positions per micro-step (gyre.trajectory.microstep.pack);
-    j_max, max_staleness: see gyre.trajectory.builder."""
+    """The builder's settings. run, nats_url, nats_token: the bus (`handlers.daemon.BusSettings`)."""
 
     run: str
     nats_url: str
     nats_token: str | None
-    token_budget: int = 16384
-    j_max: int = 5
-    max_staleness: int = 1
+    train: TrainSection = TrainSection()
+    """Trajectory selection and packing: `microstep_tokens`, `j_max`, `max_staleness`."""
     seed: int = 0
+    """The recipe's `run.seed`: seeds trajectory selection."""
 
 
 def config_from_context(ctx: RunContext, _args=None) -> Config:
-    t = ctx.recipe.train
-    return Config(run=ctx.run, nats_url=ctx.nats_url, nats_token=ctx.nats_token, token_budget=t.microstep_tokens,
-                  j_max=t.j_max, max_staleness=t.max_staleness, seed=ctx.recipe.run.seed)
+    return Config(run=ctx.run, nats_url=ctx.nats_url, nats_token=ctx.nats_token, train=ctx.recipe.train,
+                  seed=ctx.recipe.run.seed)
 
 
 class Builder:
     def __init__(self, cfg: Config, bus: Bus) -> None:
         self.cfg = cfg
         self.bus = bus
-        self.policy = BuilderPolicy(j_max=cfg.j_max, max_staleness=cfg.max_staleness,
-                                    token_budget=cfg.token_budget, seed=cfg.seed)
+        self.policy = BuilderPolicy(j_max=cfg.train.j_max, max_staleness=cfg.train.max_staleness,
+                                    token_budget=cfg.train.microstep_tokens, seed=cfg.seed)
         self.lock = asyncio.Lock()
 
     async def handle_call(self, event: schemas.CallCompleted) -> None:

@@ -6,7 +6,9 @@ so the proxy waits or reroutes. The core cell (`cell0`) owns the optimizer state
 
 Consumes `cell.switch` (its own durable `cell-<id>-v1`), `microstep.ready` (work queue,
 only while training) and `step.sealed` (replayed); publishes `cell.switched` with
-measured durations, `weights.published` and `step.completed`.
+measured durations, `weights.published` and `step.completed`. What a switch does is
+planned by gyre.control.switch and which step is ready to apply is decided by
+gyre.learning.steps; this module executes both and publishes the outcomes.
 """
 from __future__ import annotations
 
@@ -20,9 +22,14 @@ import structlog
 import schemas
 from bus import Bus
 from bus.subjects import ConsumerSpec
-from gyre.serving.engine import Engine, EngineConfig
-from gyre.trajectory.microstep import from_bytes
+from gyre.config import fields_of
+from gyre.control.switch import SwitchAction, durations as switch_durations, plan_switch
+from gyre.learning.settings import TrainerSettings
+from gyre.learning.steps import StepAccounts, apply_step
 from gyre.learning.trainer import Trainer, TrainerConfig
+from gyre.serving.engine import Engine, EngineConfig
+from gyre.serving.settings import EngineSettings
+from gyre.trajectory.microstep import from_bytes
 from handlers.engines import embedded as engine_server
 from handlers.daemon import RunContext, connected, daemon_main, run_loops
 from schemas import ids
@@ -30,21 +37,27 @@ from schemas import ids
 log = structlog.get_logger()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
-    """cell: cell id; the core cell is `cell0`. weights_dir: where new versions are
-    written (`v<k>/`). host/port: engine listener (port 0 = free port)."""
+    """The cell's settings. run, nats_url, nats_token: the bus (`handlers.daemon.BusSettings`)."""
 
     run: str
     nats_url: str
     nats_token: str | None
     cell: str
+    """Cell id; the core cell is `cell0` (gyre.config.CellsSection.ids)."""
     model_dir: Path
+    """The policy checkpoint the trainer starts from."""
     weights_dir: Path
+    """Where new versions are written (`v<k>/`)."""
     engine: EngineConfig
+    """The embedded engine's configuration."""
     trainer: TrainerConfig
+    """The trainer replica's configuration (used by the core cell only)."""
     host: str = "127.0.0.1"
+    """Engine listener address."""
     port: int = 0
+    """Engine listener port (0 = a free port)."""
 
     @property
     def core(self) -> bool:
@@ -52,14 +65,15 @@ class Config:
 
 
 def config_from_context(ctx: RunContext, args) -> Config:
+    """The cell's Config from the recipe: the engine's and the trainer's configs are built
+    from their recipe tables here, and only here."""
     r = ctx.recipe
     model_dir = ctx.checkpoint()
     return Config(run=ctx.run, nats_url=ctx.nats_url, nats_token=ctx.nats_token, cell=args.cell,
                   model_dir=model_dir, weights_dir=ctx.run_dir / "weights",
-                  engine=EngineConfig(model_dir=str(model_dir), max_context_tokens=r.engine.max_context_tokens,
+                  engine=EngineConfig(**fields_of(r.engine, EngineSettings), model_dir=str(model_dir),
                                       max_completion_tokens=r.sampling.max_tokens, seed=r.run.seed),
-                  trainer=TrainerConfig(lr=r.train.lr, weight_decay=r.train.weight_decay, grad_clip=r.train.grad_clip,
-                                        eps_low=r.train.eps_low, eps_high=r.train.eps_high, seed=r.run.seed))
+                  trainer=TrainerConfig(**fields_of(r.train, TrainerSettings), seed=r.run.seed))
 
 
 class Cell:
@@ -72,9 +86,7 @@ class Cell:
         self.trainer: Trainer | None = None
         self.app = None
         self.url = ""
-        self.sealed: dict[int, schemas.StepSealed] = {}
-        self.claimed: dict[int, int] = {}
-        self.step_started: dict[int, float] = {}
+        self.steps = StepAccounts()
         self.training_stop: asyncio.Event | None = None
         self.training_task: asyncio.Task | None = None
         self.step_lock = asyncio.Lock()
@@ -106,43 +118,52 @@ class Cell:
             return
         if event.to_role == self.role:
             return  # redelivered: already there
-        t0 = time.perf_counter()
-        durations: dict[str, float] = {}
-        if event.to_role == "training":
-            engine_server.set_serving(self.app, False)
-            await asyncio.to_thread(self.engine.flush_cache)
-            durations["release_s"] = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            if self.trainer is None and self.cfg.core:
-                self.trainer = await asyncio.to_thread(Trainer, str(self.cfg.model_dir), self.cfg.trainer)
-            durations["load_s"] = time.perf_counter() - t1
-            self.role = "training"
-            self._start_training()
-        elif event.to_role == "rollout":
-            await self._stop_training()
-            durations["release_s"] = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            weights = self.latest_weights
-            if weights is not None and weights.policy_version > self.engine.version:
-                await asyncio.to_thread(self.engine.load_weights, weights.path, weights.policy_version)
-                self.version = weights.policy_version
-            durations["load_s"] = time.perf_counter() - t1
-            engine_server.set_serving(self.app, True)
-            self.role = "rollout"
-        durations["total_s"] = time.perf_counter() - t0
+        plan = plan_switch(self.role, event.to_role, core=self.cfg.core)
+        started = time.perf_counter()
+        for action in plan.release:
+            await self._act(action)
+        released = time.perf_counter()
+        for action in plan.load:
+            await self._act(action)
+        loaded = time.perf_counter()
+        self.role = plan.to_role
+        for action in plan.resume:
+            await self._act(action)
+        durations = switch_durations(started, released, loaded, time.perf_counter())
         await self._switched(event.seq, event.from_role, event.to_role, durations)
         log.info("cell.switched", cell=self.cfg.cell, to_role=event.to_role, policy_version=self.version, **durations)
         if self.role == "training":
             # A step sealed while we were still rolling out (e.g. one with no micro-steps)
             # must still be applied: nothing else would trigger it. Announced after
             # `cell.switched`, so the scheduler sees the role before the step completes.
-            for step in sorted(self.sealed):
+            for step in self.steps.sealed_steps():
                 await self._maybe_apply(step)
+
+    async def _act(self, action: SwitchAction) -> None:
+        """Run one action of a switch plan (gyre.control.switch)."""
+        if action == "stop_serving":
+            engine_server.set_serving(self.app, False)
+        elif action == "flush_cache":
+            await asyncio.to_thread(self.engine.flush_cache)
+        elif action == "stop_training":
+            await self._stop_training()
+        elif action == "load_trainer":
+            if self.trainer is None:
+                self.trainer = await asyncio.to_thread(Trainer, str(self.cfg.model_dir), self.cfg.trainer)
+        elif action == "load_weights":
+            weights = self.latest_weights
+            if weights is not None and weights.policy_version > self.engine.version:
+                await asyncio.to_thread(self.engine.load_weights, weights.path, weights.policy_version)
+                self.version = weights.policy_version
+        elif action == "start_training":
+            self._start_training()
+        elif action == "start_serving":
+            engine_server.set_serving(self.app, True)
+        else:
+            raise ValueError(f"unknown switch action {action!r}")
 
     # --- training -------------------------------------------------------------------
     def _start_training(self) -> None:
-        if not self.cfg.core:
-            return  # satellites join later (elastic issue); the core trains alone here
         self.training_stop = asyncio.Event()
         self.training_task = asyncio.create_task(
             self.bus.consume("trainer-v1", self.handle_microstep, stop=self.training_stop))
@@ -158,14 +179,14 @@ class Cell:
         assert self.trainer is not None
         data = await self.bus.get_object(event.key)
         ms = from_bytes(data)
-        self.step_started.setdefault(event.step, time.perf_counter())
+        self.steps.microstep_arrived(event.step, time.perf_counter())
         await asyncio.to_thread(self.trainer.accumulate, ms)
-        self.claimed[event.step] = self.claimed.get(event.step, 0) + 1
+        self.steps.microstep_counted(event.step)
         log.info("cell.microstep.trained", step=event.step, microstep=event.microstep, tokens=event.tokens)
         await self._maybe_apply(event.step)
 
     async def handle_sealed(self, event: schemas.StepSealed) -> None:
-        self.sealed[event.step] = event
+        self.steps.seal(event)
         if self.role == "training":
             await self._maybe_apply(event.step)
 
@@ -175,21 +196,18 @@ class Cell:
 
     async def _maybe_apply(self, step: int) -> None:
         async with self.step_lock:
-            sealed = self.sealed.get(step)
-            if sealed is None or self.trainer is None or self.claimed.get(step, 0) < sealed.microsteps:
+            if self.trainer is None:
                 return
-            if self.trainer.policy_version > step:
-                return  # already applied
-            stats = await asyncio.to_thread(self.trainer.apply, max(sealed.executions, 1))
-            version = self.trainer.policy_version
-            out = self.cfg.weights_dir / f"v{version}"
-            await asyncio.to_thread(self.trainer.save, out)
+            sealed = self.steps.ready(step, self.trainer.policy_version)
+            if sealed is None:
+                return
+            done = await asyncio.to_thread(apply_step, self.trainer, sealed.executions, self.cfg.weights_dir)
+            stats, version = done.stats, done.policy_version
             weights = schemas.WeightsPublished(event_id=ids.weights(self.cfg.run, version), policy_version=version,
-                                               step=step, path=str(out))
+                                               step=step, path=str(done.path))
             self.latest_weights = weights
             await self.bus.publish(weights)
-            now = time.perf_counter()
-            duration = now - self.step_started.get(step, now)  # 0 for a step without micro-steps
+            duration = self.steps.duration_s(step, time.perf_counter())
             await self.bus.publish(schemas.StepCompleted(
                 event_id=ids.step_completed(self.cfg.run, step), step=step, loss=float(stats.loss),
                 grad_norm=float(stats.grad_norm), tokens=int(stats.tokens), executions=sealed.executions,

@@ -305,8 +305,11 @@ class BusSettings(Protocol):
     """What a daemon's Config carries to reach its run's bus."""
 
     run: str
+    """Run id (`bus.subjects.check_run`): every subject and stream of the run carries it."""
     nats_url: str
+    """The run's NATS server, e.g. `nats://127.0.0.1:4222`."""
     nats_token: str | None
+    """NATS token, None = none; from the environment or the run's nats.json, never argv."""
 
 
 @contextlib.asynccontextmanager

@@ -42,31 +42,29 @@ log = structlog.get_logger()
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
-    """Evaluator settings.
-
-    run, nats_url, nats_token: the bus. run_dir: the run directory (eval/, evaluator/).
-    tasks: task set (bundled name or JSONL path).
-    python: interpreter whose bin directory leads PATH for the test command (pytest there).
-    retries: further attempts after an infrastructure failure before `excluded` (>= 0).
-    retry_delay_s: seconds before a failed attempt is retried (nak delay).
-    per_test_timeout_s: limit of one hidden test (0 = none); the whole run has the task's
-      test_timeout_s.
-    concurrency: workspaces graded at once. keep_scratch: keep graded copies.
-    sandbox: confinement of the test run (same as the harnesses').
-    """
+    """The evaluator's settings. run, nats_url, nats_token: the bus (`handlers.daemon.BusSettings`)."""
 
     run: str
     nats_url: str
     nats_token: str | None
     run_dir: Path
+    """The run directory (eval/, evaluator/ inside)."""
     tasks: str
+    """Task set whose hidden tests grade: the recipe's `tasks.set` (bundled name or JSONL path)."""
     python: str = sys.executable
+    """Interpreter whose bin directory leads PATH for the test command (pytest there)."""
     retries: int = 2
+    """Further attempts after an infrastructure failure before `excluded`, >= 0."""
     retry_delay_s: float = 5.0
+    """Seconds before a failed attempt is retried (nak delay), >= 0."""
     per_test_timeout_s: float = 30.0
+    """Limit of one hidden test, seconds, >= 0 (0 = none); the whole run has the task's test_timeout_s."""
     concurrency: int = 4
+    """Workspaces graded at once, >= 1."""
     keep_scratch: bool = False
+    """Keep graded copies (a failed attempt's copy is kept anyway)."""
     sandbox: SandboxConfig = SandboxConfig()
+    """Confinement of the test run (the same as the harnesses')."""
 
     def __post_init__(self) -> None:
         if self.retries < 0:

@@ -35,6 +35,7 @@ import structlog
 
 import schemas
 from bus import Bus, Retry
+from gyre.config import RunnerSettings, fields_of
 from gyre.env import harness as harnesses
 from gyre.env.sandbox import Launch, SandboxConfig, base_env, confine, own_tree, resolve_mode, unreachable_ancestor
 from gyre.env.tasks import Task, load_tasks, seed_workspace, task_index, write_files
@@ -46,42 +47,37 @@ log = structlog.get_logger()
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Config:
-    """Runner settings.
-
-    run, nats_url, nats_token: the bus (the token never reaches a harness).
-    run_dir: the run directory (workspaces/, homes/, logs/executions/, runner/ inside).
-    tasks: task set (bundled name or JSONL path) the dispatched task ids refer to.
-    key_secret: hex HMAC secret of execution keys (shared with the proxy).
-    proxy_url: the proxy's base URL without /v1; '' = read `url` from <run_dir>/proxy.json
-      (waiting for the proxy to write it).
-    model: model name the harness asks the proxy for.
-    python: interpreter of the harness environment (mini-swe-agent is `<its bin>/mini`).
-    concurrency: executions running at once.
-    sandbox: confinement (uid, mode, extra read-only paths).
-    proxy_wait_s: seconds to wait for a proxy of the run to answer before failing the
-      execution (`harness_error`).
-    context_tokens: the policy's context window in tokens, passed to harnesses that take one
-      (`LaunchRequest.context_tokens`); 0 = not known.
-    """
+class Config(RunnerSettings):
+    """The runner's settings: the recipe's (`RunnerSettings`: concurrency) and its own.
+    run, nats_url, nats_token: the bus (`handlers.daemon.BusSettings`; the token never
+    reaches a harness)."""
 
     run: str
     nats_url: str
     nats_token: str | None
     run_dir: Path
+    """The run directory (workspaces/, homes/, logs/executions/, runner/ inside)."""
     tasks: str
+    """Task set the dispatched task ids refer to: the recipe's `tasks.set` (bundled name or JSONL path)."""
     key_secret: str
+    """Hex HMAC secret of execution keys (shared with the proxy), non-empty."""
     proxy_url: str = ""
+    """The proxy's base URL without /v1, loopback http only; '' = read `url` from
+    <run_dir>/proxy.json (waiting for the proxy to write it)."""
     model: str = "gyre"
+    """Model name the harness asks the proxy for."""
     python: str = sys.executable
-    concurrency: int = 16
+    """Interpreter of the harness environment (mini-swe-agent is `<its bin>/mini`)."""
     sandbox: SandboxConfig = SandboxConfig()
+    """Confinement (uid, mode, extra read-only paths)."""
     proxy_wait_s: float = 60.0
+    """Seconds to wait for a proxy of the run to answer before failing the execution (`harness_error`)."""
     context_tokens: int = 0
+    """The policy's context window in tokens, passed to harnesses that take one
+    (`LaunchRequest.context_tokens`): the recipe's `engine.max_context_tokens`; 0 = not known."""
 
     def __post_init__(self) -> None:
-        if self.concurrency < 1:
-            raise ValueError(f"runner concurrency must be >= 1, got {self.concurrency}")
+        RunnerSettings.__post_init__(self)
         if self.context_tokens < 0:
             raise ValueError(f"runner context_tokens must be >= 0 (0 = not known), got {self.context_tokens}")
         try:
@@ -95,10 +91,10 @@ class Config:
 
 
 def config_from_context(ctx: RunContext, _args=None) -> Config:
-    h = ctx.recipe.harness
-    return Config(run=ctx.run, nats_url=ctx.nats_url, nats_token=ctx.nats_token, run_dir=ctx.run_dir,
-                  tasks=ctx.recipe.tasks.set, key_secret=ctx.key_secret.hex(), concurrency=h.concurrency,
-                  proxy_url=os.environ.get("GYRE_PROXY_URL", ""), context_tokens=ctx.recipe.engine.max_context_tokens)
+    r = ctx.recipe
+    return Config(**fields_of(r.harness, RunnerSettings), run=ctx.run, nats_url=ctx.nats_url,
+                  nats_token=ctx.nats_token, run_dir=ctx.run_dir, tasks=r.tasks.set, key_secret=ctx.key_secret.hex(),
+                  proxy_url=os.environ.get("GYRE_PROXY_URL", ""), context_tokens=r.engine.max_context_tokens)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ import structlog
 
 import schemas
 from bus import Bus
+from gyre.config import CellsSection, HarnessSection, RunSection, TasksSection
 from gyre.control.colocate import ColocatePolicy, Dispatch, Done, Switch
 from gyre.env.tasks import load_tasks
 from handlers.daemon import RunContext, connected, daemon_main, run_loops
@@ -23,48 +24,39 @@ from schemas import ids
 log = structlog.get_logger()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
-    """run: run id. cells: cell ids in switch order (core first). timeout_s / max_calls:
-    per-execution limits passed to the runner. harness: harness profile name."""
+    """The scheduler's settings. run, nats_url, nats_token: the bus (`handlers.daemon.BusSettings`)."""
 
     run: str
     nats_url: str
     nats_token: str | None
-    tasks: tuple[str, ...]
-    cells: tuple[str, ...]
-    steps: int
-    groups_per_step: int
-    group_size: int
-    harness: str
-    timeout_s: float
-    max_calls: int
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.cells:
-            raise ValueError("scheduler needs at least one cell")
+    schedule: RunSection
+    """The recipe's [run]: steps to run, the seed of task order, the scheduling mode."""
+    tasks: TasksSection
+    """The task set and the tasks (groups) per step, executions per group."""
+    harness: HarnessSection
+    """The harness profile and the per-execution limits (timeout_s, max_calls) passed to the runner."""
+    cells: CellsSection
+    """The cells, in switch order (core first)."""
 
 
 def config_from_context(ctx: RunContext, _args=None) -> Config:
     r = ctx.recipe
-    return Config(run=ctx.run, nats_url=ctx.nats_url, nats_token=ctx.nats_token,
-                  tasks=tuple(t.instance_id for t in load_tasks(r.tasks.set)),
-                  cells=tuple(f"cell{i}" for i in range(r.cells.count)), steps=r.run.steps,
-                  groups_per_step=r.tasks.groups_per_step, group_size=r.tasks.group_size,
-                  harness=r.harness.name, timeout_s=r.harness.timeout_s, max_calls=r.harness.max_calls,
-                  seed=r.run.seed)
+    return Config(run=ctx.run, nats_url=ctx.nats_url, nats_token=ctx.nats_token, schedule=r.run, tasks=r.tasks,
+                  harness=r.harness, cells=r.cells)
 
 
 class Scheduler:
     """Holds the policy and the counters that make published ids deterministic."""
 
-    def __init__(self, cfg: Config, bus: Bus) -> None:
+    def __init__(self, cfg: Config, bus: Bus, tasks: list[str]) -> None:
         self.cfg = cfg
         self.bus = bus
-        self.policy = ColocatePolicy(tasks=list(cfg.tasks), cells=list(cfg.cells), steps=cfg.steps,
-                                     groups_per_step=cfg.groups_per_step, group_size=cfg.group_size, seed=cfg.seed)
-        self.switch_seq = {c: 0 for c in cfg.cells}
+        self.policy = ColocatePolicy(tasks=tasks, cells=list(cfg.cells.ids), steps=cfg.schedule.steps,
+                                     groups_per_step=cfg.tasks.groups_per_step, group_size=cfg.tasks.group_size,
+                                     seed=cfg.schedule.seed)
+        self.switch_seq = {c: 0 for c in cfg.cells.ids}
         self.route_seq = 0
         self.done = asyncio.Event()
         self.lock = asyncio.Lock()
@@ -91,11 +83,11 @@ class Scheduler:
         self.route_seq += 1
         for e in burst.executions:
             info = schemas.ExecutionInfo(execution=e.execution, task=e.task, group=e.group, step=e.step,
-                                         harness=self.cfg.harness, group_size=e.group_size,
+                                         harness=self.cfg.harness.name, group_size=e.group_size,
                                          step_groups=e.step_groups)
             await self.bus.publish(schemas.ExecutionDispatched(
                 event_id=ids.dispatched(self.cfg.run, e.execution), info=info,
-                timeout_s=self.cfg.timeout_s, max_calls=self.cfg.max_calls))
+                timeout_s=self.cfg.harness.timeout_s, max_calls=self.cfg.harness.max_calls))
         log.info("scheduler.dispatched", step=burst.step, executions=len(burst.executions),
                  water_level=self.policy.water_level)
 
@@ -116,8 +108,9 @@ class Scheduler:
 
 
 async def run(cfg: Config, stop: asyncio.Event) -> None:
+    tasks = [t.instance_id for t in load_tasks(cfg.tasks.set)]
     async with connected(cfg, stop, "scheduler") as bus:
-        sched = Scheduler(cfg, bus)
+        sched = Scheduler(cfg, bus, tasks)
         await run_loops(bus.consume("scheduler-v1", sched.handle_execution, stop=stop),
                         bus.consume("scheduler-steps-v1", sched.handle_step, stop=stop),
                         bus.consume("scheduler-cells-v1", sched.handle_cell, stop=stop))

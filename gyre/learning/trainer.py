@@ -49,6 +49,7 @@ import structlog
 import torch
 
 from gyre.learning.gspo import gspo_loss
+from gyre.learning.settings import TrainerSettings
 from gyre.trajectory.microstep import SHARED_PREFIX_MIN_TOKENS, MicrostepData, common_prefix
 from gyre.serving.model import weights_readable_as_config
 
@@ -58,44 +59,31 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class TrainerConfig:
-    """Optimizer and loss settings of a trainer replica.
+class TrainerConfig(TrainerSettings):
+    """Configuration of a trainer replica: the recipe's settings (`TrainerSettings`: lr,
+    weight_decay, grad_clip, eps_low, eps_high) and those no recipe sets."""
 
-    lr: AdamW learning rate. betas, adam_eps: AdamW moments and denominator epsilon.
-    weight_decay: decoupled weight decay (0 = none). grad_clip: max global L2 norm, > 0.
-    eps_low, eps_high: GSPO clip range (Zheng et al. 2025 defaults).
-    behaviour_logprobs: `proxy` uses the log-probs the proxy recorded as π_old;
-      `recompute` uses the trainer's own log-probs under the step's (fixed) weights.
-    head_chunk_tokens: loss positions per output-head chunk (bounds the (K, V) logits).
-    shared_prefix_min_tokens: run a token prefix common to several trajectories of a
-      micro-step once when it is at least this long; 0 = never (every trajectory on its own).
-    device: torch device string. seed: torch seed set at construction.
-    """
-
-    lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW moment coefficients, each in [0, 1)."""
     adam_eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    eps_low: float = 3e-4
-    eps_high: float = 4e-4
+    """AdamW denominator epsilon."""
     behaviour_logprobs: Literal["proxy", "recompute"] = "proxy"
+    """π_old of the GSPO ratio: `proxy` = the log-probs the proxy recorded; `recompute` = the
+    trainer's own log-probs under the step's (fixed) weights."""
     head_chunk_tokens: int = 512
+    """Loss positions per output-head chunk (bounds the (K, V) logits), >= 1."""
     shared_prefix_min_tokens: int = SHARED_PREFIX_MIN_TOKENS
+    """A token prefix common to several trajectories of a micro-step is run once when it is at
+    least this long, in tokens; 0 = never (every trajectory on its own)."""
     device: str = "cpu"
+    """torch device string."""
     seed: int = 0
+    """torch seed set at construction (the recipe's `run.seed`)."""
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"TrainerConfig.lr must be > 0, got {self.lr}")
+        TrainerSettings.__post_init__(self)  # explicit: zero-argument super() fails in a slotted dataclass
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"TrainerConfig.betas must be in [0, 1), got {self.betas}")
-        if self.weight_decay < 0:
-            raise ValueError(f"TrainerConfig.weight_decay must be >= 0, got {self.weight_decay}")
-        if not self.grad_clip > 0:
-            raise ValueError(f"TrainerConfig.grad_clip must be > 0, got {self.grad_clip}")
-        if not (0 < self.eps_low < 1 and self.eps_high > 0):
-            raise ValueError(f"TrainerConfig.eps_low must be in (0, 1) and eps_high > 0, got {self.eps_low}, {self.eps_high}")
         if self.behaviour_logprobs not in ("proxy", "recompute"):
             raise ValueError(f"TrainerConfig.behaviour_logprobs must be 'proxy' or 'recompute', got {self.behaviour_logprobs!r}")
         if self.head_chunk_tokens < 1:

@@ -39,6 +39,7 @@ from typing import Literal
 import structlog
 import torch
 
+from gyre.serving.settings import EngineSettings
 from gyre.serving.tokenizer import fast_decoder, stop_hit, stop_window
 from schemas.call import GREEDY_BELOW
 
@@ -69,19 +70,19 @@ class WeightLoadError(EngineError):
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Configuration of one embedded engine."""
+class EngineConfig(EngineSettings):
+    """Configuration of one embedded engine: the recipe's settings (`EngineSettings`:
+    max_context_tokens) and those no recipe sets."""
 
     model_dir: str
     """Directory with config.json and model.safetensors (HF layout; shards allowed)."""
-    max_context_tokens: int = 32768
-    """Prompt + completion limit in tokens; a longer prompt raises `PromptTooLong`."""
     max_completion_tokens: int = 4096
-    """Upper bound on a request's max_new_tokens (larger values are clamped)."""
+    """Upper bound on a request's max_new_tokens (larger values are clamped); in a run, the
+    recipe's `sampling.max_tokens`."""
     stop_ids: tuple[int, ...] = (151645, 151643)
     """Ids that end every generation (`<|im_end|>`, `<|endoftext|>`), besides per-request ones."""
     seed: int = 0
-    """Seeds the per-request seeds of requests that carry none."""
+    """Seeds the per-request seeds of requests that carry none (in a run, the recipe's `run.seed`)."""
     kv_cache_executions: int = 64
     """At most this many executions keep a prefix KV cache (least recently used evicted)."""
     kv_cache_tokens: int = 2_000_000
@@ -94,10 +95,9 @@ class EngineConfig:
     """torch dtype name of the live weights."""
 
     def __post_init__(self) -> None:
+        EngineSettings.__post_init__(self)
         if not self.model_dir:
             raise ValueError("model_dir must be a non-empty path")
-        if self.max_context_tokens < 1:
-            raise ValueError(f"max_context_tokens must be >= 1, got {self.max_context_tokens}")
         if self.max_completion_tokens < 1:
             raise ValueError(f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}")
         if self.prefill_chunk_tokens < 1:
