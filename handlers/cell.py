@@ -4,7 +4,7 @@ A switch changes what the process holds, never the process (DESIGN.md "Cells and
 engines"): the engine's HTTP server stays bound; while the cell trains it answers 503,
 so the proxy waits or reroutes. The core cell (`cell0`) owns the optimizer state.
 
-Consumes `cell.switch` (its own durable `cell-<id>-v1`), `microstep.ready` (work queue,
+Consumes `cell.switch` (its own durable `<cell>-v1`, `bus.subjects.cell_consumer`), `microstep.ready` (work queue,
 only while training) and `step.sealed` (replayed); publishes `cell.switched` with
 measured durations, `weights.published` and `step.completed`. What a switch does is
 planned by gyre.control.switch and which step is ready to apply is decided by
@@ -21,7 +21,7 @@ import structlog
 
 import schemas
 from bus import Bus
-from bus.subjects import ConsumerSpec
+from bus.subjects import cell_consumer
 from gyre.config import fields_of
 from gyre.control.switch import SwitchAction, durations as switch_durations, plan_switch
 from gyre.learning.settings import TrainerSettings
@@ -107,7 +107,7 @@ class Cell:
 
     async def _switched(self, seq: int, from_role: str, to_role: str, durations: dict) -> None:
         event_seq = seq if seq >= 0 else 0
-        event_id = ids.switched(self.cfg.run, self.cfg.cell, seq) if seq >= 0 else f"{self.cfg.run}:cell:{self.cfg.cell}:announce:{int(time.time() * 1e6)}"
+        event_id = ids.switched(self.cfg.run, self.cfg.cell, seq) if seq >= 0 else ids.announce(self.cfg.run, self.cfg.cell)
         await self.bus.publish(schemas.CellSwitched(
             event_id=event_id, cell=self.cfg.cell, seq=event_seq, from_role=from_role, to_role=to_role,
             durations=durations, engine_url=self.url if to_role == "rollout" else "", policy_version=self.version))
@@ -219,13 +219,12 @@ class Cell:
 async def run(cfg: Config, stop: asyncio.Event) -> None:
     async with connected(cfg, stop, cfg.cell) as bus:
         cell = Cell(cfg, bus)
-        await bus.ensure_consumer(ConsumerSpec(f"{cfg.cell}-v1", "CELLS", ("cell.switch",), ack_wait_s=120.0,
-                                               max_ack_pending=1))
+        await bus.ensure_consumer(cell_consumer(cfg.cell))
         await cell.start()
         try:
-            await run_loops(bus.consume(f"{cfg.cell}-v1", cell.handle_switch, stop=stop),
-                            bus.replay(["step.sealed"], cell.handle_sealed, stop=stop),
-                            bus.replay(["weights.published"], cell.handle_weights, stop=stop))
+            await run_loops(bus.consume(cell_consumer(cfg.cell), cell.handle_switch, stop=stop),
+                            bus.replay([schemas.StepSealed.NAME], cell.handle_sealed, stop=stop),
+                            bus.replay([schemas.WeightsPublished.NAME], cell.handle_weights, stop=stop))
         finally:
             await cell.stop()
 
