@@ -43,6 +43,7 @@ from typing import Any, NoReturn
 import orjson
 import structlog
 
+from gyre.config import ProxySection
 from gyre.serving.roles import PROFILES
 from gyre.serving.tokenizer import fast_encoder
 from handlers.engines.client import make_session
@@ -73,8 +74,10 @@ returns (`main` skips the interpreter's teardown: milliseconds)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Config:
-    """Proxy configuration. Durations in seconds, sizes in bytes."""
+class Config(ProxySection):
+    """Proxy configuration: the recipe's `[proxy]` settings (limits and timeouts, defined,
+    documented and validated in `gyre.config.ProxySection`) and the run's wiring below.
+    Durations in seconds, sizes in bytes."""
 
     run: str
     """Run id (bus subjects, event ids)."""
@@ -111,33 +114,13 @@ class Config:
     0 = not known yet: the first engine refusal that names the context teaches it
     (`ProxyState.context_tokens`), and the refused call is retried with the cap when its
     prompt fits."""
-    body_limit_bytes: int = 64 * 1024 * 1024
-    """Largest request body, as sent and once decoded."""
     concurrency: int = 256
     """Engine requests in flight at once per engine; further calls to it queue."""
-    max_active_calls: int = 0
-    """Model calls admitted at once (queued or generating); beyond → 429. 0 = no cap."""
-    max_active_calls_per_execution: int = 0
-    """The same bound per execution; 0 = no cap."""
-    retry_after_s: int = 1
-    """`Retry-After` seconds on a 429."""
     harness: str = ""
     """Roles profile (gyre.serving.roles.PROFILES) for executions whose harness is not known from
     `execution.started`; '' = detect it from each call's headers."""
-    retry_timeout_s: float = 600.0
-    """How long a call waits and retries for an engine before failing with 503, and a
-    `call.completed` is retried before it is spilled (at most `handlers.proxy.outbox.PUBLISH_RETRY_MAX_S`)."""
     retry_backoff_s: float = 0.25
     retry_backoff_max_s: float = 5.0
-    keepalive_s: float = 15.0
-    """Seconds between keep-alives to a waiting harness."""
-    deliver_timeout_s: float = 120.0
-    """How long a harness may go without taking any of its answer once it is sent (checked
-    every quarter of it, so the cut comes 1–1.25 × this after its last read). One that
-    stops reading (a stalled client with an answer larger than the sockets hold) has its
-    connection cut, and the call is recorded `aborted` (never trained) instead of holding
-    its handler, and its execution's slot, until the proxy stops; one that reads slowly but
-    steadily is never cut."""
     object_threshold_bytes: int = 256 * 1024
     """Encoded call.completed above this moves its token arrays to the object store."""
     max_publishes_in_flight: int = 512
@@ -166,6 +149,7 @@ class Config:
     cyclic GC and collect less often (`GC_THRESHOLDS`); restored when `run` returns."""
 
     def __post_init__(self) -> None:
+        ProxySection.__post_init__(self)  # (no zero-argument super() in a slotted dataclass before Python 3.14)
         if not self.run:
             raise ValueError("Config.run must be non-empty")
         if not self.key_secret:
@@ -180,17 +164,15 @@ class Config:
             raise ValueError(f"Config.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"Config.top_k must be -1 (off) or > 0, got {self.top_k}")
-        for name in ("max_completion_tokens", "body_limit_bytes", "concurrency", "object_threshold_bytes",
-                     "retry_after_s", "max_publishes_in_flight"):
+        for name in ("max_completion_tokens", "concurrency", "object_threshold_bytes", "max_publishes_in_flight"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Config.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_calls", "context_tokens", "max_active_calls", "max_active_calls_per_execution"):
+        for name in ("max_calls", "context_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Config.{name} must be >= 0 (0 = no cap), got {getattr(self, name)}")
         if self.harness and self.harness not in PROFILES:
             raise ValueError(f"Config.harness must be '' or one of {PROFILES}, got {self.harness!r}")
-        for name in ("retry_timeout_s", "retry_backoff_s", "retry_backoff_max_s", "keepalive_s", "deliver_timeout_s",
-                     "shutdown_grace_s"):
+        for name in ("retry_backoff_s", "retry_backoff_max_s", "shutdown_grace_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Config.{name} must be > 0 seconds, got {getattr(self, name)}")
 
