@@ -176,14 +176,31 @@ class SamplingSection:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ProxySection:
-    # the run's proxy (handlers.proxy.daemon.Config has the same fields and documents each)
-    max_active_calls: int = 0  # model calls admitted at once, queued or generating; beyond: 429 (0 = no cap)
-    max_active_calls_per_execution: int = 0  # the same bound per execution key (0 = no cap)
-    retry_after_s: int = 1  # the 429's Retry-After, seconds
-    body_limit_bytes: int = 64 * 1024 * 1024  # largest request body, as sent and decompressed; beyond: 413
-    retry_timeout_s: float = 600.0  # how long a call waits for a rollout engine before a 503, seconds
-    keepalive_s: float = 15.0  # seconds between keep-alives to a harness whose call waits
-    deliver_timeout_s: float = 120.0  # a harness taking none of its answer this long is cut, seconds
+    """The run's proxy: its limits and timeouts, the `[proxy]` table. Each setting is
+    defined and validated here only: `handlers.proxy.daemon.Config` inherits these fields
+    and adds the run's wiring. Durations in seconds, sizes in bytes."""
+
+    max_active_calls: int = 0
+    """Model calls admitted at once (queued or generating); beyond → 429. 0 = no cap."""
+    max_active_calls_per_execution: int = 0
+    """The same bound per execution (per key); 0 = no cap."""
+    retry_after_s: int = 1
+    """`Retry-After` seconds on a 429."""
+    body_limit_bytes: int = 64 * 1024 * 1024
+    """Largest request body, as sent and once decoded; beyond → 413."""
+    retry_timeout_s: float = 600.0
+    """How long a call waits and retries for a rollout engine before failing with 503, and
+    a `call.completed` is retried before it is spilled (at most
+    `handlers.proxy.outbox.PUBLISH_RETRY_MAX_S`)."""
+    keepalive_s: float = 15.0
+    """Seconds between keep-alives to a harness whose call waits."""
+    deliver_timeout_s: float = 120.0
+    """How long a harness may go without taking any of its answer once it is sent (checked
+    every quarter of it, so the cut comes 1–1.25 × this after its last read). One that
+    stops reading (a stalled client with an answer larger than the sockets hold) has its
+    connection cut, and the call is recorded `aborted` (never trained) instead of holding
+    its handler, and its execution's slot, until the proxy stops; one that reads slowly but
+    steadily is never cut."""
 
     def __post_init__(self) -> None:
         _positive(self, "retry_after_s", "body_limit_bytes", "retry_timeout_s", "keepalive_s", "deliver_timeout_s")

@@ -87,7 +87,7 @@ def test_every_variant_sends_the_prompt_of_the_direct_path(variant):
     into the history the next call extends."""
     from gyre.serving.chat import parse_completion, render
     from gyre.serving.tokenizer import build_tokenizer
-    from handlers.proxy.daemon import CHAT, MESSAGES, RESPONSES
+    from handlers.proxy.call import CHAT, MESSAGES, RESPONSES
     from handlers.proxy.anthropic import parse_messages_request
     from handlers.proxy.api import Answer, StreamStart
     from handlers.proxy.openai import parse_chat_request, parse_responses_request

@@ -45,7 +45,8 @@ from gyre.trajectory.tree import build_tree, trajectories
 from handlers import runner as runner_mod
 from handlers.engines.client import make_session
 from handlers.proxy.daemon import Config as ProxyConfig
-from handlers.proxy.daemon import ProxyState, make_app
+from handlers.proxy.app import make_app
+from handlers.proxy.state import ProxyState
 from handlers.runner import Config as RunnerConfig
 from handlers.runner import Paths, wait_or_kill
 from handlers.engines.scripted import Playbook, Rule, ScriptedEngine, tool_call

@@ -27,8 +27,10 @@ from gyre.env.harness import execution_key
 from gyre.serving.tito import CallStore
 from gyre.serving.tokenizer import IM_END, build_tokenizer
 from handlers.engines.client import make_session
-from handlers.proxy import daemon as proxy_mod
-from handlers.proxy.daemon import Config, ProxyState, run, start
+from handlers.proxy import call as proxy_call, outbox as proxy_outbox, restart as proxy_restart
+from handlers.proxy.app import start
+from handlers.proxy.daemon import Config, run
+from handlers.proxy.state import ProxyState
 from handlers.engines.scripted import ScriptedEngine, load_script
 from schemas import ids
 from schemas.cell import CellSwitched, Route, RouteUpdated
@@ -589,7 +591,7 @@ class _Outage:
     (`restart`); the resend tries on its own only every 120 s."""
 
     def __init__(self, tmp_path, tok, run_id, monkeypatch) -> None:
-        monkeypatch.setattr(proxy_mod, "SPILL_RETRY_S", 120.0)  # not by the periodic retry
+        monkeypatch.setattr(proxy_restart, "SPILL_RETRY_S", 120.0)  # not by the periodic retry
         self.tmp_path, self.tok, self.run_id = tmp_path, tok, run_id
         self.spill = tmp_path / "proxy-unpublished.jsonl"
         self.stop = asyncio.Event()
@@ -607,7 +609,7 @@ class _Outage:
     async def serve(self, script: list[str]) -> None:
         engine = await self.stack.engine(script)
         await self.stack.proxy(engine=engine, spill_file=str(self.spill), retry_timeout_s=0.5)
-        self.resend = asyncio.create_task(proxy_mod._resend_spilled(self.stack.state, self.stop))
+        self.resend = asyncio.create_task(proxy_restart.resend_spilled(self.stack.state, self.stop))
 
     async def restart(self) -> None:
         from bus.server import NatsServer
@@ -682,7 +684,7 @@ async def test_a_spilled_call_stored_already_is_not_published_again(tmp_path, to
 
     spill = tmp_path / "proxy-unpublished.jsonl"
     state = ProxyState(Config(run="r", key_secret=SECRET, spill_file=str(spill)), tok, session=None, bus=StoredBus())
-    state.spill([proxy_mod.Outgoing(event(0)), proxy_mod.Outgoing(event(1))], "test")
+    state.spill([proxy_outbox.Outgoing(event(0)), proxy_outbox.Outgoing(event(1))], "test")
     sent = []
 
     async def publish(out, may_have_landed=False, stop=None):
@@ -690,7 +692,7 @@ async def test_a_spilled_call_stored_already_is_not_published_again(tmp_path, to
         return True
 
     state._publish = publish
-    assert await proxy_mod._resumed(state, state.bus, asyncio.Event())
+    assert await proxy_restart.resume(state, state.bus, asyncio.Event())
     assert sent == ["r:exs:call:1"] and not spill.exists()
     assert state.executions["exs"].next_seq == 2
 
@@ -707,7 +709,7 @@ async def test_a_starting_proxy_stops_while_the_bus_will_not_take_its_spilled_ca
                                   parent_call=None, prefix_len=0, tokens=schemas.CallTokens(),
                                   sampling=schemas.SamplingParams(), finish_reason="stop", versions=(), cell="c",
                                   role="main", api="chat", status="ok", timings={}, drift=0, meta={})
-    ProxyState(cfg, tok, session=None).spill([proxy_mod.Outgoing(event)], "test")
+    ProxyState(cfg, tok, session=None).spill([proxy_outbox.Outgoing(event)], "test")
     written = spill.read_bytes()
     hung = asyncio.Event()
 
@@ -732,7 +734,7 @@ async def test_a_second_proxy_is_refused_while_the_first_still_runs_after_it_sto
     from handlers.daemon import FatalError
 
     url_file = tmp_path / "proxy.json"
-    held = proxy_mod._run_lock(url_file.with_suffix(".lock"), run_id)
+    held = proxy_restart.run_lock(url_file.with_suffix(".lock"), run_id)
     cfg = Config(run=run_id, key_secret=SECRET, url_file=str(url_file), shutdown_grace_s=1.0)
     with pytest.raises(FatalError, match=f"still runs \\(pid {os.getpid()}"):
         await asyncio.wait_for(run(cfg, asyncio.Event()), 30)
@@ -1335,7 +1337,7 @@ async def test_a_call_abandoned_at_shutdown_is_spilled_while_its_upstream_abort_
     attempt = Attempt(client=object(), rid="rid-1", cell="c")
     match = CallStore(tok).match([{"role": "user", "content": "hi"}])
     common = dict(execution="ex", seq=0, match=match, sampling=SamplingParams(), api="chat", role="main", meta={})
-    proxy_mod._abandon(state, attempt, common, None, 0.0)
+    proxy_call._abandon(state, attempt, common, None, 0.0)
     await asyncio.wait_for(publishing.wait(), 5)  # the publish is under way (and never answered)
     await state.drain(0.2)
     (line,) = [orjson.loads(x) for x in spill.read_bytes().splitlines() if x.strip()]
@@ -1381,7 +1383,7 @@ async def test_a_resend_that_fails_part_way_does_not_publish_the_sent_calls_agai
 
     spill = tmp_path / "proxy-unpublished.jsonl"
     state = ProxyState(Config(run="r", key_secret=SECRET, spill_file=str(spill)), tok, session=None, bus=object())
-    state.spill([proxy_mod.Outgoing(event(0)), proxy_mod.Outgoing(event(1))], "test")
+    state.spill([proxy_outbox.Outgoing(event(0)), proxy_outbox.Outgoing(event(1))], "test")
     sent, fail = [], ["r:exs:call:1"]
 
     async def publish(out, may_have_landed=False, stop=None):
@@ -1509,7 +1511,7 @@ async def test_a_spilled_call_too_large_for_the_bus_is_kept_aside_and_the_others
     spill = tmp_path / "proxy-unpublished.jsonl"
     state = ProxyState(Config(run=run_id, key_secret=SECRET, spill_file=str(spill), retry_timeout_s=600.0), tok,
                        session=None, bus=bus)
-    state.spill([proxy_mod.Outgoing(event(0, {"session_id": "A" * 1_000_000})), proxy_mod.Outgoing(event(1, {}))],
+    state.spill([proxy_outbox.Outgoing(event(0, {"session_id": "A" * 1_000_000})), proxy_outbox.Outgoing(event(1, {}))],
                 "test")
     assert list(await asyncio.wait_for(state.republish(), 30)) == [ids.call(run_id, "exs", 1)]
     (kept,) = Path(f"{spill}.unreadable").read_bytes().splitlines()
@@ -1541,9 +1543,9 @@ async def test_a_serving_proxy_resends_its_spill_without_the_calls_stored_meanwh
     await asyncio.sleep(1.5)  # past the (shortened) duplicate window
     spill = tmp_path / "proxy-unpublished.jsonl"
     state = ProxyState(Config(run=run_id, key_secret=SECRET, spill_file=str(spill)), tok, session=None, bus=bus)
-    state.spill([proxy_mod.Outgoing(event(0)), proxy_mod.Outgoing(event(1))], "test")
+    state.spill([proxy_outbox.Outgoing(event(0)), proxy_outbox.Outgoing(event(1))], "test")
     stop = asyncio.Event()
-    resend = asyncio.create_task(proxy_mod._resend_spilled(state, stop))
+    resend = asyncio.create_task(proxy_restart.resend_spilled(state, stop))
     state.bus_back.set()
     try:
         await until(lambda: not spill.exists() and not state.sending_path().exists())
@@ -1885,11 +1887,11 @@ async def test_a_call_completed_goes_to_the_bus_at_once_and_a_cancelled_one_is_s
 
     monkeypatch.setattr(bus, "publish", recording)
     for seq in range(3):
-        state.publish_later(proxy_mod.Outgoing(event(seq)))
+        state.publish_later(proxy_outbox.Outgoing(event(seq)))
         await asyncio.sleep(0)  # one loop pass
         assert started == list(range(seq + 1))
     earlier = set(state._background)  # (the calls before may still await their PubAcks)
-    state.publish_later(proxy_mod.Outgoing(event(3)))
+    state.publish_later(proxy_outbox.Outgoing(event(3)))
     (waiting,) = state._background - earlier
     waiting.cancel()
     await state.drain(5)

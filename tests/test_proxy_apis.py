@@ -23,7 +23,7 @@ from aiohttp import web
 from gyre.env.harness import execution_key
 from gyre.serving.tokenizer import IM_END, VOCAB_SIZE
 from handlers.engines.client import make_session
-from handlers.proxy.daemon import vocab_size
+from handlers.proxy.state import vocab_size
 from handlers.proxy.anthropic import parse_messages_request
 from handlers.proxy.api import MEMBERS, ApiError, decode_body, unique_hex, zstd_decompressor
 from handlers.proxy.http import STREAM_OPEN_S

@@ -264,7 +264,7 @@ def test_parsing_a_request_leaves_its_body_as_it_was(api):
     request parsers must only read them."""
     import copy
 
-    from handlers.proxy.daemon import _parse_count_tokens
+    from handlers.proxy.call import _parse_count_tokens
     from handlers.proxy.anthropic import parse_messages_request
     from handlers.proxy.api import MessageMemo
     from handlers.proxy.openai import parse_chat_request, parse_responses_request

@@ -17,7 +17,8 @@ from aiohttp import web
 
 from gyre.serving.chat import parse_completion
 from gyre.env.harness import execution_key
-from handlers.proxy.daemon import CHAT, Outgoing
+from handlers.proxy.call import CHAT
+from handlers.proxy.outbox import Outgoing
 from handlers.proxy.api import ApiError, StreamStart
 from handlers.proxy.routing import engine_reply
 from handlers.proxy.http import STREAM_OPEN_S, Reply
@@ -292,7 +293,7 @@ async def test_a_defect_of_ours_is_a_500_in_the_api_shape_and_the_call_is_on_the
     def broken(*args, **kwargs):
         raise KeyError("a bug")
 
-    monkeypatch.setattr("handlers.proxy.daemon.parse_completion", broken)
+    monkeypatch.setattr("handlers.proxy.call.parse_completion", broken)
     with pytest.raises(openai.InternalServerError) as err:
         await stack.client("ex-bug").chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
     assert err.value.status_code == 500 and err.value.body["code"] == "internal_error"
@@ -375,7 +376,8 @@ async def test_a_connect_timeout_is_retried_until_the_deadline_not_counted_as_a_
 def test_key_cache_keeps_valid_keys_only():
     """Verified keys are cached (no HMAC per call); rejected ones never are, so requests
     with made-up keys cannot fill the cache or push the real keys out."""
-    from handlers.proxy.daemon import Config, ProxyState
+    from handlers.proxy.daemon import Config
+    from handlers.proxy.state import ProxyState
 
     state = ProxyState(Config(run="r", key_secret=SECRET), None, None)
     key = execution_key(SECRET, "exA")
@@ -542,7 +544,7 @@ async def test_a_client_that_never_finishes_its_request_is_closed(stack, monkeyp
     `IDLE_CLOSE_S`; one whose body stalls gets a 408 in the API's shape after
     `BODY_READ_S`, and is closed: a local process cannot hold connections until the proxy runs out of
     file descriptors. A harness's call meanwhile is served."""
-    import handlers.proxy.daemon as proxy_mod
+    import handlers.proxy.app as proxy_mod
     import handlers.proxy.http as proxy_http
 
     monkeypatch.setattr(proxy_mod, "IDLE_CLOSE_S", 1.0)

@@ -348,7 +348,7 @@ async def test_an_answer_cut_while_thinking_is_reasoning_in_every_api(local, tok
 
 def test_reasoning_tokens_end_at_the_think_end_id_or_span_a_cut_completion():
     from gyre.serving.tokenizer import THINK_END
-    from handlers.proxy.daemon import _reasoning_tokens
+    from handlers.proxy.call import _reasoning_tokens
 
     assert _reasoning_tokens([5, 6, THINK_END, 7, 8], cut=False) == 3
     assert _reasoning_tokens([5, 6, 7], cut=True) == 3  # cut short while thinking: all reasoning

@@ -33,7 +33,7 @@ def encode(tok, text):
 
 
 def answer_of(text, call_id="call_a_0"):
-    """The assistant message the proxy returns for a completion text (as in handlers.proxy.daemon)."""
+    """The assistant message the proxy returns for a completion text (as in handlers.proxy.call)."""
     parsed = parse_completion(text, id_prefix=call_id.rsplit("_", 1)[0])
     msg = {"role": "assistant", "content": parsed.content or (None if parsed.tool_calls else "")}
     if parsed.reasoning:

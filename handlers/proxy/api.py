@@ -11,7 +11,7 @@ is an `Api` object (handlers/proxy/openai.py, handlers/proxy/anthropic.py) that
 The assistant message recorded for TITO is `internal_message(answer)` for every API, so
 a harness that echoes our answer back in its own API's form converts to the same message.
 
-Pure: no aiohttp here (handlers/proxy/daemon.py does the HTTP).
+Pure: no aiohttp here (handlers/proxy/call.py and app.py do the HTTP).
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ def key_of(request: web.Request) -> str | None:
 BODY_READ_S = 60.0
 """Seconds a request's body may take to arrive once its headers have (a 64-MiB body takes
 under a second on loopback); then a 408, and the connection closes. A client that stalls
-before its headers end is closed by the server's idle timeout (`handlers.proxy.daemon.IDLE_CLOSE_S`)."""
+before its headers end is closed by the server's idle timeout (`handlers.proxy.app.IDLE_CLOSE_S`)."""
 
 
 async def read_json(request: web.Request, limit: int, raw_bodies: bool,

@@ -1,10 +1,10 @@
 """How long a request whose prompt needs whole conversations rendered holds the proxy's
-event loop (handlers.proxy.daemon._match, gyre.serving.tito).
+event loop (handlers.proxy.call.match, gyre.serving.tito).
 
 Builds one execution's call store of N calls (a ~8k-token system prompt, +1 tool call and a
 ~2k-token tool result per call: N=300 gives ~600k tokens), then attaches a request to it
 twice each way: `CallStore.match` on the loop (how the proxy did it before 3913311) and the
-proxy's `_match` (a heavy request is rendered and encoded in the proxy's branch thread). A
+proxy's `match` (a heavy request is rendered and encoded in the proxy's branch thread). A
 task ticking every 1 ms measures the loop's lag meanwhile. The request is a branch (the task
 message edited, so no call extends it); with `--other-template` the tokenizer carries a
 template other than gyre's (gyre's text plus a comment: the same rendering), which renders
@@ -27,7 +27,7 @@ import numpy as np
 
 from gyre.serving.tito import CallStore
 from gyre.serving.tokenizer import build_tokenizer
-from handlers.proxy.daemon import _match
+from handlers.proxy.call import match
 
 WORDS = ["def", "return", "self", "import", "numpy", "value", "the", "file", "error", "test", "x", "=", "(", ")",
          ":", "\n", "    "]
@@ -96,7 +96,7 @@ async def main(a: argparse.Namespace) -> None:
         pending = stores[1].attach(request)
         where = "branch thread" if getattr(pending, "heavy", False) else "on the loop: not heavy"
         x = await lag_during("on the loop (CallStore.match)", inline)
-        y = await lag_during(f"proxy (_match, {where})", lambda: _match(stores[1], ns, False, "e", thread))
+        y = await lag_during(f"proxy (match, {where})", lambda: match(stores[1], ns, False, "e", thread))
         assert np.array_equal(x.prompt_ids, y.prompt_ids) and x.prefix_len == y.prefix_len
 
 

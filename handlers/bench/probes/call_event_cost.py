@@ -13,7 +13,8 @@ import orjson
 
 from gyre.serving.tito import Match
 from gyre.serving.tokenizer import build_tokenizer
-from handlers.proxy.daemon import Config, ProxyState
+from handlers.proxy.daemon import Config
+from handlers.proxy.state import ProxyState
 from handlers.proxy.routing import EngineResult
 from schemas import encode
 from schemas.call import SamplingParams

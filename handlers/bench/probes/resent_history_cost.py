@@ -1,5 +1,5 @@
 """What the proxy's event loop spends on a long history that every call resends: reading the
-body and attaching the request to the call store (`handlers.proxy.daemon._parsed`'s parse, then
+body and attaching the request to the call store (`handlers.proxy.call._parsed`'s parse, then
 `gyre.serving.tito.CallStore.match`), per call, before the engine request.
 
 One execution in Claude Code's shape (Anthropic Messages: a ~8k-token system prompt, a
