@@ -88,7 +88,7 @@ class StreamSpec:
 
 CALLS_DUPLICATE_WINDOW_S = 1200.0
 """The CALLS stream's duplicate window (seconds): longer than any publish of one
-`call.completed` is retried (`handlers.proxy.daemon.Config.retry_timeout_s` is checked against it)."""
+`call.completed` is retried (`gyre.config.ProxySection.retry_timeout_s` is checked against it)."""
 
 STREAMS: tuple[StreamSpec, ...] = (
     StreamSpec("EXECUTIONS", (ExecutionStarted.NAME, ExecutionFinished.NAME, ExecutionScored.NAME)),

@@ -36,6 +36,7 @@ import structlog
 
 from handlers.proxy.outbox import Outbox
 from handlers.proxy.state import ProxyState
+from schemas.call import CallCompleted
 
 log = structlog.get_logger()
 
@@ -131,7 +132,7 @@ async def resend_spilled(state: Outbox, stop: asyncio.Event) -> None:
         if path.exists() or state.sending_path().exists():
             state.spilled = False
             try:
-                known = await state.bus.stored_ids("call.completed", stop=stop)
+                known = await state.bus.stored_ids(CallCompleted.NAME, stop=stop)
                 if known is None:  # stopped
                     return
                 await state.republish(stop, known=set(known))
@@ -152,7 +153,7 @@ async def resume(state: ProxyState, bus: Any, stop: asyncio.Event) -> bool:
     serves). Raises what `Bus.stored_ids` and `republish` raise: a proxy that cannot read
     the ids or publish its predecessor's calls must not serve."""
     t0 = time.monotonic()
-    stored = await bus.stored_ids("call.completed", stop=stop)
+    stored = await bus.stored_ids(CallCompleted.NAME, stop=stop)
     if stored is None or stop.is_set():
         return False
     published = await _unless_stopped(state.republish(stop, known=set(stored)), stop)

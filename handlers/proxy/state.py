@@ -66,7 +66,7 @@ KEY_CACHE = 65_536
 dropped); rejected keys are never kept, so unauthenticated requests cannot fill it."""
 
 
-REPLAYED = ("cell.switched", "route.updated", "execution.started", "execution.finished")
+REPLAYED = (CellSwitched.NAME, RouteUpdated.NAME, ExecutionStarted.NAME, ExecutionFinished.NAME)
 """Events the proxy's state is rebuilt from (`ProxyState.handle_event`)."""
 
 
