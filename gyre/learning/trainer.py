@@ -17,7 +17,7 @@ Contract:
   trajectories still gets one head row per trajectory (each trajectory's K_τ is its own),
   so the loss is unchanged; the gradient of a trie group is the sum of its trajectories'
   gradients, taken in one backward pass. A trajectory sharing nothing long enough runs on
-  its own from position 0 and is backwarded at once, as before. A trie group holds its
+  its own from position 0 and is backwarded at once. A trie group holds its
   whole autograd graph until its backward: at most the group's distinct positions, which
   the micro-step's token budget bounds. Attention of a branch over its cached prefix is
   computed without a (q, kv) mask: on CPU as two flash-attention blocks (prefix: full,

@@ -53,7 +53,7 @@ MAX_DEPTH = 24
 MAX_ITEMS = 65_536
 """Most elements, and top-level keys, a layout is found for: one Python step each, so a
 hostile body of tiny elements cannot hold the event loop for long (such a body is parsed
-whole, as before)."""
+whole instead)."""
 
 
 def _container(depth: int) -> bytes:
