@@ -23,6 +23,7 @@ the same class, so it is built from the table with `fields_of`:
 
     recipe = load_recipe("quickstart")           # bundled name or path to a .toml
     recipe.to_dict()                             # resolved, JSON-serialisable
+    recipe_keys()                                # every key: what docs/recipes.md documents
 
 Imports stay light (no torch): the daemons, `gyre run` and the simulator load recipes.
 """
@@ -259,6 +260,17 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def recipe_keys() -> list[tuple[str, Any, Any]]:
+    """Every recipe key as `(table.key, type hint, default)`, tables in `Recipe`'s order and
+    keys in their section's field order (inherited settings first). docs/recipes.md
+    documents each one; tests/test_docs.py holds the page to this list."""
+    keys = []
+    for table, cls in typing.get_type_hints(Recipe).items():
+        hints = typing.get_type_hints(cls)
+        keys += [(f"{table}.{f.name}", hints[f.name], f.default) for f in dataclasses.fields(cls)]
+    return keys
 
 
 def recipe_from_dict(data: dict[str, Any]) -> Recipe:

@@ -1,9 +1,15 @@
-"""docs/architecture.md names only modules that exist, and tells the life of a step."""
+"""docs/architecture.md names only modules that exist, and tells the life of a step;
+docs/recipes.md documents every recipe key with the type and default the code gives it.
+
+The commands and links of README.md and docs/ are checked in tests/test_doc_commands.py."""
 import re
+import tomllib
+import typing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "architecture.md"
+RECIPES = ROOT / "docs" / "recipes.md"
 PACKAGES = ("gyre", "handlers", "bus", "schemas", "tests", "ops")
 
 
@@ -39,3 +45,39 @@ def test_the_life_of_a_step_has_its_three_walks():
         steps = re.findall(r"^\d+\. ", walk, re.M)
         assert len(steps) >= 4, walk.splitlines()[0]
         assert re.search(r"(gyre|handlers)/[\w/]+\.py", walk)
+
+
+def _recipe_rows() -> dict[str, tuple[str, str, str]]:
+    """docs/recipes.md's rows `| `table.key` | type | `default` | meaning |`, by key."""
+    rows = {}
+    for line in RECIPES.read_text("utf-8").splitlines():
+        m = re.fullmatch(r"\| `(\w+\.\w+)` \| ([^|]+) \| `([^`]+)` \| (.+) \|", line)
+        if m:
+            assert m[1] not in rows, f"{m[1]} documented twice"
+            rows[m[1]] = (m[2].strip(), m[3], m[4])
+    return rows
+
+
+def test_the_recipes_page_documents_every_key_with_its_type_and_default():
+    from gyre.config import recipe_keys
+
+    rows = _recipe_rows()
+    keys = recipe_keys()
+    # A key added to (or removed from) the typed config without its row fails here.
+    names = {key for key, _, _ in keys}
+    assert {"undocumented": sorted(names - set(rows)), "not in the code": sorted(set(rows) - names)} == {
+        "undocumented": [], "not in the code": []}
+    wrong = []
+    for key, hint, default in keys:
+        kind, literal, meaning = rows[key]
+        options = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else ()
+        expected_kind = "string" if options else {int: "int", float: "float", str: "string", bool: "bool"}[hint]
+        value = tomllib.loads(f"v = {literal}")["v"]  # the default as a recipe would spell it
+        if kind != expected_kind:
+            wrong.append(f"{key}: type {kind!r}, the code says {expected_kind!r}")
+        if (type(value), value) != (type(default), default):
+            wrong.append(f"{key}: default {literal}, the code says {default!r}")
+        wrong += [f"{key}: option {o!r} not named" for o in options if f"`{o}`" not in meaning]
+        if len(meaning.strip()) < 10:
+            wrong.append(f"{key}: no meaning")
+    assert wrong == []

@@ -6,7 +6,7 @@ request and response objects, timers, payload writers): 0.3–0.5 ms of CPU a re
 the project's 2-core VM when calls arrive a few milliseconds apart (the proxy bench's
 latency run), against 0.13–0.16 ms for one `transport.write` and a parse with `httptools`
 (llhttp, the parser uvicorn uses) — measured in the same process, interleaved
-(docs/proxy-performance.md, "The engine request"). The proxy's budget for all it adds to a
+(docs/results.md, "The engine request"). The proxy's budget for all it adds to a
 call is 1 ms (BENCHMARKS.md), so the `/generate` leg uses this pool; every other engine
 endpoint stays on the aiohttp session (`engine_client.EngineClient`).
 
