@@ -48,25 +48,28 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+BENCHMARKS = {
+    "proxy": "handlers.bench.proxy",
+    "trajectories": "handlers.bench.trajectories",
+}
+"""`gyre bench NAME` → the module whose `main(argv) -> int` runs it (BENCHMARKS.md)."""
+
+
 def _bench(argv: list[str]) -> int:
     import importlib
 
-    usage = "usage: gyre bench NAME [--json PATH] ...  (NAME: proxy, trajectories; gyre bench NAME --help)"
+    usage = f"usage: gyre bench NAME [--json PATH] ...  (NAME: {', '.join(BENCHMARKS)}; gyre bench NAME --help)"
     if argv[:1] in (["-h"], ["--help"]):
         print(usage)
         return 0
     if not argv or argv[0].startswith("-"):
         print(usage, file=sys.stderr)
         return 2
-    name = argv[0].replace("-", "_")
-    try:
-        module = importlib.import_module(f"handlers.bench.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"handlers.bench.{name}":
-            raise
-        print(f"gyre bench: unknown benchmark {argv[0]!r}", file=sys.stderr)
+    module_name = BENCHMARKS.get(argv[0].replace("-", "_"))
+    if module_name is None:
+        print(f"gyre bench: unknown benchmark {argv[0]!r} (one of: {', '.join(BENCHMARKS)})", file=sys.stderr)
         return 2
-    return module.main(argv[1:])
+    return importlib.import_module(module_name).main(argv[1:])
 
 
 def _init_model(argv: list[str]) -> int:

@@ -12,7 +12,7 @@ One method per endpoint. Errors:
 The session is the caller's: one per process, from `make_session()` (no total timeout,
 bounded connect and socket read; `/generate` takes its own bound, since a generation may
 run for a long time). `/generate`, sent once per model call, goes over the client's own
-keep-alive connections instead (`engine_http.EngineConnections`: a fraction of aiohttp's
+keep-alive connections instead (`handlers.engines.connections.EngineConnections`: a fraction of aiohttp's
 cost per request); `close()` drops them.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ latency run), against 0.13–0.16 ms for one `transport.write` and a parse with 
 (llhttp, the parser uvicorn uses) — measured in the same process, interleaved
 (docs/results.md, "The engine request"). The proxy's budget for all it adds to a
 call is 1 ms (BENCHMARKS.md), so the `/generate` leg uses this pool; every other engine
-endpoint stays on the aiohttp session (`engine_client.EngineClient`).
+endpoint stays on the aiohttp session (`handlers.engines.client.EngineClient`).
 
 What it speaks: `POST` with a `Content-Length` body; a response framed by
 `Content-Length`, chunked encoding, or the connection's close (httptools parses them;
@@ -26,7 +26,7 @@ closed before the whole response, malformed response, an unusable URL) and
 asyncio.TimeoutError (`timeout_s` ran out); `Unreachable`, a ConnectionError, when no
 connection could be made (within `connect_s` too), so the request was never sent. A request is never sent twice:
 when the engine closes a reused idle connection after the poll, just as the request goes
-out, that is a ConnectionError like any other (the caller, `proxy_routing.Dispatcher`,
+out, that is a ConnectionError like any other (the caller, `handlers.proxy.routing.Dispatcher`,
 retries under a new request id), since the engine may have read it. Cancelling `post`, or
 its timeout, aborts the connection, so the engine sees the client go and aborts the
 generation (SGLang and gyre's engine do).

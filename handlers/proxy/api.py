@@ -205,7 +205,7 @@ class Api:
         return sse(err.body())
 
     def preamble(self, start: StreamStart, req: ModelRequest) -> list[bytes]:
-        """SSE frames that open a stream, ahead of the answer's (`proxy_http.Reply`)."""
+        """SSE frames that open a stream, ahead of the answer's (`handlers.proxy.http.Reply`)."""
         return []
 
     def render(self, answer: Answer, req: ModelRequest) -> dict | list[bytes]:

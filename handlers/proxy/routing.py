@@ -451,7 +451,7 @@ class Dispatcher:
         Raises ApiError(503) when no engine answered within retry_timeout_s (time spent waiting
         for one: an attempt that generated and was lost adds its time back) or none is left
         once the proxy stops (`stop`), ApiError(400) when the engine refused the request (a
-        4xx: `proxy_api.context_exceeded` when it refused a prompt its context cannot hold),
+        4xx: `handlers.proxy.api.context_exceeded` when it refused a prompt its context cannot hold),
         ApiError(502) when it failed it MAX_ENGINE_ERRORS + 1 times (a 5xx other than 503).
         """
         if prompt_tokens is None and not isinstance(prompt_ids, orjson.Fragment):
