@@ -315,11 +315,17 @@ class BusSettings(Protocol):
 @contextlib.asynccontextmanager
 async def connected(cfg: BusSettings, stop: asyncio.Event, name: str) -> AsyncIterator[Bus]:
     """The run's bus for the daemon `name`: connects (retrying until it succeeds or `stop`
-    is set: ConnectError(stopped=True) then), declares the run's streams, and on the way
-    out, whatever raised, drains and closes it."""
+    is set: ConnectError(stopped=True) then), declares the run's streams (a failure once
+    `stop` is set is ConnectError(stopped=True) too), and on the way out, whatever raised,
+    drains and closes it."""
     bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name=name, stop=stop)
     try:
-        await bus.ensure_streams()
+        try:
+            await bus.ensure_streams()
+        except Exception as exc:
+            if stop.is_set():  # the server went away with the run while we declared: a stop, not a crash
+                raise ConnectError(f"stopped while declaring the run's streams: {exc!r}", stopped=True) from exc
+            raise
         yield bus
     finally:
         await bus.close()
