@@ -464,10 +464,10 @@ async def test_harnesses_run_to_their_end_on_the_random_model(tok, nats_server, 
     execs = {e: p for e, p in EXECUTIONS.items() if p in profiles}
     model_dir = init_model(tmp_path / "model")
     engine = Engine(EngineConfig(model_dir=str(model_dir), max_completion_tokens=32))
-    _app, eng_runner, engine_url = await engine_server.serve(engine)
+    _app, eng_runner, engine_url = await engine_server.serve(engine, api_key="engine-token")
     stack = Stack(tok, nats_server, run_id, run_dir)
     try:
-        await stack.start(engine_url, max_completion_tokens=32)
+        await stack.start(engine_url, max_completion_tokens=32, engine_token="engine-token")
         for e, p in execs.items():
             await stack.dispatch(e, p, timeout_s=90.0, max_calls=3)
         await stack.wait_finished(execs, 200.0)

@@ -39,7 +39,8 @@ from typing import Iterable, Mapping
 
 MODES = ("auto", "bwrap", "setuid", "none")
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
-FORBIDDEN_ENV_PREFIXES = ("GYRE_NATS", "NATS_")
+FORBIDDEN_ENV_PREFIXES = ("GYRE_NATS", "NATS_", "GYRE_ENGINE_TOKEN", "GYRE_KEY_SECRET")
+"""The run's secrets: the NATS url and token, the engines' bearer token, the execution keys' secret."""
 SETPRIV = "/usr/bin/setpriv"
 
 
@@ -221,7 +222,8 @@ def _ancestors(path: str) -> list[str]:
 
 
 def check_env(env: Mapping[str, str]) -> None:
-    """Raise ValueError if `env` carries a NATS setting (the token never reaches a harness)."""
+    """Raise ValueError if `env` carries one of the run's secrets (`FORBIDDEN_ENV_PREFIXES`:
+    a NATS setting, the engine token, the key secret), which never reach a harness."""
     for key in env:
         if key.upper().startswith(FORBIDDEN_ENV_PREFIXES):
             raise ValueError(f"environment variable {key!r} must not be passed to a confined process")
