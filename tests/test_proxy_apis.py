@@ -1150,7 +1150,7 @@ async def test_responses_reasoning_items_are_the_next_turns_reasoning(local, tok
     # Reasoning its turn's answer does not follow (an interrupted turn) goes with no later turn
     stray = [items[0], items[1], {"role": "user", "content": "q2"}, *items[2:],
              {"type": "reasoning", "summary": [{"type": "summary_text", "text": "R2"}]},
-             {"type": "function_call_output", "call_id": "c0", "output": "x"},
+             {"type": "function_call_output", "call_id": "c1", "output": "x"},
              {"type": "function_call", "call_id": "c2", "name": "bash", "arguments": "{}"},
              {"type": "reasoning", "summary": [{"type": "summary_text", "text": "R3"}]},
              {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search"}},

@@ -62,7 +62,7 @@ import orjson
 from gyre.serving.chat import call_id_prefix, custom_arguments, custom_input
 from handlers.proxy.api import (
     Answer, Api, ApiError, ModelRequest, StreamStart, check_count, custom_tool, flag, function_tool,
-    internal_message, parse_sampling, pieces, sse, unique_hex,
+    internal_message, parse_sampling, pieces, sse, tool_results_in_call_order, unique_hex,
 )
 from schemas.call import SamplingParams
 
@@ -81,6 +81,7 @@ def parse_chat_request(body: Any, defaults: SamplingParams, memo: Any = None) ->
     if not all(type(m) is dict for m in messages):
         i = next(i for i, m in enumerate(messages) if type(m) is not dict)
         raise ApiError(400, f"messages[{i}] must be an object", param=f"messages[{i}]")
+    messages = tool_results_in_call_order(messages, "chat")
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ApiError(400, "'tools' must be a list", param="tools")
@@ -354,7 +355,7 @@ def responses_messages(body: dict) -> list[dict]:
         # unseen here; TITO restores what the policy wrote from the call it extends.
     if not out:
         raise ApiError(400, "'input' holds no message", param="input")
-    return out
+    return tool_results_in_call_order(out, "responses")
 
 
 def flat_name(namespace: str, name: str) -> str:

@@ -1,0 +1,143 @@
+"""Bad input gets a clear answer (issue "Confinement", item 4): each input below was found
+by trying public bug reports on the running product, through the real proxy, the official
+SDKs and a scripted engine speaking SGLang's wire protocol."""
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+
+from gyre.env.harness import execution_key
+from tests.test_proxy import SECRET, Stack, bus, tok  # noqa: F401 - fixtures
+
+READ = {"name": "read", "description": "read a file",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}
+TWO_READS = ('<tool_call>\n{"name": "read", "arguments": {"path": "a.py"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "read", "arguments": {"path": "b.py"}}\n</tool_call>')
+RESULTS = {"a.py": "print(1)", "b.py": "print(2)"}
+
+
+@pytest.fixture
+async def local(tok):  # noqa: F811
+    s = Stack(tok, None, "bad-input")
+    yield s
+    await s.close()
+
+
+def prompt(tok, engine, i: int = -1) -> str:  # noqa: F811
+    return tok.decode(engine.requests[i]["input_ids"], skip_special_tokens=False)
+
+
+async def _parallel_calls_answered_in_reverse(local, api: str) -> list[str]:
+    """Two calls (_0 reads a.py, _1 reads b.py) answered _1 first, through `api`; returns the
+    (call id, path) pairs in the order the harness sent the results."""
+    task = {"role": "user", "content": "read both files"}
+    if api == "chat":
+        oai = local.client("e-chat")
+        tools = [{"type": "function", "function": READ}]
+        first = await oai.chat.completions.create(model="m", messages=[task], tools=tools)
+        calls = first.choices[0].message.tool_calls
+        sent = list(reversed(calls))
+        await oai.chat.completions.create(model="m", tools=tools, messages=[
+            task, first.choices[0].message.model_dump(exclude_none=True),
+            *({"role": "tool", "tool_call_id": c.id, "content": RESULTS[json.loads(c.function.arguments)["path"]]}
+              for c in sent)])
+        return [c.id for c in sent]
+    if api == "messages":
+        claude = local.anthropic("e-messages")
+        tools = [{"name": READ["name"], "description": READ["description"], "input_schema": READ["parameters"]}]
+        first = await claude.messages.create(model="m", max_tokens=100, messages=[task], tools=tools)
+        uses = [b for b in first.content if b.type == "tool_use"]
+        sent = list(reversed(uses))
+        await claude.messages.create(model="m", max_tokens=100, tools=tools, messages=[
+            task, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id, "content": RESULTS[u.input["path"]]}
+                                         for u in sent]}])
+        return [u.id for u in sent]
+    oai = local.client("e-responses")
+    tools = [{"type": "function", **READ}]
+    first = await oai.responses.create(model="m", input=[task], tools=tools)
+    calls = [item for item in first.output if item.type == "function_call"]
+    sent = list(reversed(calls))
+    await oai.responses.create(model="m", tools=tools, input=[
+        task, *(item.model_dump(exclude_none=True) for item in first.output),
+        *({"type": "function_call_output", "call_id": c.call_id, "output": RESULTS[json.loads(c.arguments)["path"]]}
+          for c in sent)])
+    return [c.call_id for c in sent]
+
+
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
+async def test_parallel_tool_results_reach_the_policy_in_the_order_of_its_calls(local, tok, api):  # noqa: F811
+    """The Qwen3 format renders tool results without their ids, so the policy reads the k-th
+    result as its k-th call's: results sent back in another order are rendered in the
+    order of the calls, and the request still extends the call that made them."""
+    engine = await local.engine([TWO_READS, "done"])
+    await local.proxy(engine=engine)
+    sent = await _parallel_calls_answered_in_reverse(local, api)
+    assert sent[0].endswith("_1") and sent[1].endswith("_0")  # the harness answered _1 first
+    text = prompt(tok, engine)
+    assert text.count("<tool_response>") == 2
+    assert text.index("<tool_response>\nprint(1)\n</tool_response>") < text.index("<tool_response>\nprint(2)\n")
+    store = local.store(f"e-{api}")
+    first, second = store.calls
+    assert second.parent is first and second.prefix_len == first.full_len  # an extension, ids reused
+
+
+ORPHANS = [
+    ("chat", "/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_0", "type": "function", "function": {"name": "read", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_nope", "content": "x"}]}, "call_nope"),
+    ("chat", "/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "user", "content": "go"}, {"role": "tool", "tool_call_id": "", "content": "x"}]}, "empty"),
+    ("responses", "/v1/responses", {"model": "m", "input": [
+        {"role": "user", "content": "go"},
+        {"type": "function_call", "call_id": "call_0", "name": "read", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_nope", "output": "x"}]}, "call_nope"),
+    ("responses", "/v1/responses", {"model": "m", "input": [
+        {"role": "user", "content": "go"}, {"type": "function_call_output", "call_id": "", "output": "x"}]}, "empty"),
+    ("messages", "/v1/messages", {"model": "m", "max_tokens": 10, "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_0", "name": "read", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}]},
+     "toolu_nope"),
+    ("messages", "/v1/messages/count_tokens", {"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}]},
+     "toolu_nope"),
+]
+
+
+@pytest.mark.parametrize("api,path,body,named", ORPHANS, ids=[f"{o[0]}-{o[3]}" for o in ORPHANS])
+async def test_a_tool_output_for_no_call_of_the_history_is_a_400_naming_the_id(local, api, path, body, named):
+    """The hosted APIs refuse a tool output whose call id is absent from the request's own
+    history (or empty); rendered, it would reach the policy as an orphan user turn."""
+    engine = await local.engine(["ok"])
+    url = await local.proxy(engine=engine)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + path, json=body, headers={"x-api-key": execution_key(SECRET, "e-orphan")}) as r:
+            answer = await r.json()
+            assert r.status == 400, answer
+    if api == "messages":
+        assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
+        message = answer["error"]["message"]
+    else:
+        assert answer["error"]["type"] == "invalid_request_error"
+        assert answer["error"]["param"] == ("input" if api == "responses" else answer["error"]["param"])
+        message = answer["error"]["message"]
+    assert (named in message) if named != "empty" else ("is empty" in message)
+    assert engine.requests == []  # refused before anything reached an engine
+
+
+async def test_sdk_clients_see_the_orphan_refusal_as_a_bad_request(local):
+    engine = await local.engine(["ok"])
+    await local.proxy(engine=engine)
+    with pytest.raises(openai.BadRequestError, match="call_nope"):
+        await local.client("e-sdk").responses.create(model="m", input=[
+            {"role": "user", "content": "go"}, {"type": "function_call_output", "call_id": "call_nope", "output": "x"}])
+    with pytest.raises(anthropic.BadRequestError, match="toolu_nope"):
+        await local.anthropic("e-sdk").messages.create(model="m", max_tokens=5, messages=[
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}])
