@@ -1,7 +1,8 @@
 """What the proxy's API shapes share: errors, the parsed request, the answer, SSE framing.
 
 Contract: each wire API (OpenAI Chat Completions, OpenAI Responses, Anthropic Messages)
-is an `Api` object (handlers/proxy/openai.py, handlers/proxy/anthropic.py) that
+is an `Api` object (handlers/proxy/openai.py, handlers/proxy/responses.py,
+handlers/proxy/anthropic.py) that
 - parses a request body into a `ModelRequest` whose `messages`/`tools` are in the internal
   form `gyre.serving.chat.render` and `gyre.serving.tito` take (OpenAI chat messages: role, content string,
   tool_calls [{id, type, function{name, arguments JSON text}}], tool_call_id,
