@@ -141,3 +141,53 @@ async def test_sdk_clients_see_the_orphan_refusal_as_a_bad_request(local):
     with pytest.raises(anthropic.BadRequestError, match="toolu_nope"):
         await local.anthropic("e-sdk").messages.create(model="m", max_tokens=5, messages=[
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}])
+
+
+async def test_responses_additional_tools_are_rendered_where_they_are_offered(local, tok):  # noqa: F811
+    """An `additional_tools` input item (tools made available from its place on) reaches
+    the prompt as a system turn at that place, listing them as the header lists the
+    request's tools; a call to one is answered as a call of that tool (a namespace's
+    function with its namespace apart)."""
+    spawn = '<tool_call>\n{"name": "agents__spawn", "arguments": {"task": "t"}}\n</tool_call>'
+    engine = await local.engine(['<tool_call>\n{"name": "lookup", "arguments": {"q": "x"}}\n</tool_call>', spawn])
+    await local.proxy(engine=engine)
+    oai = local.client("e-added")
+    added = {"type": "additional_tools", "role": "developer", "tools": [
+        {"type": "function", "name": "lookup", "description": "look a word up",
+         "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}},
+        {"type": "namespace", "name": "agents", "description": "sub-agents",
+         "tools": [{"type": "function", "name": "spawn", "parameters": {"type": "object"}}]}]}
+    items = [{"role": "user", "content": "first"}, added, {"role": "user", "content": "now look it up"}]
+    bash = [{"type": "function", "name": "bash", "parameters": {"type": "object"}}]
+    first = await oai.responses.create(model="m", input=items, tools=bash)
+    text = prompt(tok, engine)
+    header, _, rest = text.partition("<|im_end|>")
+    assert '"name": "bash"' in header and "lookup" not in header
+    turn = "<|im_start|>system\n# Additional tools"
+    assert text.index("first") < text.index(turn) < text.index("now look it up")
+    listed = rest[rest.index(turn):rest.index("\n</tools>")]
+    assert '"name": "lookup"' in listed and '"name": "agents__spawn"' in listed and "look a word up" in listed
+    call = next(item for item in first.output if item.type == "function_call")
+    assert call.name == "lookup" and json.loads(call.arguments) == {"q": "x"}
+    second = await oai.responses.create(model="m", tools=bash, input=[
+        *items, call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "found"}])
+    spawned = next(item for item in second.output if item.type == "function_call").model_dump()
+    assert (spawned["namespace"], spawned["name"]) == ("agents", "spawn")
+
+
+@pytest.mark.parametrize("item,named", [
+    ({"type": "additional_tools", "role": "developer", "tools": "lookup"}, "tools must be a list"),
+    ({"type": "additional_tools", "role": "user", "tools": []}, "must be 'developer'"),
+    ({"type": "additional_tools", "role": "developer", "tools": [{"type": "function"}]}, "without a string 'name'"),
+])
+async def test_a_malformed_additional_tools_item_is_a_400(local, item, named):
+    engine = await local.engine(["ok"])
+    url = await local.proxy(engine=engine)
+    body = {"model": "m", "input": [{"role": "user", "content": "go"}, item]}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/responses", json=body,
+                             headers={"Authorization": f"Bearer {execution_key(SECRET, 'e-added')}"}) as r:
+            answer = await r.json()
+    assert r.status == 400 and named in answer["error"]["message"] and answer["error"]["message"].startswith("input[1]")
+    assert engine.requests == []

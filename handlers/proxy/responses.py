@@ -6,9 +6,14 @@ chat messages: `message` items (roles user/assistant/system/developer → system
 `input_text`/`output_text`, images and files as placeholders), `function_call`
 {call_id, name, arguments} joined onto the preceding assistant message (one with a `namespace`
 named by its flat name, below), `function_call_output`
-{call_id, output} → a tool message, `custom_tool_call`/`_output` likewise (input as
-`{"input": …}`), `reasoning` items' text (summary or content parts) → the reasoning of the
-assistant turn they precede (as a Messages `thinking` block), unknown items dropped.
+{call_id, output} → a tool message (its `call_id` must name a call item of the input: a
+400 otherwise, `handlers.proxy.api.tool_results_in_call_order`), `custom_tool_call`/`_output`
+likewise (input as `{"input": …}`), `reasoning` items' text (summary or content parts) →
+the reasoning of the assistant turn they precede (as a Messages `thinking` block);
+`additional_tools` {role: developer, tools} → a system message at its place listing those
+tools as the header lists the request's (`gyre.serving.chat.added_tools_text`; converted as
+`tools` are, and a call to one answered as a call to those); unknown items (web searches,
+shell calls: nothing the template renders) dropped.
 Tools: `function` tools, and the functions of a `namespace` tool (Codex's sub-agent tools)
 under their flat name `namespace__name`, a call to one answered with `name` and
 `namespace` apart, as Codex dispatches it; `custom` tools (free-form input, such as the
@@ -40,7 +45,7 @@ import json
 import time
 from typing import Any
 
-from gyre.serving.chat import call_id_prefix, custom_arguments, custom_input
+from gyre.serving.chat import added_tools_text, call_id_prefix, custom_arguments, custom_input
 from handlers.proxy.api import (
     Answer, Api, ApiError, ModelRequest, StreamStart, check_count, custom_tool, flag, function_tool,
     parse_sampling, pieces, sse, tool_results_in_call_order, unique_hex,
@@ -91,8 +96,10 @@ def _reasoning_text(item: dict) -> str:
     return ""
 
 
-def responses_messages(body: dict) -> list[dict]:
-    """`instructions` + `input` → internal chat messages (module docstring). Raises ApiError(400)."""
+def responses_messages(body: dict, added: list[dict] | None = None) -> list[dict]:
+    """`instructions` + `input` → internal chat messages (module docstring). added: the
+    tools of the input's `additional_tools` items are appended to it, as sent (their
+    calls are answered by `responses_tools` of them). Raises ApiError(400)."""
     out: list[dict] = []
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -153,6 +160,18 @@ def responses_messages(body: dict) -> list[dict]:
         elif kind == "item_reference":  # a stored item: as `previous_response_id`, not to be dropped
             raise ApiError(400, f"{where}: item with id {str(item.get('id'))[:200]!r} not found: this proxy "
                                 "stores no items; send the item itself", param="input")
+        elif kind == "additional_tools":
+            if item.get("role", "developer") != "developer":
+                raise ApiError(400, f"{where}.role must be 'developer' (the only role that provides tools), "
+                                    f"got {item.get('role')!r}"[:300], param="input")
+            if not isinstance(item.get("tools"), list):
+                raise ApiError(400, f"{where}.tools must be a list of tools", param="input")
+            shown, _, _ = responses_tools(item["tools"], where=f"{where}.tools")
+            if shown:
+                out.append({"role": "system", "content": added_tools_text(shown)})
+            if added is not None:
+                added.extend(item["tools"])
+            reasoning = []
         elif kind == "reasoning":  # its summary (ours is the whole reasoning) or its reasoning_text parts
             text = _reasoning_text(item)
             if text:
@@ -172,7 +191,7 @@ def flat_name(namespace: str, name: str) -> str:
     return namespace.rstrip("_") + "__" + name.lstrip("_")
 
 
-def responses_tools(tools: Any) -> tuple[list[dict] | None, dict[str, tuple[str, str]], set[str]]:
+def responses_tools(tools: Any, where: str = "tools") -> tuple[list[dict] | None, dict[str, tuple[str, str]], set[str]]:
     """(function tools in chat form, {flat name: (namespace, name)}, custom tool names). The
     functions of a `namespace` tool (Codex's sub-agent tools: `{"type": "namespace", "name":
     "multi_agent_v1", "tools": [functions]}`) are shown under their flat name (`flat_name`);
@@ -180,11 +199,12 @@ def responses_tools(tools: Any) -> tuple[list[dict] | None, dict[str, tuple[str,
     functions of one `input` string (`handlers.proxy.api.custom_tool`), their calls answered
     as `custom_tool_call` items; other tool types are tolerated and not rendered. Raises
     ApiError(400) for a tool that is not an object, or a function, custom or namespace tool
-    (or a namespace's function) without a string `name`."""
+    (or a namespace's function) without a string `name`. where: the field the tools are
+    in, for error messages (`tools`, or an `additional_tools` item's `input[k].tools`)."""
     if tools is None:
         return None, {}, set()
     if not isinstance(tools, list):
-        raise ApiError(400, "'tools' must be a list", param="tools")
+        raise ApiError(400, f"'{where}' must be a list", param=where.partition("[")[0])
     out: list[dict] = []
     namespaces: dict[str, tuple[str, str]] = {}
     custom: set[str] = set()
@@ -194,30 +214,30 @@ def responses_tools(tools: Any) -> tuple[list[dict] | None, dict[str, tuple[str,
                          and isinstance(t.get("name"), str)}
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
-            raise ApiError(400, f"tools[{i}] must be an object", param=f"tools[{i}]")
+            raise ApiError(400, f"{where}[{i}] must be an object", param=f"{where}[{i}]")
         if not isinstance(tool.get("type"), str):  # as the hosted API: a tool without one is not guessed at
-            raise ApiError(400, f"tools[{i}] needs a string 'type' ('function', 'custom', …)", param=f"tools[{i}].type")
+            raise ApiError(400, f"{where}[{i}] needs a string 'type' ('function', 'custom', …)", param=f"{where}[{i}].type")
         if tool.get("type") in ("function", "custom", "namespace") and not isinstance(tool.get("name"), str):
-            raise ApiError(400, f"tools[{i}] is a {tool['type']} tool without a string 'name'", param=f"tools[{i}].name")
+            raise ApiError(400, f"{where}[{i}] is a {tool['type']} tool without a string 'name'", param=f"{where}[{i}].name")
         if tool.get("type") == "function":
             params = tool.get("parameters")
             out.append(function_tool(tool, params if isinstance(params, dict) else {}))
         elif tool.get("type") == "custom":
             if tool["name"] in custom or tool["name"] in functions:
-                raise ApiError(400, f"tools[{i}]: custom tool {tool['name']!r} has the name of another tool: the model "
-                                    "could not tell them apart", param="tools")
+                raise ApiError(400, f"{where}[{i}]: custom tool {tool['name']!r} has the name of another tool: the model "
+                                    "could not tell them apart", param=where.partition("[")[0])
             out.append(custom_tool(tool["name"], tool.get("description"), tool.get("format")))
             custom.add(tool["name"])
         elif tool.get("type") == "namespace" and isinstance(tool.get("tools"), list):
             for j, inner in enumerate(tool["tools"]):
                 if isinstance(inner, dict) and inner.get("type", "function") == "function":
                     if not isinstance(inner.get("name"), str):
-                        raise ApiError(400, f"tools[{i}].tools[{j}] is a function without a string 'name'",
-                                       param=f"tools[{i}].tools[{j}].name")
+                        raise ApiError(400, f"{where}[{i}].tools[{j}] is a function without a string 'name'",
+                                       param=f"{where}[{i}].tools[{j}].name")
                     flat = flat_name(tool["name"], inner["name"])
                     if flat in names or flat in namespaces:  # the policy could not tell them apart
                         raise ApiError(400, f"tool {inner['name']!r} of namespace {tool['name']!r} is shown to the "
-                                            f"model as {flat!r}, the name of another tool", param="tools")
+                                            f"model as {flat!r}, the name of another tool", param=where.partition("[")[0])
                     namespaces[flat] = (tool["name"], inner["name"])
                     params = inner.get("parameters")
                     out.append(function_tool({**inner, "name": flat}, params if isinstance(params, dict) else {}))
@@ -249,8 +269,12 @@ def parse_responses_request(body: Any, defaults: SamplingParams, memo: Any = Non
     for field, kind, what in (("parallel_tool_calls", bool, "a boolean"), ("metadata", dict, "an object")):
         if body.get(field) is not None and not isinstance(body[field], kind):  # echoed in the Response
             raise ApiError(400, f"'{field}' must be {what}, got {type(body[field]).__name__}", param=field)
-    messages = responses_messages(body)
+    added: list[dict] = []
+    messages = responses_messages(body, added)
     tools, namespaces, custom = responses_tools(body.get("tools"))
+    if added:  # answered as calls of those tools, wherever in the conversation they were offered
+        _, more_namespaces, more_custom = responses_tools(added)
+        namespaces, custom = {**more_namespaces, **namespaces}, custom | more_custom
     sampling = parse_sampling(body, defaults, ("max_output_tokens",))
     text = body.get("text")
     fmt = text.get("format") if isinstance(text, dict) else None
