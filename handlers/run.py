@@ -407,12 +407,24 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
     return outcome
 
 
+def _positive_seconds(text: str) -> float:
+    """--timeout's value: a finite number of seconds > 0 (argparse makes anything else a usage error, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gyre run", description="Run a recipe: rollouts, trajectories, GSPO steps.")
     p.add_argument("recipe", help="bundled recipe name (quickstart, toy) or a TOML path")
     p.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE", help="override a recipe value")
     p.add_argument("--run-id", help="run id (default: <recipe name>-<UTC time>-<random>)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds (default 3600)")
+    p.add_argument("--timeout", type=_positive_seconds, default=3600.0,
+                   help="give up after this many seconds, > 0 (default 3600)")
     p.add_argument("--no-evaluator", action="store_true",
                    help="start no built-in evaluator: an external reward service scores the executions "
                         "(docs/reward-services.md)")

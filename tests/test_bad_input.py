@@ -191,3 +191,17 @@ async def test_a_malformed_additional_tools_item_is_a_400(local, item, named):
             answer = await r.json()
     assert r.status == 400 and named in answer["error"]["message"] and answer["error"]["message"].startswith("input[1]")
     assert engine.requests == []
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "nan", "inf", "soon"])
+def test_gyre_run_refuses_a_timeout_that_is_not_positive_before_anything_starts(value, tmp_path, monkeypatch, capsys):
+    """`gyre run toy --timeout -5` used to start a run and end it as `timeout`: a usage
+    error (exit 2) now, before a run directory, a nats-server or a daemon exists."""
+    from handlers.cli import main
+
+    monkeypatch.setenv("GYRE_RUNS_DIR", str(tmp_path / "runs"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "toy", "--timeout", value])
+    assert exit_.value.code == 2
+    assert "--timeout" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
