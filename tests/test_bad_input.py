@@ -205,3 +205,34 @@ def test_gyre_run_refuses_a_timeout_that_is_not_positive_before_anything_starts(
     assert exit_.value.code == 2
     assert "--timeout" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+async def test_an_empty_thinking_block_branches_and_the_builder_keeps_two_trajectories(tok, bus, run_id):  # noqa: F811
+    """The engine answers `<think>\n\n</think>\n\nI am good!`; the client sends the history
+    back as {"role": "assistant", "content": "I am good!"} plus a new user message. The
+    template renders that turn without the block, so the second call branches after the
+    shared prefix (it used to reuse all of call 1's ids, the empty block included), and the
+    trajectory tree has two leaves the builder keeps."""
+    from gyre.trajectory.tree import build_tree, trajectories
+
+    stack = Stack(tok, bus, run_id)
+    try:
+        engine = await stack.engine(["<think>\n\n</think>\n\nI am good!", "Glad to hear."])
+        await stack.proxy(engine=engine)
+        oai = stack.client("e-think")
+        history = [{"role": "user", "content": "How are you?"}]
+        first = await oai.chat.completions.create(model="m", messages=history)
+        assert first.choices[0].message.content == "I am good!"
+        assert getattr(first.choices[0].message, "reasoning_content", None) is None
+        await oai.chat.completions.create(model="m", messages=[
+            *history, {"role": "assistant", "content": "I am good!"}, {"role": "user", "content": "And the weather?"}])
+        calls = await stack.calls(2)
+        c1, c2 = calls
+        full1 = c1.tokens.prompt_ids + c1.tokens.completion_ids
+        assert c2.parent_call == c1.call and c2.prefix_len == len(c1.tokens.prompt_ids) < len(full1)
+        second_prompt = full1[:c2.prefix_len] + c2.tokens.prompt_ids  # diverges where <think> was sampled
+        assert "<think>" not in tok.decode(second_prompt, skip_special_tokens=False)
+        kept = trajectories(build_tree("e-think", calls), j_max=5)
+        assert len(kept) == 2
+    finally:
+        await stack.close()
