@@ -5,7 +5,7 @@
     gyre tap [PATTERN] [--run-dir DIR] [--run ID | --all-runs] [--width N]
                                                   print live events of the current run
     gyre init-model DIR [--layers N ...]          write the embedded default model
-    gyre bench NAME [--json PATH]                 a benchmark of docs/BENCHMARKS.md (proxy, trajectories)
+    gyre bench NAME [--json PATH]                 a benchmark of docs/BENCHMARKS.md (proxy, trajectories, hostile)
     gyre proxy|cell|scheduler|builder|runner|evaluator --run-dir DIR   one daemon
                                                   (gyre proxy --engine-url URL: an engine of your own while no cell rolls out)
     gyre DAEMON --help, gyre run --help, ...      each command's options
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 BENCHMARKS = {
     "proxy": "handlers.bench.proxy",
     "trajectories": "handlers.bench.trajectories",
+    "hostile": "handlers.bench.hostile",
 }
 """`gyre bench NAME` → the module whose `main(argv) -> int` runs it (BENCHMARKS.md)."""
 
