@@ -12,6 +12,9 @@ version) whole or not at all (into `.v<k>.partial/`, then renamed):
 `trainer_state.json` is written last, so a `v<k>/` holding it is complete; `latest` finds
 the newest such directory and `restore` rebuilds a trainer from it (weights, optimizer
 moments and step counts, learning rate, RNG state, policy version).
+
+`next_epoch(weights_dir)` raises the core's epoch (DESIGN.md "Training exactly once") kept
+beside the checkpoints in `weights_dir/core_epoch`, and returns it: 0 at the first start.
 """
 from __future__ import annotations
 
@@ -30,6 +33,25 @@ FORMAT = "gyre.checkpoint.v1"
 STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.safetensors"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+EPOCH = "core_epoch"
+
+
+def next_epoch(weights_dir: Path) -> int:
+    """Raise and return the core's epoch (0 the first time). Raises OSError, ValueError (a
+    corrupt epoch file)."""
+    weights_dir = Path(weights_dir)
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    path = weights_dir / EPOCH
+    epoch = int(path.read_text().strip()) + 1 if path.exists() else 0
+    tmp = path.with_name(f".{EPOCH}.tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{epoch}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return epoch
 
 
 def path_of(weights_dir: Path, policy_version: int) -> Path:

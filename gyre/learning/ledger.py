@@ -275,6 +275,12 @@ class Ledger:
         return self._release(replica)
 
     # -- contributions ----------------------------------------------------------------------
+    def acceptable(self, replica: str, step: int, epoch: int, ids: tuple[int, ...] | list[int]) -> bool:
+        """Whether `contribute` would accept these ids now (it changes nothing): the caller
+        pulls a gradient only for a contribution that can count."""
+        return (epoch == self.epoch and step == self.step and bool(ids)
+                and all((g := self.holders.get(i)) is not None and g.replica == replica for i in ids))
+
     def contribute(self, replica: str, step: int, epoch: int, ids: tuple[int, ...] | list[int],
                    now: float = 0.0) -> Outcome:
         """A replica returned the gradient sum of `ids` (module docstring)."""
