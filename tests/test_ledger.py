@@ -105,6 +105,20 @@ def test_a_grant_whose_reply_was_lost_is_released_at_the_next_claim():
     assert (again.microstep, again.n) == (0, 2)
 
 
+def test_ids_returned_but_not_yet_taken_stay_the_replicas():
+    """A satellite returned {0, 1} and claims again before the core took the contribution:
+    listing them keeps them its own (not a lost reply), and once they are committed, listing
+    them again is no loss either."""
+    ledger = Ledger(epoch=0, step=0, lease_s=30.0)
+    announced(ledger, 0, 3)
+    ledger.claim("cell1", (), now=0.0)
+    ledger.claim("cell1", (0,), now=0.0)
+    assert ledger.claim("cell1", (0, 1), now=1.0, want=False) == Renewed()
+    assert ledger.contribute("cell1", 0, 0, [0, 1], now=1.5) == Accepted((0, 1))
+    assert ledger.claim("cell1", (0, 1), now=2.0, want=False) == Renewed()
+    assert ledger.claim("cell1", (), now=2.0) == Granted(2, "step-0/mstep-2", 30.0, 1)
+
+
 def test_contributions_of_another_epoch_or_step_or_unheld_ids_are_refused():
     ledger = Ledger(epoch=1, step=5, lease_s=30.0)
     announced(ledger, 5, 2)
@@ -155,6 +169,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.history: list[tuple[str, object]] = []  # announcements and seals on the bus, for restarts
         self.alive = {r: True for r in REPLICAS}
         self.held = {r: [] for r in REPLICAS}  # accumulated, not returned
+        self.pending = {r: [] for r in REPLICAS}  # returned, listed until the step moves on or they are lost
         self.held_at = {r: (0, 0) for r in REPLICAS}  # (epoch, step) of the held grants
         self.sent: list[tuple[str, int, int, tuple[int, ...]]] = []  # contributions on the bus
         self.accumulated: collections.Counter[int] = collections.Counter()  # the core's gradient
@@ -198,12 +213,14 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         if self.held_at[replica] != (self.ledger.epoch, self.step):  # a core restart, or the step
             self.held[replica], self.held_at[replica] = [], (self.ledger.epoch, self.step)  # was done without it
+            self.pending[replica] = []
         core = replica == "core"
-        answer = self.ledger.claim(replica, tuple(self.held[replica]), self.now, want=want, expires=not core)
+        listed = tuple(self.held[replica] + self.pending[replica])
+        answer = self.ledger.claim(replica, listed, self.now, want=want, expires=not core)
         if reply_lost and not core:
             return
         if isinstance(answer, Lost):
-            self.held[replica] = []
+            self.held[replica], self.pending[replica] = [], []
         elif isinstance(answer, Granted):
             if core:  # the core trains it into its own gradient and commits it at once
                 outcome = self.ledger.contribute("core", self.step, self.ledger.epoch, [answer.microstep], self.now)
@@ -222,13 +239,27 @@ class LedgerMachine(RuleBasedStateMachine):
         if isinstance(outcome, Accepted):
             self.accumulated.update(outcome.microsteps)
 
+    data_lost_in_transit = False
+
+    @rule(replica=st.sampled_from(REPLICAS[1:]), late=st.booleans())
+    def give_back_late(self, replica, late):
+        """A contribution the core takes only later (a claim may come first), or never."""
+        self.data_lost_in_transit = late
+        try:
+            self.give_back(replica)
+        finally:
+            self.data_lost_in_transit = False
+
     @rule(replica=st.sampled_from(REPLICAS[1:]))
     def give_back(self, replica):
         if self.alive[replica] and self.held[replica]:
             epoch, step = self.held_at[replica]
             message = (replica, step, epoch, tuple(self.held[replica]))
             self.sent.append(message)
+            self.pending[replica] += self.held[replica]
             self.held[replica] = []
+            if self.data_lost_in_transit:  # the core takes it later (redeliver), or never
+                return
             self._contribute(*message)
 
     @rule(data=st.data())
@@ -245,7 +276,7 @@ class LedgerMachine(RuleBasedStateMachine):
         if not now:
             return
         self.alive[replica] = False
-        self.held[replica] = []
+        self.held[replica], self.pending[replica] = [], []
 
     @rule(replica=st.sampled_from(REPLICAS[1:]))
     def arrive(self, replica):

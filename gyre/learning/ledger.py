@@ -10,9 +10,10 @@ clock (`now`: seconds on one monotonic clock) and publishes the facts it returns
 - `announce` files a `microstep.ready` (any step; a step below `step` is ignored), `seal`
   a `step.sealed` (the number of micro-steps N and |E|). Both are idempotent.
 - `claim(replica, held, now)` is a replica's request: it first renews the leases of the
-  micro-steps the replica says it `held` (ids of this step and epoch, accumulated and not
-  yet returned); a grant the replica does not list is one it never learnt of (a lost
-  reply) and is released. If any listed id is no longer the replica's (its lease expired
+  micro-steps the replica says it `held` (ids of this step and epoch it was granted and has
+  not seen counted: accumulated, or returned in a contribution the core may not have
+  handled yet; an id already committed to it is simply acknowledged); a grant the replica
+  does not list is one it never learnt of (a lost reply) and is released. If any listed id is no longer the replica's (its lease expired
   and the id was granted to another, or it was released), the answer is `Lost`: the
   replica's contribution could only be refused, so its other grants are released at once
   and it must drop what it accumulated. Otherwise, with `want`, the lowest-numbered
@@ -202,14 +203,15 @@ class Ledger:
         lease = self.lease_s if expires else None
         held_set = set(held)
         mine = set(self.held_by(replica))
-        lost = tuple(sorted(held_set - mine))
+        returned = {i for i in held_set if self.committed.get(i) == replica}  # accepted already: nothing to renew
+        lost = tuple(sorted(held_set - mine - returned))
         if lost:
             released = self._release(replica)
             return Lost(lost, released)
         for i in mine - held_set:  # granted, but the replica never learnt it: a lost reply
             del self.holders[i]
         until = math.inf if lease is None else now + lease
-        for i in held_set:
+        for i in held_set & mine:
             self.holders[i].lease_until = until
         if self.failed is not None:
             return self.failed

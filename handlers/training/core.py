@@ -169,6 +169,8 @@ class Core:
         held = req.held if (req.epoch, req.step) == (ledger.epoch, ledger.step) else ()
         step = ledger.step
         answer = ledger.claim(req.replica, held, time.monotonic(), want=req.want, expires=req.replica != self.cell)
+        log.debug("core.claim", replica=req.replica, req_epoch=req.epoch, req_step=req.step, held=req.held, want=req.want,
+                 answer=type(answer).__name__)
         reply = dict(epoch=self.epoch, step=step, weights_key=self.weights.key, weights_digest=self.weights.digest)
         if isinstance(answer, Granted):
             await self.bus.publish(schemas.MicrostepGranted(

@@ -62,6 +62,9 @@ class Replica:
         self.epoch = -1
         self.step = -1
         self.held: list[int] = []
+        """Ids of (epoch, step) granted to this replica and not seen counted: accumulated, or
+        (after it returned them) waiting for the core to take the contribution. Every claim
+        lists them, so the ledger never mistakes them for a grant whose reply was lost."""
         self.trained = 0
         """Micro-steps this replica ran forward-backward on (counted or not)."""
         self.returned: set[tuple[int, int]] = set()
@@ -91,8 +94,11 @@ class Replica:
                 if reply.outcome == "granted":
                     await self._train(reply)
                 elif reply.outcome == "lost" and self.core is None:
-                    await self._give_back(f"grants {list(reply.lost)} were granted again")
-                elif reply.outcome == "nothing_left" and self.held and self.core is None:
+                    if done:  # the returned contribution was refused: its ids are granted again
+                        self.held.clear()
+                    else:
+                        await self._give_back(f"grants {list(reply.lost)} were granted again")
+                elif reply.outcome == "nothing_left" and self.held and self.core is None and not done:
                     await self._give_back("nothing left to claim")
                 else:
                     if reply.outcome in ("failed", "refused") and (reply.epoch, reply.step) not in self._failed:
@@ -140,7 +146,7 @@ class Replica:
         """Follow the ledger to (reply.epoch, reply.step): drop what was accumulated for another
         one, and (a satellite) load that step's weights. False when the weights could not be
         pulled (the replica then holds nothing and asks again)."""
-        if self.held or self.trainer.metrics.microsteps:
+        if self.trainer.metrics.microsteps:
             log.warning("replica.accumulation.void", cell=self.cell, epoch=self.epoch, step=self.step,
                         held=self.held, now_epoch=reply.epoch, now_step=reply.step)
         self.trainer.discard()
@@ -217,7 +223,7 @@ class Replica:
 
     async def _give_back(self, why: str) -> None:
         """Return the gradient sum of the held ids as this replica's one contribution to the step."""
-        if not self.held:
+        if not self.held or (self.epoch, self.step) in self.returned:
             return
         epoch, step, held = self.epoch, self.step, tuple(sorted(self.held))
         grads = await asyncio.to_thread(self.trainer.gradients)
@@ -228,8 +234,7 @@ class Replica:
             event_id=ids.contribution(self.run_id, epoch, step, self.cell), step=step, epoch=epoch, replica=self.cell,
             microsteps=held, key=ref.key, digest=ref.digest, metrics=self.trainer.metrics.to_dict()))
         self.returned.add((epoch, step))
-        self.trainer.discard()
-        self.held.clear()
+        self.trainer.discard()  # `held` keeps the ids until the step moves on or the ledger says lost
         log.info("replica.contribution.returned", cell=self.cell, step=step, epoch=epoch, microsteps=held, why=why)
 
     def withdraw_through(self, step: int) -> None:

@@ -1,0 +1,73 @@
+"""Training exactly once with real cell processes on a real nats-server (DESIGN.md "Training
+exactly once"; tests/replicas.py has the machinery).
+
+The test plays the builder (micro-steps in the object store, `microstep.ready`,
+`step.sealed`) and the scheduler (`cell.switch`). The cells are `python -m handlers.cell`
+processes: the core (cell0) hosts the ledger; satellites claim over the bus, pull the core's
+weights and return their gradient sums through the loopback transfer layer. Every case holds
+the core's float64 checkpoint to one in-process trainer that ran every micro-step (atol
+1e-8), and the ledger's facts to "every micro-step committed exactly once".
+"""
+from __future__ import annotations
+
+import datetime as dt
+import signal
+
+import pytest
+
+from tests.replicas import Cells, check_moments, check_weights, microsteps, reference, write_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("replicas-model"))
+
+
+def at(event) -> dt.datetime:
+    return dt.datetime.fromisoformat(event.emitted_at.replace("Z", "+00:00"))
+
+
+async def test_a_core_and_two_satellites_train_what_one_replica_trains(nats_server, run_id, tmp_path, model_dir):
+    """Step 0: core and cell1. Step 1: cell2 joins once 3 micro-steps are granted (and the core
+    committed one: a satellite commits its micro-steps when it returns them), so it
+    trains on the core's snapshot of v1 (pulled through the transfer layer). The weights of
+    v2 equal one replica's; each satellite committed micro-steps while the core held grants."""
+    steps = [microsteps(0, 4, seed=1), microsteps(1, 10, seed=2)]
+    async with Cells(nats_server, run_id, tmp_path, model_dir, device_time_s=0.25) as cells:
+        for cell in ("cell0", "cell1", "cell2"):
+            cells.start(cell)
+        await cells.switch("cell0", "training")
+        await cells.switch("cell1", "training")
+        await cells.publish(steps[0])
+        await cells.seal(0, len(steps[0]))
+        await cells.until(lambda: cells.completed(0), "step 0")
+
+        await cells.publish(steps[1][:3])
+        await cells.until(lambda: len({g.microstep for g in cells.of("microstep.granted", 1)}) == 3
+                          and cells.of("microstep.committed", 1), "3 micro-steps of step 1 granted, one committed")
+        await cells.switch("cell2", "training")
+        await cells.publish(steps[1][3:])
+        await cells.seal(1, len(steps[1]))
+        await cells.until(lambda: cells.completed(1), "step 1")
+
+        for step, mss in enumerate(steps):
+            assert cells.commits(step, epoch=0) == {i: 1 for i in range(len(mss))}
+        done = cells.completed(1)
+        by_cell = {c: sum(1 for e in cells.of("microstep.committed", 1) if e.replica == c) for c in ("cell0", "cell1", "cell2")}
+        assert done.microsteps_per_replica == {c: n for c, n in by_cell.items() if n} and sum(by_cell.values()) == 10
+        assert by_cell["cell1"] >= 1 and by_cell["cell2"] >= 1, by_cell
+        # cell2 trained on v1, pulled from the core: the transfer key its claims named.
+        assert cells.of("weights.published", policy_version=1)[0].key.endswith("/weights-v1-e0")
+        # Overlap: the core was granted a micro-step while each satellite held an uncommitted one.
+        for sat in ("cell1", "cell2"):
+            held = [(at(g), min(at(c) for c in cells.of("microstep.committed", 1, microstep=g.microstep)))
+                    for g in cells.of("microstep.granted", 1, replica=sat)
+                    if cells.of("microstep.committed", 1, microstep=g.microstep, replica=sat)]
+            core_grants = [at(g) for g in cells.of("microstep.granted", 1, replica="cell0")]
+            assert any(start < t < end for start, end in held for t in core_grants), (sat, held, core_grants)
+        assert done.phase_s["reduction"] > 0 and done.phase_s["forward_backward"] > 0
+        assert set(done.staleness_histogram) == {"0"} and done.kl > 0
+
+    expected = reference(model_dir, cells.recipe, steps)
+    check_weights(cells.checkpoint(2), expected)
+    check_moments(cells.checkpoint(2), expected)
