@@ -71,3 +71,84 @@ async def test_a_core_and_two_satellites_train_what_one_replica_trains(nats_serv
     expected = reference(model_dir, cells.recipe, steps)
     check_weights(cells.checkpoint(2), expected)
     check_moments(cells.checkpoint(2), expected)
+
+
+async def test_a_stalled_and_a_killed_satellite_lose_only_what_they_had_not_returned(nats_server, run_id, tmp_path,
+                                                                                  model_dir):
+    """Leases of 1 s. While both hold uncommitted grants, cell1 is stopped (SIGSTOP) and cell2
+    killed (SIGKILL). Their leases lapse, the core is granted their micro-steps again and
+    trains them; cell1, resumed, learns its grants were taken, returns its contribution all
+    the same, and it is refused whole. Every micro-step is committed once and the weights
+    equal one replica's."""
+    (step0,) = steps = [microsteps(0, 12, seed=3)]
+    async with Cells(nats_server, run_id, tmp_path, model_dir, lease_s=1.0, grant_budget=10,
+                     device_time_s=0.3) as cells:
+        for cell in ("cell0", "cell1", "cell2"):
+            cells.start(cell)
+        for cell in ("cell0", "cell1", "cell2"):
+            await cells.switch(cell, "training")
+        await cells.publish(step0)
+        await cells.until(lambda: cells.uncommitted("cell1", 0) and cells.uncommitted("cell2", 0),
+                          "both satellites to hold uncommitted grants")
+        cells.signal("cell1", signal.SIGSTOP)
+        cells.signal("cell2", signal.SIGKILL)
+        stalled, killed = cells.uncommitted("cell1", 0), cells.uncommitted("cell2", 0)
+        assert stalled and killed  # the stop and the kill landed while they held uncommitted work
+        taken = stalled | killed
+
+        def by_core() -> bool:
+            return all(cells.of("microstep.committed", 0, microstep=i, replica="cell0") for i in taken)
+        await cells.until(by_core, f"the core to train {sorted(taken)} again", timeout_s=120)
+        cells.signal("cell1", signal.SIGCONT)
+        await cells.until(lambda: cells.of("contribution.returned", 0, replica="cell1"), "cell1's late contribution")
+        await cells.seal(0, len(step0))
+        await cells.until(lambda: cells.completed(0), "step 0")
+
+        assert cells.commits(0, epoch=0) == {i: 1 for i in range(len(step0))}
+        (late,) = cells.of("contribution.returned", 0, replica="cell1")
+        assert set(late.microsteps) & stalled, "cell1 returned what it held when it stalled"
+        assert not cells.of("microstep.committed", 0, replica="cell1", microstep=min(set(late.microsteps) & stalled))
+        assert not cells.of("microstep.committed", 0, replica="cell2")  # it died before returning anything
+        again = {g.microstep for g in cells.of("microstep.granted", 0, replica="cell0") if g.grant >= 2}
+        assert taken <= again
+        assert cells.completed(0).microsteps_per_replica.get("cell0", 0) >= len(taken)
+
+    check_weights(cells.checkpoint(1), reference(model_dir, cells.recipe, steps))
+
+
+async def test_a_core_killed_mid_step_resumes_from_its_checkpoint_under_a_new_epoch(nats_server, run_id, tmp_path,
+                                                                                  model_dir):
+    """Step 0 completes. During step 1, once micro-steps are committed and before the step is
+    applied, the core is killed (SIGKILL) and started again: it restores v1 with its AdamW
+    moments, raises its epoch to 1, and step 1 is trained again under epoch 1 (the satellite
+    drops what it had accumulated under epoch 0). Two steps after the crash, v3's weights and
+    moments equal an uninterrupted replica's."""
+    steps = [microsteps(0, 4, seed=4), microsteps(1, 8, seed=5), microsteps(2, 5, seed=6)]
+    async with Cells(nats_server, run_id, tmp_path, model_dir, lease_s=3.0, device_time_s=0.3) as cells:
+        cells.start("cell0")
+        cells.start("cell1")
+        await cells.switch("cell0", "training")
+        await cells.switch("cell1", "training")
+        await cells.publish(steps[0])
+        await cells.seal(0, len(steps[0]))
+        await cells.until(lambda: cells.completed(0), "step 0")
+        await cells.publish(steps[1])
+        await cells.seal(1, len(steps[1]))
+        await cells.until(lambda: len(cells.of("microstep.committed", 1)) >= 2, "two micro-steps of step 1 committed")
+        cells.signal("cell0", signal.SIGKILL)
+        assert not cells.completed(1) and cells.of("microstep.committed", 1, epoch=0)  # it held uncommitted work
+        assert cells.checkpoint(1).is_dir() and not cells.checkpoint(2).exists()
+
+        cells.start("cell0")
+        await cells.switch("cell0", "training")
+        await cells.until(lambda: cells.completed(1), "step 1 after the restart", timeout_s=120)
+        assert cells.completed(1).epoch == 1
+        assert cells.commits(1, epoch=1) == {i: 1 for i in range(len(steps[1]))}
+        assert [w.epoch for w in cells.of("weights.published", policy_version=1)] == [0, 1]  # published again
+        await cells.publish(steps[2])
+        await cells.seal(2, len(steps[2]))
+        await cells.until(lambda: cells.completed(2), "step 2")
+
+    expected = reference(model_dir, cells.recipe, steps)
+    check_weights(cells.checkpoint(3), expected)
+    check_moments(cells.checkpoint(3), expected)
