@@ -204,3 +204,33 @@ def test_any_split_into_microsteps_and_replicas_gives_the_same_gradient(model_di
     assert sum(m.per_replica.values()) == parts and len(m.per_replica) == min(parts, replicas)
     stats = core.apply(num_executions=3)
     assert stats.metrics["microsteps"] == parts and stats.loss == pytest.approx(expected_metrics.loss_sum / 3, abs=1e-9)
+
+
+def test_kl_estimate_and_step_metrics_merge_by_hand():
+    """k3 per trained token, (r − 1) − log r with log r = δ: δ = 0.1 → 0.1051709 − 0.1 =
+    0.0051709; δ = −0.2 → 0.8187308 − 1 + 0.2 = 0.0187308; two tokens of each: kl_sum =
+    0.0478034. Two replicas' metrics merge into sums: ratios s = {1.2, 0.9} and {1.05}:
+    mean 1.05, std √((1.44 + 0.81 + 1.1025)/3 − 1.05²) = √0.015 = 0.1224745."""
+    logp = T([-1.0, -1.0, -2.0, -2.0], dtype=F64)
+    behaviour = T([-1.1, -1.1, -1.8, -1.8], dtype=F64)
+    _, stats = gspo_loss(logp, behaviour, torch.ones(4, dtype=torch.bool), T([0, 0, 1, 1]), T([1.0, 1.0], dtype=F64),
+                         T([2.0, 2.0], dtype=F64))
+    assert stats["kl_sum"] == pytest.approx(0.0478034, abs=1e-7)
+
+    a, b = StepMetrics(), StepMetrics()
+    a.add_microstep(dict(loss_sum=-0.6, tokens=6, trajectories=2, clipped=1.0, ratio_sum=2.1, ratio_sq_sum=2.25,
+                         ratio_min=0.9, ratio_max=1.2, kl_sum=0.03), {0: 4, 1: 2}, "cell0")
+    b.add_microstep(dict(loss_sum=0.2, tokens=4, trajectories=1, clipped=0.0, ratio_sum=1.05, ratio_sq_sum=1.1025,
+                         ratio_min=1.05, ratio_max=1.05, kl_sum=0.02), {0: 4}, "cell1")
+    b.add_time("forward_backward", 0.5)
+    a.merge(StepMetrics.from_dict(b.to_dict()))
+    s = a.summary(executions=4)
+    assert s["loss"] == pytest.approx(-0.1) and s["clip_fraction"] == pytest.approx(0.1)  # −0.4/4, 1/10
+    assert s["ratio_mean"] == pytest.approx(1.05) and s["ratio_std"] == pytest.approx(0.1224745, abs=1e-7)
+    assert (s["ratio_min"], s["ratio_max"], s["kl"]) == (0.9, 1.2, pytest.approx(0.005))  # 0.05 / 10
+    assert s["staleness_histogram"] == {"0": 8, "1": 2} and s["microsteps_per_replica"] == {"cell0": 1, "cell1": 1}
+    assert s["phase_s"]["forward_backward"] == 0.5 and s["phase_s"]["checkpoint"] == 0.0
+    empty = StepMetrics.from_dict(StepMetrics().to_dict())
+    assert empty.summary(0)["ratio_min"] == 1.0 and empty.to_dict()["ratio_min"] is None
+    with pytest.raises(ValueError, match="unknown phase"):
+        a.add_time("lunch", 1.0)
