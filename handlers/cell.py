@@ -105,12 +105,41 @@ class Cell:
         self.latest_weights: schemas.WeightsPublished | None = None
 
     async def start(self) -> None:
+        """Start the core's ledger (the core cell), the engine server, and announce the role:
+        the one the scheduler last asked of this cell (a restarted cell goes back to training
+        at once, its replica claiming again), else rollout."""
         if self.core is not None:
             await self.core.start()
         self.app, self.runner, self.url = await engine_server.serve(self.engine, host=self.cfg.host, port=self.cfg.port)
-        await self._switched(-1, "idle", "rollout", {"total_s": 0.0})
         self.role = "rollout"
-        log.info("cell.started", cell=self.cfg.cell, engine_url=self.url, core=self.cfg.core)
+        started = time.perf_counter()
+        if await self._last_asked() == "training":
+            plan = plan_switch("rollout", "training", core=self.cfg.core)
+            for action in plan.release + plan.load + plan.resume:
+                await self._act(action)
+            self.role = "training"
+        await self._switched(-1, "idle", self.role, {"total_s": time.perf_counter() - started})
+        log.info("cell.started", cell=self.cfg.cell, role=self.role, engine_url=self.url, core=self.cfg.core)
+
+    async def _last_asked(self) -> str | None:
+        """The role of the newest `cell.switch` addressed to this cell (None: never asked)."""
+        last: list[str] = []
+
+        async def on_switch(event: schemas.CellSwitch) -> None:
+            if event.cell == self.cfg.cell:
+                last.append(event.to_role)
+
+        caught_up, stop = asyncio.Event(), asyncio.Event()
+        replay = asyncio.create_task(self.bus.replay([schemas.CellSwitch.NAME], on_switch, stop=stop,
+                                                     caught_up=caught_up))
+        waiter = asyncio.ensure_future(caught_up.wait())
+        try:
+            await asyncio.wait([waiter, replay], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            stop.set()
+            await replay
+        return last[-1] if last else None
 
     async def stop(self) -> None:
         await self._stop_training()

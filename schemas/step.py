@@ -81,9 +81,10 @@ class ClaimReply:
     outcome: `granted` (microstep, key, lease_s, grant), `renewed`, `wait` (ask again later),
     `nothing_left` (sealed, and every micro-step is granted or committed), `lost` (ids in
     `lost` are no longer the replica's: its contribution can only be refused), `failed` (the
-    step failed: reason), `refused` (the request was malformed: reason). epoch, step: the core's epoch and the step it trains. weights_key,
-    weights_digest: the transfer reference of the step's weights (policy version = step),
-    which a replica trains on. lease_s: seconds, None = no expiry. grant: the id's n-th grant.
+    step failed: reason), `refused` (the request was malformed: reason). epoch, step: the
+    core's epoch and the step it trains. weights_key, weights_digest, weights_version: the
+    transfer reference of the weights a replica trains the step on, and their policy version
+    (= step). lease_s: seconds, None = no expiry. grant: the id's n-th grant.
     """
 
     outcome: ClaimOutcome
@@ -97,6 +98,7 @@ class ClaimReply:
     reason: str = ""
     weights_key: str = ""
     weights_digest: str = ""
+    weights_version: int = -1
 
 
 @register

@@ -248,5 +248,13 @@ class Cells:
         """micro-step id → how many commits it got under `epoch`."""
         return collections.Counter(c.microstep for c in self.of("microstep.committed", step, epoch=epoch))
 
+    async def settled_commits(self, step: int, epoch: int, n: int) -> collections.Counter:
+        """`commits` once all n ids are seen (the streams are followed concurrently, so a step's
+        `step.completed` may be read before its last `microstep.committed`)."""
+        await self.until(lambda: set(self.commits(step, epoch)) >= set(range(n)),
+                         f"the commits of step {step} (epoch {epoch})")
+        await asyncio.sleep(0.2)  # and anything that might follow them
+        return self.commits(step, epoch)
+
     def checkpoint(self, version: int) -> Path:
         return self.run_dir / "weights" / f"v{version}"

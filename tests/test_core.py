@@ -114,3 +114,33 @@ async def test_an_unreadable_contribution_is_refused_and_its_ids_granted_again(c
     again = await h.claim("cell2")  # at once, not after cell1's lease
     assert (again.outcome, again.microstep) == ("granted", 0)
     assert not h.facts.get("microstep.committed")
+
+
+async def test_no_answer_names_a_step_with_another_steps_weights(core, run_id, monkeypatch):
+    """While the core exposes v1 after applying step 0, a claim is answered for step 0 with
+    v0, never for step 1 with v0 (a satellite would train step 1 on the wrong weights)."""
+    the_core, h = core
+    gate, snapshotting = asyncio.Event(), asyncio.Event()
+    real = the_core._snapshot
+
+    async def slow_snapshot():
+        snapshotting.set()
+        await gate.wait()
+        return await real()
+
+    monkeypatch.setattr(the_core, "_snapshot", slow_snapshot)
+    granted = await h.claim("cell0")  # the core's own replica, as the cell runs it, trains micro-step 0
+    assert granted.outcome == "granted" and (granted.step, granted.weights_version) == (0, 0)
+    async with the_core.grad_lock:
+        await the_core.commit_local(0)
+    await h.bus.publish(schemas.StepSealed(event_id=ids.sealed(run_id, 0), step=0, microsteps=1, executions=1,
+                                           groups=1))
+    await asyncio.wait_for(snapshotting.wait(), 30)  # step 0 applied; v1 not offered yet
+    try:
+        during = await h.claim("cell1")
+    finally:
+        gate.set()
+    assert (during.step, during.weights_version, during.outcome) == (0, 0, "nothing_left")
+    await h.until(lambda: the_core.ledger.step == 1, "step 0 to be applied")
+    after = await h.claim("cell1")
+    assert (after.step, after.weights_version) == (1, 1) and after.weights_key.endswith("/weights-v1-e0")

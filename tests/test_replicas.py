@@ -51,7 +51,7 @@ async def test_a_core_and_two_satellites_train_what_one_replica_trains(nats_serv
         await cells.until(lambda: cells.completed(1), "step 1")
 
         for step, mss in enumerate(steps):
-            assert cells.commits(step, epoch=0) == {i: 1 for i in range(len(mss))}
+            assert await cells.settled_commits(step, 0, len(mss)) == {i: 1 for i in range(len(mss))}
         done = cells.completed(1)
         by_cell = {c: sum(1 for e in cells.of("microstep.committed", 1) if e.replica == c) for c in ("cell0", "cell1", "cell2")}
         assert done.microsteps_per_replica == {c: n for c, n in by_cell.items() if n} and sum(by_cell.values()) == 10
@@ -104,7 +104,7 @@ async def test_a_stalled_and_a_killed_satellite_lose_only_what_they_had_not_retu
         await cells.seal(0, len(step0))
         await cells.until(lambda: cells.completed(0), "step 0")
 
-        assert cells.commits(0, epoch=0) == {i: 1 for i in range(len(step0))}
+        assert await cells.settled_commits(0, 0, len(step0)) == {i: 1 for i in range(len(step0))}
         (late,) = cells.of("contribution.returned", 0, replica="cell1")
         assert set(late.microsteps) & stalled, "cell1 returned what it held when it stalled"
         assert not cells.of("microstep.committed", 0, replica="cell1", microstep=min(set(late.microsteps) & stalled))
@@ -120,8 +120,9 @@ async def test_a_core_killed_mid_step_resumes_from_its_checkpoint_under_a_new_ep
                                                                                   model_dir):
     """Step 0 completes. During step 1, once micro-steps are committed and before the step is
     applied, the core is killed (SIGKILL) and started again: it restores v1 with its AdamW
-    moments, raises its epoch to 1, and step 1 is trained again under epoch 1 (the satellite
-    drops what it had accumulated under epoch 0). Two steps after the crash, v3's weights and
+    moments, raises its epoch to 1, goes back to training by itself (the role it was last
+    asked for), and step 1 is trained again under epoch 1 (the satellite drops what it had
+    accumulated under epoch 0). Two steps after the crash, v3's weights and
     moments equal an uninterrupted replica's."""
     steps = [microsteps(0, 4, seed=4), microsteps(1, 8, seed=5), microsteps(2, 5, seed=6)]
     async with Cells(nats_server, run_id, tmp_path, model_dir, lease_s=3.0, device_time_s=0.3) as cells:
@@ -140,10 +141,10 @@ async def test_a_core_killed_mid_step_resumes_from_its_checkpoint_under_a_new_ep
         assert cells.checkpoint(1).is_dir() and not cells.checkpoint(2).exists()
 
         cells.start("cell0")
-        await cells.switch("cell0", "training")
+        await cells.until(lambda: cells.roles.get("cell0") == "training", "the restarted core to announce training")
         await cells.until(lambda: cells.completed(1), "step 1 after the restart", timeout_s=120)
         assert cells.completed(1).epoch == 1
-        assert cells.commits(1, epoch=1) == {i: 1 for i in range(len(steps[1]))}
+        assert await cells.settled_commits(1, 1, len(steps[1])) == {i: 1 for i in range(len(steps[1]))}
         assert [w.epoch for w in cells.of("weights.published", policy_version=1)] == [0, 1]  # published again
         await cells.publish(steps[2])
         await cells.seal(2, len(steps[2]))

@@ -70,6 +70,7 @@ class Core:
         self.ledger: Ledger | None = None
         self.epoch = -1
         self.weights: TransferRef | None = None
+        self.weights_version = -1
         self._weights_name = ""
         self._ready: dict[tuple[int, int], schemas.MicrostepReady] = {}
         self._seals: dict[int, schemas.StepSealed] = {}
@@ -91,7 +92,7 @@ class Core:
         version = self.trainer.policy_version
         self.ledger = Ledger(epoch=self.epoch, step=version, lease_s=self.cfg.lease_s,
                              grant_budget=self.cfg.grant_budget)
-        await self._expose()
+        self._offer(*await self._snapshot())
         if path is not None and version > 0:
             await self._publish_weights(path)
             if completed:
@@ -117,14 +118,20 @@ class Core:
         finally:
             stopped.cancel()
 
-    async def _expose(self) -> None:
+    async def _snapshot(self) -> tuple[str, TransferRef, int]:
+        """Expose the trainer's weights through the transfer layer: (name, reference, version)."""
         assert self.trainer is not None
-        name = f"weights-v{self.trainer.policy_version}-e{self.epoch}"
+        version = self.trainer.policy_version
+        name = f"weights-v{version}-e{self.epoch}"
         tensors = await asyncio.to_thread(self.trainer.weights)
-        self.weights = await asyncio.to_thread(self.transfer.expose, name, tensors)
+        return name, await asyncio.to_thread(self.transfer.expose, name, tensors), version
+
+    def _offer(self, name: str, ref: TransferRef, version: int) -> None:
+        """Make `ref` the weights every claim answer names, and withdraw the previous ones
+        (readers holding a lease keep them until they finish)."""
         if self._weights_name and self._weights_name != name:
-            self.transfer.withdraw(self._weights_name)  # readers holding a lease keep it until they finish
-        self._weights_name = name
+            self.transfer.withdraw(self._weights_name)
+        self.weights, self._weights_name, self.weights_version = ref, name, version
 
     async def _publish_weights(self, path: Path) -> None:
         assert self.trainer is not None and self.weights is not None
@@ -171,7 +178,8 @@ class Core:
         answer = ledger.claim(req.replica, held, time.monotonic(), want=req.want, expires=req.replica != self.cell)
         log.debug("core.claim", replica=req.replica, req_epoch=req.epoch, req_step=req.step, held=req.held, want=req.want,
                  answer=type(answer).__name__)
-        reply = dict(epoch=self.epoch, step=step, weights_key=self.weights.key, weights_digest=self.weights.digest)
+        reply = dict(epoch=self.epoch, step=step, weights_key=self.weights.key, weights_digest=self.weights.digest,
+                     weights_version=self.weights_version)
         if isinstance(answer, Granted):
             await self.bus.publish(schemas.MicrostepGranted(
                 event_id=ids.granted(self.run, self.epoch, step, answer.microstep, answer.n), step=step,
@@ -305,12 +313,15 @@ class Core:
                 return self._completed(step, sealed, stats, per_replica, duration, optimizer_s, 0.0).to_dict()
 
             done = await asyncio.to_thread(apply_step, trainer, sealed.executions, self.weights_dir, completed_of)
+            snapshot = await self._snapshot()
+            # The ledger moves to step k + 1 and every answer names v_{k+1} in the same breath:
+            # a claim between the two would send a replica to step k + 1 on v_k's weights.
             ledger.advance()
+            self._offer(*snapshot)
             self._step_started = None
             for key in [k for k in self._ready if k[0] <= step]:
                 del self._ready[key]
             self._seals.pop(step, None)
-            await self._expose()
             await self._publish_weights(done.path)
             event = self._completed(step, sealed, done.stats, per_replica, duration, done.optimizer_s,
                                     done.checkpoint_s)

@@ -153,6 +153,10 @@ class Replica:
         self.held.clear()
         self.epoch = self.step = -1
         self.withdraw_through(reply.step - 1)
+        if self.core is None and reply.weights_version != reply.step:
+            log.warning("replica.weights.mismatch", cell=self.cell, step=reply.step,
+                        weights_version=reply.weights_version)  # never train a step on other weights
+            return False
         if self.core is None and (reply.weights_key, reply.weights_digest) != self._loaded:
             try:
                 tensors = await asyncio.to_thread(self.transfer.pull, TransferRef(reply.weights_key,
