@@ -10,6 +10,7 @@ import pytest
 import schemas
 from bus import Bus
 from bus.subjects import dlq_subject, stream_for
+from gyre.learning.metrics import StepMetrics
 from gyre.learning.trainer import TrainerConfig
 from handlers.daemon import run_loops
 from handlers.training.core import Core
@@ -144,3 +145,29 @@ async def test_no_answer_names_a_step_with_another_steps_weights(core, run_id, m
     await h.until(lambda: the_core.ledger.step == 1, "step 0 to be applied")
     after = await h.claim("cell1")
     assert (after.step, after.weights_version) == (1, 1) and after.weights_key.endswith("/weights-v1-e0")
+
+
+async def test_a_redelivered_contribution_is_added_once(core, run_id):
+    """The same `contribution.returned` handled twice (a lost ack redelivers it): the gradient
+    is added once and each id committed once."""
+    import numpy as np
+
+    the_core, h = core
+    assert (await h.claim("cell1")).outcome == "granted"
+    grads = {name: np.full(p.shape, 0.5, dtype=np.float64) for name, p in the_core.trainer.model.named_parameters()}
+    satellite = LoopbackTransfer()
+    try:
+        ref = satellite.expose("contribution-cell1-s0-e0", grads)
+        event = schemas.ContributionReturned(
+            event_id=ids.contribution(run_id, 0, 0, "cell1"), step=0, epoch=0, replica="cell1", microsteps=(0,),
+            key=ref.key, digest=ref.digest, metrics=StepMetrics().to_dict())
+        await the_core.on_contribution(event)
+        await the_core.on_contribution(event)
+    finally:
+        satellite.close()
+    got = the_core.trainer.gradients()
+    assert all(np.array_equal(got[name], grads[name]) for name in grads)  # 0.5, not 1.0
+    await h.until(lambda: h.facts.get("microstep.committed"), "the commit")
+    await asyncio.sleep(0.2)
+    assert [(c.microstep, c.replica) for c in h.facts["microstep.committed"]] == [(0, "cell1")]
+    assert the_core.ledger.committed == {0: "cell1"}

@@ -266,7 +266,7 @@ class Core:
                 try:
                     await asyncio.to_thread(self.trainer.add_gradients, grads, metrics)
                 except ValueError as exc:  # a replica of another model: nothing was added
-                    self._fatal_error(RuntimeError(f"contribution of {event.replica} to step {event.step} does not "
+                    self.fail(RuntimeError(f"contribution of {event.replica} to step {event.step} does not "
                                                    f"fit the model: {exc}"))
                     return
                 self.trainer.metrics.add_time("reduction", time.perf_counter() - started)
@@ -291,9 +291,10 @@ class Core:
         try:
             await self._maybe_apply()
         except Exception as exc:  # noqa: BLE001 - fatal: the supervisor restarts the core under a new epoch
-            self._fatal_error(exc)
+            self.fail(exc)
 
-    def _fatal_error(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
+        """Make `watch` raise `exc`: the core cannot go on (its daemon exits, a supervisor restarts it)."""
         log.error("core.fatal", error=repr(exc))
         if not self._fatal.done():
             self._fatal.set_result(exc)

@@ -108,7 +108,7 @@ class Replica:
         except Exception as exc:
             if self.core is None:
                 raise
-            self.core._fatal_error(exc)  # the core's gradient may hold half a micro-step
+            self.core.fail(exc)  # the core's gradient may hold half a micro-step
         finally:
             if self.core is None and self.held and (self.epoch, self.step) not in self.returned:
                 try:
