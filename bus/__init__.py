@@ -12,8 +12,10 @@ from bus.client import (
 )
 from bus.history import Tap
 from bus.consumer import Backoff, Delivery, Invalid, Outcome, Retry, classify
+from bus.rpc import RequestFailed
 
 __all__ = [
     "MAX_EVENT_BYTES", "OBJECT_THRESHOLD_BYTES", "Bus", "BusConfig", "BusError", "ConnectError", "PayloadTooLarge",
     "PublishError", "Tap", "too_big", "Backoff", "Delivery", "Invalid", "Outcome", "Retry", "classify",
+    "RequestFailed",
 ]

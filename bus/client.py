@@ -11,6 +11,8 @@ Contract:
   `OBJECT_THRESHOLD_BYTES` to the object store themselves (`too_big`, `put_object`).
 - `consume` runs a durable pull consumer; outcomes map to acks in `bus.consumer` only.
 - `replay`, `stored_ids` and `tap` read history and live traffic; they delegate to `bus.history`.
+- `serve` and `request` are request/reply on core NATS (`bus.rpc`); `dead_letter` copies an
+  event that failed something downstream to the run's dead letters.
 - `close` stops consume/replay loops, waits for handlers in hand within a bound, then drains.
 """
 from __future__ import annotations
@@ -27,8 +29,9 @@ import structlog
 from nats.js import api
 
 import schemas
-from bus import history, subjects
-from bus.consumer import TRANSIENT, Backoff, Handler, Worker, run_loop, unsubscribe
+from bus import history, rpc, subjects
+from schemas import ids
+from bus.consumer import DLQ_REASON, DLQ_SUBJECT, TRANSIENT, Backoff, Handler, Worker, run_loop, unsubscribe
 from bus.history import Tap
 
 log = structlog.get_logger("gyre.bus")
@@ -517,4 +520,23 @@ class Bus:
     async def tap(self, pattern: str | None, callback: Callable[[str, bytes], Awaitable[Any]]) -> Tap:
         """`bus.history.tap` on this bus: `await callback(subject, data)` for every message on `pattern`."""
         return await history.tap(self, pattern, callback)
+
+    # ---- request/reply (bus.rpc) ----------------------------------------------------------
+
+    async def serve(self, name: str, handler: Callable[[bytes], Awaitable[bytes]], *, stop: asyncio.Event,
+                    queue: str = "") -> None:
+        """`bus.rpc.serve` on this bus: answer requests on `name` until `stop`."""
+        await rpc.serve(self, name, handler, stop=stop, queue=queue)
+
+    async def request(self, name: str, data: bytes, timeout_s: float) -> bytes:
+        """`bus.rpc.request` on this bus. Raises bus.rpc.RequestFailed."""
+        return await rpc.request(self, name, data, timeout_s)
+
+    async def dead_letter(self, event: schemas.Event, reason: str) -> None:
+        """Copy `event` to `dlq.<name>` with `reason` (the headers a consumer's dead letter
+        carries), once per event id."""
+        name = type(event).NAME
+        await self.publish_raw(subjects.dlq_subject(self.run, name), schemas.encode(event), {
+            DLQ_REASON: reason[:1000], DLQ_SUBJECT: subjects.subject(self.run, name),
+            "Nats-Msg-Id": ids.dead_letter_of(event.event_id)})
 

@@ -18,9 +18,13 @@ from schemas import (
     ExecutionFinished,
     ExecutionScored,
     ExecutionStarted,
+    ContributionReturned,
+    MicrostepCommitted,
+    MicrostepGranted,
     MicrostepReady,
     RouteUpdated,
     StepCompleted,
+    StepFailed,
     StepSealed,
     WeightsPublished,
 )
@@ -96,8 +100,11 @@ STREAMS: tuple[StreamSpec, ...] = (
     # The proxy retries a call's publish for up to its retry_timeout_s (600 s) after an
     # attempt whose PubAck may have been lost: a duplicate must still be recognised then.
     StreamSpec("CALLS", (CallCompleted.NAME,), duplicate_window_s=CALLS_DUPLICATE_WINDOW_S),
-    StreamSpec("MICROSTEPS", (MicrostepReady.NAME,), work_queue=True),
-    StreamSpec("STEPS", (StepSealed.NAME, StepCompleted.NAME, WeightsPublished.NAME)),
+    # Kept until their step completes (the core's ledger replays them after a restart):
+    # limits retention, never a work queue that deletes on ack.
+    StreamSpec("MICROSTEPS", (MicrostepReady.NAME,)),
+    StreamSpec("STEPS", (StepSealed.NAME, StepCompleted.NAME, WeightsPublished.NAME, StepFailed.NAME)),
+    StreamSpec("LEDGER", (MicrostepGranted.NAME, MicrostepCommitted.NAME, ContributionReturned.NAME)),
     StreamSpec("CELLS", (CellSwitch.NAME, CellSwitched.NAME, RouteUpdated.NAME)),
     StreamSpec("DLQ", ("dlq.>",)),
 )
@@ -128,7 +135,10 @@ CONSUMERS: tuple[ConsumerSpec, ...] = (
     ConsumerSpec("scheduler-v1", "EXECUTIONS", (ExecutionStarted.NAME, ExecutionFinished.NAME, ExecutionScored.NAME)),
     ConsumerSpec("scheduler-steps-v1", "STEPS", (StepSealed.NAME, StepCompleted.NAME)),
     ConsumerSpec("scheduler-cells-v1", "CELLS", (CellSwitched.NAME,)),
-    ConsumerSpec("trainer-v1", "MICROSTEPS", (MicrostepReady.NAME,), ack_wait_s=120.0, max_ack_pending=4),
+    # The core pulls and adds each contribution before it acks; a redelivery is a duplicate
+    # the ledger counts once.
+    ConsumerSpec("core-contributions-v1", "LEDGER", (ContributionReturned.NAME,), ack_wait_s=120.0,
+                 max_ack_pending=16),
 )
 """The durables of one run, created by `Bus.ensure_streams` at every daemon's start."""
 

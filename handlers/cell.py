@@ -2,13 +2,20 @@
 
 A switch changes what the process holds, never the process (DESIGN.md "Cells and
 engines"): the engine's HTTP server stays bound; while the cell trains it answers 503,
-so the proxy waits or reroutes. The core cell (`cell0`) owns the optimizer state.
+so the proxy waits or reroutes. What a switch does is planned by gyre.control.switch; this
+module executes the plan and publishes the outcome.
 
-Consumes `cell.switch` (its own durable `<cell>-v1`, `bus.subjects.cell_consumer`), `microstep.ready` (work queue,
-only while training) and `step.sealed` (replayed); publishes `cell.switched` with
-measured durations, `weights.published` and `step.completed`. What a switch does is
-planned by gyre.control.switch and which step is ready to apply is decided by
-gyre.learning.steps; this module executes both and publishes the outcomes.
+Training (DESIGN.md "Training exactly once"): the core cell (`cell0`) hosts the step
+ledger from its start, whatever its role (handlers.training.core: it answers
+`microstep.claim`, takes `contribution.returned`, applies each step, checkpoints, publishes
+`weights.published` and `step.completed`); it owns the authoritative weights and the only
+optimizer state. Every cell in training, core or satellite, runs a replica
+(handlers.training.replica) that claims micro-steps from the ledger; a satellite pulls the
+core's weights of the step through the transfer layer and returns its gradient sum there.
+Each cell process has one loopback transfer backend (handlers.transfer.loopback).
+
+Consumes `cell.switch` (its own durable `<cell>-v1`, `bus.subjects.cell_consumer`) and
+replays `weights.published`; publishes `cell.switched` with measured durations.
 """
 from __future__ import annotations
 
@@ -25,13 +32,14 @@ from bus.subjects import cell_consumer
 from gyre.config import fields_of
 from gyre.control.switch import SwitchAction, durations as switch_durations, plan_switch
 from gyre.learning.settings import TrainerSettings
-from gyre.learning.steps import StepAccounts, apply_step
 from gyre.learning.trainer import Trainer, TrainerConfig
 from gyre.serving.engine import Engine, EngineConfig
 from gyre.serving.settings import EngineSettings
-from gyre.trajectory.microstep import from_bytes
 from handlers.engines import embedded as engine_server
 from handlers.daemon import FatalError, RunContext, connected, daemon_main, run_loops
+from handlers.training.core import Core
+from handlers.training.replica import Replica
+from handlers.transfer.loopback import LoopbackTransfer
 from schemas import ids
 
 log = structlog.get_logger()
@@ -53,7 +61,8 @@ class Config:
     engine: EngineConfig
     """The embedded engine's configuration."""
     trainer: TrainerConfig
-    """The trainer replica's configuration (used by the core cell only)."""
+    """The trainer replica's configuration (its `replica` is the cell id); its lease_s and
+    grant_budget configure the core's ledger, its device_time_s the emulated device time."""
     host: str = "127.0.0.1"
     """Engine listener address."""
     port: int = 0
@@ -79,7 +88,7 @@ def config_from_context(ctx: RunContext, args) -> Config:
                   model_dir=model_dir, weights_dir=ctx.run_dir / "weights",
                   engine=EngineConfig(**fields_of(r.engine, EngineSettings), model_dir=str(model_dir),
                                       max_completion_tokens=r.sampling.max_tokens, seed=r.run.seed),
-                  trainer=TrainerConfig(**fields_of(r.train, TrainerSettings), seed=r.run.seed))
+                  trainer=TrainerConfig(**fields_of(r.train, TrainerSettings), seed=r.run.seed, replica=args.cell))
 
 
 class Cell:
@@ -89,28 +98,60 @@ class Cell:
         self.role = "idle"
         self.version = 0
         self.engine = Engine(cfg.engine)
+        self.transfer = LoopbackTransfer(host=cfg.host, lease_s=max(cfg.trainer.lease_s, 30.0))
+        self.core = Core(run=cfg.run, cell=cfg.cell, bus=bus, cfg=cfg.trainer, model_dir=cfg.model_dir,
+                         weights_dir=cfg.weights_dir, transfer=self.transfer) if cfg.core else None
         self.trainer: Trainer | None = None
+        """A satellite's own trainer while it trains (the core's lives in `core`)."""
+        self.replica: Replica | None = None
         self.app = None
         self.url = ""
-        self.steps = StepAccounts()
         self.training_stop: asyncio.Event | None = None
         self.training_task: asyncio.Task | None = None
-        self.step_lock = asyncio.Lock()
         self.latest_weights: schemas.WeightsPublished | None = None
 
     async def start(self) -> None:
+        """Start the core's ledger (the core cell), the engine server, and announce the role:
+        the one the scheduler last asked of this cell (a restarted cell goes back to training
+        at once, its replica claiming again), else rollout."""
+        if self.core is not None:
+            await self.core.start()
         self.app, self.runner, self.url = await engine_server.serve(self.engine, host=self.cfg.host, port=self.cfg.port,
                                                                     api_key=self.cfg.engine_token)
-        await self._switched(-1, "idle", "rollout", {"total_s": 0.0})
         self.role = "rollout"
-        log.info("cell.started", cell=self.cfg.cell, engine_url=self.url)
+        started = time.perf_counter()
+        if await self._last_asked() == "training":
+            plan = plan_switch("rollout", "training", core=self.cfg.core)
+            for action in plan.release + plan.load + plan.resume:
+                await self._act(action)
+            self.role = "training"
+        await self._switched(-1, "idle", self.role, {"total_s": time.perf_counter() - started})
+        log.info("cell.started", cell=self.cfg.cell, role=self.role, engine_url=self.url, core=self.cfg.core)
+
+    async def _last_asked(self) -> str | None:
+        """The role of the newest `cell.switch` addressed to this cell (None: never asked)."""
+        last: list[str] = []
+
+        async def on_switch(event: schemas.CellSwitch) -> None:
+            if event.cell == self.cfg.cell:
+                last.append(event.to_role)
+
+        caught_up, stop = asyncio.Event(), asyncio.Event()
+        replay = asyncio.create_task(self.bus.replay([schemas.CellSwitch.NAME], on_switch, stop=stop,
+                                                     caught_up=caught_up))
+        waiter = asyncio.ensure_future(caught_up.wait())
+        try:
+            await asyncio.wait([waiter, replay], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            stop.set()
+            await replay
+        return last[-1] if last else None
 
     async def stop(self) -> None:
-        if self.training_stop:
-            self.training_stop.set()
-        if self.training_task:
-            await asyncio.wait([self.training_task], timeout=30)
+        await self._stop_training()
         await self.runner.cleanup()
+        self.transfer.close()
 
     async def _switched(self, seq: int, from_role: str, to_role: str, durations: dict) -> None:
         event_seq = seq if seq >= 0 else 0
@@ -133,18 +174,12 @@ class Cell:
         for action in plan.load:
             await self._act(action)
         loaded = time.perf_counter()
-        self.role = plan.to_role
         for action in plan.resume:
             await self._act(action)
+        self.role = plan.to_role  # only now: a switch that failed half-way is redone whole on redelivery
         durations = switch_durations(started, released, loaded, time.perf_counter())
         await self._switched(event.seq, event.from_role, event.to_role, durations)
         log.info("cell.switched", cell=self.cfg.cell, to_role=event.to_role, policy_version=self.version, **durations)
-        if self.role == "training":
-            # A step sealed while we were still rolling out (e.g. one with no micro-steps)
-            # must still be applied: nothing else would trigger it. Announced after
-            # `cell.switched`, so the scheduler sees the role before the step completes.
-            for step in self.steps.sealed_steps():
-                await self._maybe_apply(step)
 
     async def _act(self, action: SwitchAction) -> None:
         """Run one action of a switch plan (gyre.control.switch)."""
@@ -155,8 +190,10 @@ class Cell:
         elif action == "stop_training":
             await self._stop_training()
         elif action == "load_trainer":
-            if self.trainer is None:
+            if self.core is None and self.trainer is None:  # the core's trainer lives from the core's start
                 self.trainer = await asyncio.to_thread(Trainer, str(self.cfg.model_dir), self.cfg.trainer)
+        elif action == "release_trainer":
+            self.trainer = None  # a satellite's weights and gradient go; the core keeps its trainer
         elif action == "load_weights":
             weights = self.latest_weights
             if weights is not None and weights.policy_version > self.engine.version:
@@ -171,56 +208,32 @@ class Cell:
 
     # --- training -------------------------------------------------------------------
     def _start_training(self) -> None:
+        if self.training_task is not None and not self.training_task.done():
+            return  # a redelivered switch: already claiming
+        trainer = self.core.trainer if self.core is not None else self.trainer
+        assert trainer is not None, "start_training without a trainer"
+        self.replica = Replica(run=self.cfg.run, cell=self.cfg.cell, bus=self.bus, trainer=trainer,
+                               transfer=self.transfer, core=self.core, device_time_s=self.cfg.trainer.device_time_s,
+                               poll_s=min(0.2, self.cfg.trainer.lease_s / 4))
         self.training_stop = asyncio.Event()
-        self.training_task = asyncio.create_task(
-            self.bus.consume("trainer-v1", self.handle_microstep, stop=self.training_stop))
+        self.training_task = asyncio.create_task(self.replica.run(self.training_stop))
 
     async def _stop_training(self) -> None:
         if self.training_stop is not None:
             self.training_stop.set()
             if self.training_task is not None:
-                await self.training_task
+                try:
+                    await self.training_task
+                except Exception:  # noqa: BLE001 - the replica's failure is logged; its grants lapse
+                    log.exception("cell.training.failed", cell=self.cfg.cell)
             self.training_stop = self.training_task = None
 
-    async def handle_microstep(self, event: schemas.MicrostepReady) -> None:
-        assert self.trainer is not None
-        data = await self.bus.get_object(event.key)
-        ms = from_bytes(data)
-        self.steps.microstep_arrived(event.step, time.perf_counter())
-        await asyncio.to_thread(self.trainer.accumulate, ms)
-        self.steps.microstep_counted(event.step)
-        log.info("cell.microstep.trained", step=event.step, microstep=event.microstep, tokens=event.tokens)
-        await self._maybe_apply(event.step)
-
-    async def handle_sealed(self, event: schemas.StepSealed) -> None:
-        self.steps.seal(event)
-        if self.role == "training":
-            await self._maybe_apply(event.step)
-
     async def handle_weights(self, event: schemas.WeightsPublished) -> None:
-        if self.latest_weights is None or event.policy_version > self.latest_weights.policy_version:
+        latest = self.latest_weights
+        if latest is None or (event.policy_version, event.epoch) > (latest.policy_version, latest.epoch):
             self.latest_weights = event
-
-    async def _maybe_apply(self, step: int) -> None:
-        async with self.step_lock:
-            if self.trainer is None:
-                return
-            sealed = self.steps.ready(step, self.trainer.policy_version)
-            if sealed is None:
-                return
-            done = await asyncio.to_thread(apply_step, self.trainer, sealed.executions, self.cfg.weights_dir)
-            stats, version = done.stats, done.policy_version
-            weights = schemas.WeightsPublished(event_id=ids.weights(self.cfg.run, version), policy_version=version,
-                                               step=step, path=str(done.path))
-            self.latest_weights = weights
-            await self.bus.publish(weights)
-            duration = self.steps.duration_s(step, time.perf_counter())
-            await self.bus.publish(schemas.StepCompleted(
-                event_id=ids.step_completed(self.cfg.run, step), step=step, loss=float(stats.loss),
-                grad_norm=float(stats.grad_norm), tokens=int(stats.tokens), executions=sealed.executions,
-                policy_version=version, duration_s=duration, reward_mean=sealed.reward_mean))
-            log.info("cell.step.applied", step=step, loss=stats.loss, grad_norm=stats.grad_norm,
-                     tokens=stats.tokens, policy_version=version)
+        if self.replica is not None and self.core is None:
+            self.replica.withdraw_through(event.policy_version - 1)  # that step is applied
 
 
 async def run(cfg: Config, stop: asyncio.Event) -> None:
@@ -230,8 +243,8 @@ async def run(cfg: Config, stop: asyncio.Event) -> None:
         await cell.start()
         try:
             await run_loops(bus.consume(cell_consumer(cfg.cell), cell.handle_switch, stop=stop),
-                            bus.replay([schemas.StepSealed.NAME], cell.handle_sealed, stop=stop),
-                            bus.replay([schemas.WeightsPublished.NAME], cell.handle_weights, stop=stop))
+                            bus.replay([schemas.WeightsPublished.NAME], cell.handle_weights, stop=stop),
+                            *(cell.core.loops(stop) if cell.core is not None else ()))
         finally:
             await cell.stop()
 

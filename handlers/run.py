@@ -78,6 +78,7 @@ class Progress:
         self.completed: dict[int, schemas.StepCompleted] = {}
         self.sealed: dict[int, schemas.StepSealed] = {}
         self.switches: list[dict] = []
+        self.failed: schemas.StepFailed | None = None
         self.done = asyncio.Event()
 
     def _emit(self, kind: str, **fields) -> None:
@@ -132,11 +133,20 @@ class Progress:
                 return
             self.completed[event.step] = event
             self._emit(schemas.StepCompleted.NAME, step=event.step, loss=event.loss, grad_norm=event.grad_norm,
-                       tokens=event.tokens, policy_version=event.policy_version, duration_s=event.duration_s)
+                       tokens=event.tokens, policy_version=event.policy_version, duration_s=event.duration_s,
+                       clip_fraction=event.clip_fraction, ratio=event.ratio, kl=event.kl,
+                       microsteps=event.microsteps, microsteps_per_replica=event.microsteps_per_replica,
+                       staleness_histogram=event.staleness_histogram, phase_s=event.phase_s, epoch=event.epoch)
             self._say(f"step {event.step}: completed — loss {event.loss:.3g}, grad norm {event.grad_norm:.4g}, "
                       f"{event.tokens} tokens trained, policy version {event.policy_version}")
             if len(self.completed) >= steps:
                 self.done.set()
+        elif isinstance(event, schemas.StepFailed):
+            self.failed = event
+            self._emit(schemas.StepFailed.NAME, step=event.step, epoch=event.epoch, reason=event.reason,
+                       microstep=event.microstep)
+            self._say(f"step {event.step}: FAILED — {event.reason}")
+            self.done.set()
 
     def summary(self, run: str, wall_s: float) -> dict:
         steps = sorted(self.completed)
@@ -264,11 +274,12 @@ def _install_interrupt(interrupted: asyncio.Event, signals: list[int]) -> None:
 
 async def _follow(bus: Bus, progress: Progress, sup: Supervisor, timeout_s: float,
                   interrupted: asyncio.Event) -> str:
-    """Follow the run until done, a daemon dies, `interrupted` or the timeout; returns the
-    outcome."""
+    """Follow the run until done, a step fails, a daemon dies, `interrupted` or the timeout;
+    returns the outcome."""
     stop = asyncio.Event()
     names = [e.NAME for e in (schemas.ExecutionStarted, schemas.ExecutionFinished, schemas.ExecutionScored,
-                              schemas.CallCompleted, schemas.StepSealed, schemas.StepCompleted, schemas.CellSwitched)]
+                              schemas.CallCompleted, schemas.StepSealed, schemas.StepCompleted, schemas.CellSwitched,
+                              schemas.StepFailed)]
     follower = asyncio.create_task(bus.replay(names, progress.on_event, stop=stop))
     deadline = time.monotonic() + timeout_s
     outcome = "done"
@@ -294,6 +305,9 @@ async def _follow(bus: Bus, progress: Progress, sup: Supervisor, timeout_s: floa
                 await asyncio.wait_for(progress.done.wait(), 0.5)
             except asyncio.TimeoutError:
                 pass
+        if progress.failed is not None:
+            print(f"\ngyre: step {progress.failed.step} failed: {progress.failed.reason}", file=sys.stderr)
+            outcome = "step_failed"
     finally:
         stop.set()
         try:
@@ -342,8 +356,8 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
                            token: str | None, key_secret: str, interrupted: asyncio.Event,
                            daemons: tuple[str, ...] = DAEMONS, engine_token: str = "") -> str:
     """Start the daemons, follow the run, stop them, write and print the summary; returns
-    the outcome (`done`, `interrupted`, `timeout`, `daemon_failed`). engine_token: the
-    bearer token the cells' engines demand and the proxy sends (GYRE_ENGINE_TOKEN)."""
+    the outcome (`done`, `interrupted`, `timeout`, `daemon_failed`, `step_failed`). engine_token:
+    the bearer token the cells' engines demand and the proxy sends (GYRE_ENGINE_TOKEN)."""
     from handlers.daemon import process_identity
 
     info = {"run": run, "url": url, **process_identity()}

@@ -11,7 +11,10 @@ from schemas.execution import (
     ExecutionScored,
     ExecutionStarted,
 )
-from schemas.step import MicrostepExecution, MicrostepReady, StepCompleted, StepSealed, WeightsPublished
+from schemas.step import (
+    ClaimReply, ContributionReturned, MicrostepClaim, MicrostepCommitted, MicrostepExecution, MicrostepGranted,
+    MicrostepReady, StepCompleted, StepFailed, StepSealed, WeightsPublished,
+)
 
 __all__ = [
     "SCHEMA_VERSION", "Event", "SchemaError", "decode", "decode_part", "encode", "encode_part", "event_types", "utc_now",
@@ -19,4 +22,5 @@ __all__ = [
     "CellSwitch", "CellSwitched", "Route", "RouteUpdated",
     "ExecutionDispatched", "ExecutionFinished", "ExecutionInfo", "ExecutionScored", "ExecutionStarted",
     "MicrostepExecution", "MicrostepReady", "StepCompleted", "StepSealed", "WeightsPublished",
+    "ClaimReply", "ContributionReturned", "MicrostepClaim", "MicrostepCommitted", "MicrostepGranted", "StepFailed",
 ]

@@ -50,8 +50,33 @@ def switched(run: str, cell: str, seq: int) -> str:
     return f"{run}:cell:{cell}:switched:{seq}"
 
 
-def weights(run: str, version: int) -> str:
-    return f"{run}:weights:{version}"
+def weights(run: str, version: int, epoch: int) -> str:
+    """The weights of `version` published by the core of `epoch` (a restarted core publishes
+    the version it resumed from again, under its own epoch)."""
+    return f"{run}:weights:{version}:{epoch}"
+
+
+def granted(run: str, epoch: int, step: int, index: int, grant: int) -> str:
+    """The `grant`-th grant (from 1) of micro-step `index` of `step` by the core of `epoch`."""
+    return f"{run}:core:{epoch}:step:{step}:mstep:{index}:granted:{grant}"
+
+
+def committed(run: str, epoch: int, step: int, index: int) -> str:
+    return f"{run}:core:{epoch}:step:{step}:mstep:{index}:committed"
+
+
+def contribution(run: str, epoch: int, step: int, replica: str) -> str:
+    """A replica's one contribution to `step` under the core of `epoch`."""
+    return f"{run}:core:{epoch}:step:{step}:contribution:{replica}"
+
+
+def step_failed(run: str, epoch: int, step: int) -> str:
+    return f"{run}:core:{epoch}:step:{step}:failed"
+
+
+def claim(run: str, replica: str, seq: int) -> str:
+    """A replica's `seq`-th claim request (never stored; it names the request in logs)."""
+    return f"{run}:claim:{replica}:{seq}"
 
 
 def announce(run: str, cell: str, now_s: float | None = None) -> str:
@@ -65,3 +90,9 @@ def dead_letter(stream: str, stream_seq: int) -> str:
     """The dead-letter copy of message `stream_seq` of `stream` (a full stream name, which
     holds the run): a redelivered poison message is dead-lettered once."""
     return f"dlq:{stream}:{stream_seq}"
+
+
+def dead_letter_of(event_id: str) -> str:
+    """The dead-letter copy of event `event_id` made by its producer's consumer downstream
+    (`Bus.dead_letter`; e.g. a micro-step that failed its step)."""
+    return f"dlq:{event_id}"

@@ -87,6 +87,20 @@ def test_toy_loop_end_to_end(tmp_path, nats_server):
     assert summary["grad_norm_per_step"][0] > 0
     assert summary["tokens_trained"] > 0
 
+    # Every step's metrics reach metrics.jsonl: loss, gradient norm, clip fraction, sequence
+    # ratios, KL between behaviour and current policy, tokens, micro-steps per replica,
+    # staleness histogram and time per phase.
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    completed = [line for line in lines if line["kind"] == "step.completed"]
+    assert [line["step"] for line in completed] == [0, 1]
+    for line in completed:
+        assert isinstance(line["loss"], float) and line["grad_norm"] > 0 and 0 <= line["clip_fraction"] <= 1
+        assert set(line["ratio"]) == {"mean", "std", "min", "max"} and line["kl"] >= 0
+        assert sum(line["microsteps_per_replica"].values()) == line["microsteps"] > 0
+        assert sum(line["staleness_histogram"].values()) == line["tokens"] > 0
+        assert set(line["phase_s"]) == {"waiting_for_grants", "forward_backward", "reduction", "optimizer", "checkpoint"}
+        assert line["phase_s"]["forward_backward"] > 0 and line["phase_s"]["checkpoint"] > 0
+
     calls, microsteps, weights = asyncio.run(_collect(nats_server, "e2e"))
     assert calls and microsteps
     # Calls after the first update were served by the new policy version.

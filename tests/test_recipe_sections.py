@@ -62,7 +62,8 @@ def test_fields_of_takes_the_settings_a_component_declares(ctx):
     from gyre.learning.settings import TrainerSettings
 
     assert fields_of(ctx.recipe.train, TrainerSettings) == {"lr": 0.5, "weight_decay": 0.1, "grad_clip": 2.0,
-                                                             "eps_low": 0.2, "eps_high": 0.1}
+                                                             "eps_low": 0.2, "eps_high": 0.1, "dtype": "float32",
+                                                             "lease_s": 30.0, "grant_budget": 3, "device_time_s": 0.0}
 
 
 def test_the_trainer_and_the_recipe_check_one_rule():

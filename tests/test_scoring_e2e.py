@@ -71,7 +71,7 @@ def info(execution: str, task: str = "e2e-sentence", group_size: int = GROUP) ->
 
 
 class Collector:
-    """Every replayed event by (name, execution or step); work-queue micro-steps via `trainer-v1`."""
+    """Every replayed event by (name, execution or step)."""
 
     def __init__(self) -> None:
         self.events: dict[str, list] = {}
@@ -127,8 +127,8 @@ async def test_timeout_crash_retry_exhausted_and_no_workspace_end_as_specified(n
     common = dict(run=run_id, nats_url=nats_server.url, nats_token=nats_server.token)
     run_dir = base / "run"
     tasks = [
-        asyncio.create_task(bus.replay(["execution.finished", "execution.scored", "step.sealed"], seen, stop=stop)),
-        asyncio.create_task(bus.consume("trainer-v1", seen, stop=stop)),
+        asyncio.create_task(bus.replay(["execution.finished", "execution.scored", "step.sealed", "microstep.ready"],
+                                       seen, stop=stop)),
         asyncio.create_task(proxy_mod.run(
             proxy_mod.Config(key_secret=SECRET, run=run_id, nats_url=nats_server.url, nats_token=nats_server.token,
                              engine_url=engine.url, shutdown_grace_s=2.0),

@@ -1,5 +1,4 @@
-"""Step accounting of a trainer replica (gyre.learning.steps) on hand-worked cases, and the
-apply-and-save sequence on a real trainer (a tiny Qwen3 on CPU)."""
+"""The core's apply-and-save sequence (gyre.learning.steps) on a real trainer (a tiny Qwen3 on CPU)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,56 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gyre.learning.steps import StepAccounts, applied, apply_step, weights_path
-from schemas import StepSealed
+from gyre.learning import checkpoint
+from gyre.learning.steps import apply_step, weights_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def seal(step: int, microsteps: int, executions: int = 2, reward_mean: float = 0.5) -> StepSealed:
-    return StepSealed(event_id=f"r:step:{step}:sealed", step=step, microsteps=microsteps, executions=executions,
-                      groups=1, reward_mean=reward_mean)
-
-
-def test_a_step_is_ready_once_sealed_and_every_microstep_counted():
-    acc = StepAccounts()
-    sealed = seal(0, microsteps=2)
-    acc.seal(sealed)
-    assert acc.ready(0, policy_version=0) is None  # sealed, none counted
-    acc.microstep_arrived(0, now=10.0)
-    acc.microstep_counted(0)
-    assert acc.ready(0, policy_version=0) is None  # 1 of 2
-    acc.microstep_arrived(0, now=11.0)  # the clock started with the first one
-    acc.microstep_counted(0)
-    assert acc.ready(0, policy_version=0) is sealed
-    assert acc.duration_s(0, now=12.5) == 2.5  # 12.5 − 10.0
-    assert acc.ready(0, policy_version=1) is None  # applied: step 0 made version 1
-
-
-def test_microsteps_counted_before_the_seal_count():
-    acc = StepAccounts()
-    acc.microstep_counted(3)
-    acc.microstep_counted(3)
-    assert acc.ready(3, policy_version=3) is None  # not sealed
-    acc.seal(seal(3, microsteps=2))
-    assert acc.ready(3, policy_version=3) is not None
-    assert acc.ready(3, policy_version=2) is not None  # an older trainer has not applied it either
-
-
-def test_a_step_without_microsteps_is_ready_at_its_seal_and_lasts_zero():
-    acc = StepAccounts()
-    acc.seal(seal(1, microsteps=0, executions=0))
-    assert acc.ready(1, policy_version=1).executions == 0
-    assert acc.duration_s(1, now=42.0) == 0.0
-
-
-def test_sealed_steps_come_in_order_and_applied_means_version_above_step():
-    acc = StepAccounts()
-    for step in (5, 2, 3):
-        acc.seal(seal(step, microsteps=1))
-    assert acc.sealed_steps() == [2, 3, 5]
-    assert (applied(0, 0), applied(0, 1), applied(4, 4), applied(4, 6)) == (False, True, False, True)
-    assert weights_path(Path("/runs/r1/weights"), 3) == Path("/runs/r1/weights/v3")
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +28,19 @@ def model_dir(tmp_path_factory):
     return out
 
 
+def test_weights_path():
+    assert weights_path(Path("/runs/r1/weights"), 3) == Path("/runs/r1/weights/v3")
+
+
 def test_apply_step_of_a_step_without_microsteps_still_makes_a_version(model_dir, tmp_path):
     from gyre.learning.trainer import Trainer, TrainerConfig
 
     trainer = Trainer(model_dir, TrainerConfig())
-    done = apply_step(trainer, executions=0, weights_dir=tmp_path)  # |E| = max(0, 1) = 1
+    done = apply_step(trainer, executions=0, weights_dir=tmp_path, extra={"k": 1})  # |E| = max(0, 1) = 1
     assert (done.policy_version, trainer.policy_version, done.path) == (1, 1, tmp_path / "v1")
     assert (done.stats.executions, done.stats.loss, done.stats.tokens) == (1, 0.0, 0)
     assert (done.path / "config.json").is_file() and (done.path / "model.safetensors").is_file()
+    assert checkpoint.read_state(done.path)["extra"] == {"k": 1} and done.optimizer_s >= 0 and done.checkpoint_s > 0
 
 
 def test_apply_step_divides_by_the_sealed_executions(model_dir, tmp_path):
@@ -103,4 +61,8 @@ def test_apply_step_divides_by_the_sealed_executions(model_dir, tmp_path):
     assert done.stats.loss == pytest.approx(-0.5, abs=1e-6)
     assert (done.stats.executions, done.stats.tokens, done.stats.microsteps) == (2, 2, 1)
     assert (done.policy_version, done.path) == (5, tmp_path / "v5")
-    assert (done.path / "model.safetensors").is_file()
+    assert (done.path / "model.safetensors").is_file() and checkpoint.latest(tmp_path) == done.path
+
+
+def test_the_core_epoch_rises_at_every_start(tmp_path):
+    assert [checkpoint.next_epoch(tmp_path / "w") for _ in range(3)] == [0, 1, 2]

@@ -14,12 +14,13 @@ def test_rollout_to_training_on_the_core_cell():
         resume=("start_training",))
 
 
-def test_rollout_to_training_on_another_cell_only_stops_serving():
+def test_rollout_to_training_on_a_satellite_builds_a_trainer_and_claims():
     assert plan_switch("rollout", "training", core=False) == SwitchPlan(
-        "rollout", "training", release=("stop_serving", "flush_cache"), load=(), resume=())
+        "rollout", "training", release=("stop_serving", "flush_cache"), load=("load_trainer",),
+        resume=("start_training",))
 
 
-@pytest.mark.parametrize("core,release", [(True, ("stop_training",)), (False, ())])
+@pytest.mark.parametrize("core,release", [(True, ("stop_training",)), (False, ("stop_training", "release_trainer"))])
 def test_training_to_rollout_loads_the_newest_weights_then_serves(core, release):
     assert plan_switch("training", "rollout", core=core) == SwitchPlan(
         "training", "rollout", release=release, load=("load_weights",), resume=("start_serving",))

@@ -5,15 +5,16 @@ A cell is one long-lived process; a switch changes what it holds, never the proc
 - `idle`: before the cell has announced itself; it holds nothing.
 - `rollout`: the cell's engine serves generation: its HTTP server answers and it keeps
   per-execution prefix KV caches.
-- `training`: the trainer replica takes micro-steps. Only the core cell holds a trainer
-  (the model and its AdamW state, built on the first switch to training and kept across
-  switches); another cell holds nothing while training.
+- `training`: the cell's trainer replica claims micro-steps. The core cell's trainer (the
+  authoritative model and the only AdamW state) lives from the core's start and is kept
+  across switches; a satellite builds a trainer when it switches to training (its weights
+  are pulled from the core's snapshot when it first claims) and frees it when it leaves.
 The engine's weights stay loaded in every role, and its HTTP server stays bound (it
 answers 503 while the cell does not serve).
 
 A switch from role A to role B (`plan_switch`) runs three phases, in order:
 - release: stop what A does (rollout: stop serving, then drop the KV caches; training:
-  stop taking micro-steps);
+  stop claiming micro-steps, then, on a satellite, free its trainer);
 - load: bring in what B needs (training: the trainer, when the cell has none yet;
   rollout: the newest published weights, when newer than the engine's);
 - resume: start B's work (training: take micro-steps; rollout: serve).
@@ -28,8 +29,8 @@ from typing import Literal
 
 from schemas.cell import CellRole
 
-SwitchAction = Literal["stop_serving", "flush_cache", "stop_training", "load_trainer", "load_weights", "start_training",
-                 "start_serving"]
+SwitchAction = Literal["stop_serving", "flush_cache", "stop_training", "release_trainer", "load_trainer",
+                       "load_weights", "start_training", "start_serving"]
 """One thing a cell does during a switch; see the module docstring for each."""
 
 
@@ -46,17 +47,17 @@ class SwitchPlan:
 
 def plan_switch(from_role: CellRole, to_role: CellRole, *, core: bool) -> SwitchPlan:
     """The plan of a switch from `from_role` to `to_role` of a cell (`core`: the core cell,
-    the only one holding a trainer). A switch to the role the cell has is empty."""
+    whose trainer outlives its switches). A switch to the role the cell has is empty."""
     if from_role == to_role:
         return SwitchPlan(from_role, to_role, (), (), ())
     release: tuple[SwitchAction, ...] = ()
     if from_role == "rollout":
         release = ("stop_serving", "flush_cache")
-    elif from_role == "training" and core:
-        release = ("stop_training",)
+    elif from_role == "training":
+        release = ("stop_training",) if core else ("stop_training", "release_trainer")
     load: tuple[SwitchAction, ...] = ()
     resume: tuple[SwitchAction, ...] = ()
-    if to_role == "training" and core:
+    if to_role == "training":
         load, resume = ("load_trainer",), ("start_training",)
     elif to_role == "rollout":
         load, resume = ("load_weights",), ("start_serving",)

@@ -45,7 +45,9 @@ def gspo_loss(
     Returns (loss_sum, stats): loss_sum a scalar tensor (divide by |E| for the step loss);
       stats with python floats: `tokens` (Σ|K_τ|), `trajectories` (with |K_τ| > 0),
       `clipped` (positions whose gradient the clip removed), `ratio_mean`/`ratio_min`/
-      `ratio_max` (of s_τ over non-empty trajectories), `log_ratio_abs_max`.
+      `ratio_max` (of s_τ over non-empty trajectories), `ratio_sum`/`ratio_sq_sum` (Σ s_τ,
+      Σ s_τ² over them), `log_ratio_abs_max`, and `kl_sum`: Σ over trained tokens of the k3
+      estimate (r − 1) − log r, r = π_θ(y_t)/π_old(y_t) (gyre.learning.metrics).
     Raises ValueError when shapes disagree.
     """
     T = logp.shape[0]
@@ -88,6 +90,10 @@ def gspo_loss(
             "ratio_mean": float(s_live.mean()) if s_live.numel() else 1.0,
             "ratio_min": float(s_live.min()) if s_live.numel() else 1.0,
             "ratio_max": float(s_live.max()) if s_live.numel() else 1.0,
+            "ratio_sum": float(s_live.sum()),
+            "ratio_sq_sum": float((s_live * s_live).sum()),
             "log_ratio_abs_max": float(log_s[live].abs().max()) if s_live.numel() else 0.0,
         }
+        log_r = delta.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # (T,), 0 off K_τ: contributes 0
+        stats["kl_sum"] = float(torch.where(mask, torch.expm1(log_r) - log_r, zero).sum())
     return loss_sum, stats

@@ -1,4 +1,5 @@
-"""The trainer's settings that a recipe sets: the optimizer and the GSPO clip range.
+"""The trainer's settings that a recipe sets: the optimizer, the GSPO clip range, the
+parameters' dtype, and how the core's ledger grants micro-steps to replicas.
 
 Torch-free, so the recipe (`gyre.config.TrainSection`, the `[train]` table) composes
 them without importing torch; `gyre.learning.trainer.TrainerConfig` extends them with
@@ -8,11 +9,12 @@ the settings no recipe sets. `__post_init__` raises ValueError naming the broken
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class TrainerSettings:
-    """How one optimizer step updates the policy."""
+    """How one optimizer step updates the policy, and how replicas share a step."""
 
     lr: float = 1e-3
     """AdamW learning rate, > 0."""
@@ -25,6 +27,18 @@ class TrainerSettings:
     arXiv:2507.18071, eq. 10-11; `gyre.learning.gspo`). In (0, 1)."""
     eps_high: float = 4e-4
     """GSPO clip range above 1: a ratio over 1 + eps_high is clipped. > 0."""
+    dtype: Literal["float32", "float64"] = "float32"
+    """Dtype of the trainer's parameters, gradients and optimizer state (`float32`, or `float64`
+    where replicas must agree to 1e-8)."""
+    lease_s: float = 30.0
+    """Seconds a micro-step's grant lasts without renewal (DESIGN.md "Training exactly once");
+    a replica renews its grants while it holds them. > 0."""
+    grant_budget: int = 3
+    """Grants one micro-step may get in one core epoch; one more fails its step loudly
+    (`step.failed`). >= 1."""
+    device_time_s: float = 0.0
+    """Seconds a replica waits after each micro-step's forward-backward, emulating an
+    accelerator's device time (`gyre bench modes`); 0 = none. >= 0."""
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -34,5 +48,13 @@ class TrainerSettings:
             raise ValueError(f"{name}.weight_decay must be >= 0, got {self.weight_decay}")
         if not self.grad_clip > 0:
             raise ValueError(f"{name}.grad_clip must be > 0, got {self.grad_clip}")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"{name}.dtype must be 'float32' or 'float64', got {self.dtype!r}")
+        if not self.lease_s > 0:
+            raise ValueError(f"{name}.lease_s must be > 0, got {self.lease_s}")
+        if self.grant_budget < 1:
+            raise ValueError(f"{name}.grant_budget must be >= 1, got {self.grant_budget}")
+        if not self.device_time_s >= 0:
+            raise ValueError(f"{name}.device_time_s must be >= 0, got {self.device_time_s}")
         if not (0 < self.eps_low < 1 and self.eps_high > 0):
             raise ValueError(f"{name}.eps_low must be in (0, 1) and eps_high > 0, got {self.eps_low}, {self.eps_high}")

@@ -27,6 +27,14 @@ Contract:
 - `apply(num_executions)` divides the accumulated gradients by |E| (DESIGN.md "Learning":
   L = (1/|E|) Σ_e ...), clips the global norm, steps AdamW, zeroes gradients and increments
   `policy_version`.
+- Replicas (DESIGN.md "Training exactly once"): `gradients()` is the accumulated gradient
+  sum by parameter name (what a satellite returns), `add_gradients(grads, metrics)` adds
+  another replica's sum and metrics into this one (the core), `discard()` drops what was
+  accumulated (a refused or void contribution). `weights()` / `load_weights(tensors,
+  version)` read and replace the parameters (a satellite loads the core's snapshot). The
+  step's metrics (`gyre.learning.metrics.StepMetrics`) accumulate in `metrics` beside the
+  gradient; the replica's name labels its micro-steps there (`replica`).
+- `cfg.dtype` is the parameters' and gradients' dtype (float64 for exactness checks).
 - `save(out_dir)` writes an HF checkpoint (config.json + model.safetensors, tokenizer files
   copied from the source directory) that an engine can load.
 
@@ -49,8 +57,12 @@ import structlog
 import torch
 
 from gyre.learning.gspo import gspo_loss
+from gyre.learning.metrics import StepMetrics, staleness_of
+from gyre.learning.prefix import (  # noqa: F401 - PrefixNode, prefix_forest, _CachedPrefixAttention: re-exported
+    PrefixNode, _CachedPrefixAttention, branch_cache, enable_prefix_attention, prefix_forest,
+)
 from gyre.learning.settings import TrainerSettings
-from gyre.trajectory.microstep import SHARED_PREFIX_MIN_TOKENS, MicrostepData, common_prefix
+from gyre.trajectory.microstep import SHARED_PREFIX_MIN_TOKENS, MicrostepData
 from gyre.serving.model import weights_readable_as_config
 
 log = structlog.get_logger()
@@ -77,6 +89,8 @@ class TrainerConfig(TrainerSettings):
     least this long, in tokens; 0 = never (every trajectory on its own)."""
     device: str = "cpu"
     """torch device string."""
+    replica: str = "trainer"
+    """The name this replica's micro-steps carry in the step's metrics (the cell id)."""
     seed: int = 0
     """torch seed set at construction (the recipe's `run.seed`)."""
 
@@ -112,6 +126,8 @@ class StepStats:
     clipped_fraction: float
     policy_version: int
     skipped: bool = False
+    metrics: dict = dataclasses.field(default_factory=dict)
+    """`StepMetrics.summary(|E|)` of the step: ratio and KL statistics, staleness, replicas, phases."""
 
 
 class Trainer:
@@ -128,13 +144,16 @@ class Trainer:
         self.policy_version = policy_version
         torch.manual_seed(cfg.seed)
         self.device = torch.device(cfg.device)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, local_files_only=True, dtype=torch.float32)
+        self.dtype = getattr(torch, cfg.dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, local_files_only=True, dtype=self.dtype)
         self.model.to(self.device)
         self.model.train()
+        if self.dtype == torch.float64:
+            _full_precision_norms(self.model)
         self._decoder = getattr(self.model, self.model.base_model_prefix)
         self._head = self.model.get_output_embeddings()
         self._share_min = cfg.shared_prefix_min_tokens
-        if self._share_min and not _enable_prefix_attention(self.model):
+        if self._share_min and not enable_prefix_attention(self.model):
             log.warning("trainer.shared_prefix.disabled", reason="model attention is not plain full-attention SDPA",
                         attn_implementation=self.model.config._attn_implementation)
             self._share_min = 0
@@ -144,11 +163,7 @@ class Trainer:
         self._reset_step()
 
     def _reset_step(self) -> None:
-        self._loss_sum = 0.0
-        self._tokens = 0
-        self._trajectories = 0
-        self._microsteps = 0
-        self._clipped = 0.0
+        self.metrics = StepMetrics()
 
     # -- log-probs --------------------------------------------------------------------
     def _trajectory_logprobs(self, ids: torch.Tensor, pos: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
@@ -178,7 +193,7 @@ class Trainer:
             _, a, _, _ = trajs[node.rows[0]]
             inputs = ids[a + node.start:a + node.end].unsqueeze(0)
             positions = torch.arange(node.start, node.end, device=self.device).unsqueeze(0)
-            cache = _cache(past)
+            cache = branch_cache(past)
             keep = bool(node.children)
             out = self._decoder(input_ids=inputs, position_ids=positions, cache=cache, use_cache=keep)
             hidden = out.last_hidden_state[0]  # (end − start, H)
@@ -236,8 +251,9 @@ class Trainer:
         """Forward-backward on one micro-step; gradients add up until `apply`.
 
         Returns stats: `loss_sum` (this micro-step's summed loss, before 1/|E|), `tokens`,
-        `trajectories`, `clipped`, `ratio_mean`, `ratio_min`, `ratio_max`, `positions`
-        (decoder positions run) and `shared_positions` (positions a shared prefix saved).
+        `trajectories`, `clipped`, `ratio_mean`, `ratio_min`, `ratio_max`, `ratio_sum`,
+        `ratio_sq_sum`, `kl_sum` (gyre.learning.gspo), `positions` (decoder positions run) and
+        `shared_positions` (positions a shared prefix saved); they are also folded into `metrics`.
         """
         ids = torch.as_tensor(ms.input_ids, dtype=torch.long, device=self.device)
         temps_all = torch.as_tensor(ms.temperatures, dtype=torch.float32, device=self.device)
@@ -245,6 +261,7 @@ class Trainer:
         adv = torch.as_tensor(ms.advantages, dtype=torch.float32, device=self.device)
         n_e = torch.as_tensor(ms.n_e, dtype=torch.float32, device=self.device)
         loss_sum, tokens, trajs_n, clipped, positions, shared = 0.0, 0.0, 0.0, 0.0, 0, 0
+        ratio_sum, ratio_sq_sum, kl_sum = 0.0, 0.0, 0.0
         ratios: list[float] = []
         rmin, rmax = math.inf, -math.inf
         trajs, groups = self._groups(ms)
@@ -269,21 +286,19 @@ class Trainer:
                 tokens += st["tokens"]
                 trajs_n += st["trajectories"]
                 clipped += st["clipped"]
+                ratio_sum, ratio_sq_sum, kl_sum = ratio_sum + st["ratio_sum"], ratio_sq_sum + st["ratio_sq_sum"], kl_sum + st["kl_sum"]
                 ratios.append(st["ratio_mean"])
                 rmin, rmax = min(rmin, st["ratio_min"]), max(rmax, st["ratio_max"])
             if total is not None:
                 total.backward()  # one pass per group: a shared prefix's backward runs once
-        self._loss_sum += loss_sum
-        self._tokens += int(tokens)
-        self._trajectories += int(trajs_n)
-        self._clipped += clipped
-        self._microsteps += 1
         stats = {
             "loss_sum": loss_sum, "tokens": tokens, "trajectories": trajs_n, "clipped": clipped,
             "ratio_mean": float(np.mean(ratios)) if ratios else 1.0,
             "ratio_min": rmin if ratios else 1.0, "ratio_max": rmax if ratios else 1.0,
+            "ratio_sum": ratio_sum, "ratio_sq_sum": ratio_sq_sum, "kl_sum": kl_sum,
             "positions": float(positions), "shared_positions": float(shared),
         }
+        self.metrics.add_microstep(stats, staleness_of(ms.step, ms.versions, ms.loss_mask), self.cfg.replica)
         log.debug("trainer.microstep.accumulated", step=ms.step, microstep=ms.index, policy_version=self.policy_version, **stats)
         return stats
 
@@ -305,15 +320,69 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.policy_version += 1
+        m = self.metrics
         stats = StepStats(
-            loss=self._loss_sum / num_executions, grad_norm=grad_norm, tokens=self._tokens,
-            trajectories=self._trajectories, microsteps=self._microsteps, executions=num_executions,
-            clipped_fraction=self._clipped / self._tokens if self._tokens else 0.0,
-            policy_version=self.policy_version, skipped=skipped,
+            loss=m.loss_sum / num_executions, grad_norm=grad_norm, tokens=m.tokens,
+            trajectories=m.trajectories, microsteps=m.microsteps, executions=num_executions,
+            clipped_fraction=m.clipped / m.tokens if m.tokens else 0.0,
+            policy_version=self.policy_version, skipped=skipped, metrics=m.summary(num_executions),
         )
         self._reset_step()
-        log.info("trainer.step.applied", **dataclasses.asdict(stats))
+        log.info("trainer.step.applied", **{k: v for k, v in dataclasses.asdict(stats).items() if k != "metrics"})
         return stats
+
+    # -- replicas ---------------------------------------------------------------------
+    def gradients(self) -> dict[str, np.ndarray]:
+        """The accumulated gradient sum (before 1/|E|) by parameter name, as CPU numpy
+        copies; parameters without a gradient are left out (their gradient is zero)."""
+        return {name: p.grad.detach().cpu().numpy().copy() for name, p in self.model.named_parameters()
+                if p.grad is not None}
+
+    def add_gradients(self, grads: dict[str, np.ndarray], metrics: StepMetrics | None = None) -> None:
+        """Add another replica's gradient sum (`gradients()` of a replica on the same weights)
+        and its metrics. Raises ValueError for an unknown name or a shape that differs; then
+        nothing was added."""
+        params = dict(self.model.named_parameters())
+        for name, g in grads.items():
+            p = params.get(name)
+            if p is None or tuple(g.shape) != tuple(p.shape):
+                raise ValueError(f"gradient {name!r} {tuple(g.shape)} does not fit the model"
+                                 + ("" if p is None else f" ({tuple(p.shape)})"))
+        for name, g in grads.items():
+            p = params[name]
+            t = torch.as_tensor(g, device=self.device).to(p.dtype)
+            if p.grad is None:
+                p.grad = t.clone()
+            else:
+                p.grad.add_(t)
+        if metrics is not None:
+            self.metrics.merge(metrics)
+
+    def discard(self) -> None:
+        """Drop the accumulated gradient and metrics (the weights and optimizer stay)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._reset_step()
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """The parameters by name, as CPU numpy copies (a snapshot of `policy_version`)."""
+        return {name: p.detach().cpu().numpy().copy() for name, p in self.model.named_parameters()}
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, np.ndarray], policy_version: int) -> None:
+        """Replace every parameter with `tensors` (`weights()` of another replica) and drop any
+        accumulated step. Raises ValueError, changing nothing, when a name is missing or
+        unknown or a shape differs."""
+        params = dict(self.model.named_parameters())
+        if set(tensors) != set(params):
+            raise ValueError(f"snapshot names differ from the model's: missing {sorted(set(params) - set(tensors))[:5]}, "
+                             f"unknown {sorted(set(tensors) - set(params))[:5]}")
+        for name, p in params.items():
+            if tuple(tensors[name].shape) != tuple(p.shape):
+                raise ValueError(f"snapshot tensor {name!r} {tuple(tensors[name].shape)} != model's {tuple(p.shape)}")
+        for name, p in params.items():
+            p.copy_(torch.as_tensor(tensors[name]))
+        self.policy_version = policy_version
+        self.discard()
 
     # -- weights ----------------------------------------------------------------------
     def save(self, out_dir: str | Path) -> Path:
@@ -412,6 +481,27 @@ def head_logprobs(head: torch.nn.Linear, h: torch.Tensor, targets: torch.Tensor,
     return _HeadLogprob.apply(h, head.weight, head.bias, targets, temps, chunk)
 
 
+def _full_precision_norms(model) -> int:
+    """Make every RMSNorm of `model` compute in its input's dtype; returns how many.
+
+    transformers' RMSNorms (Qwen3RMSNorm and kin) cast to float32 and back, so a float64
+    model is rounded to float32 precision at every norm, and two summation orders that agree
+    to 1e-16 before a norm can differ by 1e-7 after it. A float64 trainer exists to compare
+    replicas and partitions to 1e-8, so its norms stay in float64.
+    """
+    import types
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    n = 0
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(forward, module)
+            n += 1
+    return n
+
+
 def _loss_positions(ms: MicrostepData):
     """Yield (trajectory, start, end, pos) per trajectory with ≥ 1 loss position; pos (K,) int64 local, ≥ 1."""
     cu = ms.cu_seqlens
@@ -421,137 +511,3 @@ def _loss_positions(ms: MicrostepData):
         pos = pos[pos >= 1]  # position 0 has no context to predict it from
         if pos.shape[0]:
             yield i, a, b, pos
-
-
-# -- shared prefixes ------------------------------------------------------------------
-@dataclasses.dataclass(slots=True, eq=False)
-class PrefixNode:
-    """One segment of the trie over a micro-step's cut sequences.
-
-    start, end: token positions [start, end) this node runs (its context [0, start) comes
-    from its parent's KV cache). rows: the trajectories (indices into the list given to
-    `prefix_forest`) whose sequence passes through the segment, in lexicographic order of
-    their sequences. children: nodes continuing after `end`; none for a leaf, whose single
-    row ends at `end`.
-    """
-
-    start: int
-    end: int
-    rows: list[int]
-    children: list[PrefixNode] = dataclasses.field(default_factory=list)
-
-    def positions(self) -> int:
-        """Decoder positions run for the whole subtree."""
-        return self.end - self.start + sum(c.positions() for c in self.children)
-
-
-def prefix_forest(seqs: list[np.ndarray], min_shared: int) -> list[PrefixNode]:
-    """Group token sequences into tries that run each long shared prefix once.
-
-    seqs: (L_r,) non-negative int arrays. A prefix common to ≥ 2 sequences becomes a node of
-    its own only when it adds ≥ min_shared (≥ 1) positions beyond its parent node; shorter
-    common runs stay inside each branch (recomputed). Returns the roots, ordered by their
-    smallest row: a root without children is a lone sequence run from position 0.
-    Σ root.positions() ≤ Σ L_r, with equality when nothing is shared.
-    """
-    if min_shared < 1:
-        raise ValueError(f"min_shared must be >= 1, got {min_shared}")
-    n = len(seqs)
-    order = sorted(range(n), key=lambda r: np.asarray(seqs[r], dtype=">i8").tobytes())
-    lcp = [0] + [common_prefix(seqs[order[j - 1]], seqs[order[j]]) for j in range(1, n)]
-
-    def build(lo: int, hi: int, ctx: int) -> list[PrefixNode]:
-        if hi - lo == 1:
-            return [PrefixNode(ctx, len(seqs[order[lo]]), [order[lo]])]
-        p = min(lcp[lo + 1:hi])  # common prefix of order[lo:hi]
-        cuts = [lo] + [j for j in range(lo + 1, hi) if lcp[j] == p] + [hi]
-        start = p if p - ctx >= min_shared else ctx
-        kids = [node for s, e in zip(cuts, cuts[1:]) for node in build(s, e, start)]
-        if start == ctx:
-            return kids
-        return [PrefixNode(ctx, p, list(order[lo:hi]), kids)]
-
-    return sorted(build(0, n, 0), key=lambda node: min(node.rows)) if n else []
-
-
-def _cache(past):
-    """A fresh DynamicCache holding copies of `past` [(k, v) per layer] (None → None), so a
-    branch appending to it leaves its parent's tensors as they are."""
-    if past is None:
-        return None
-    from transformers import DynamicCache
-
-    return DynamicCache(ddp_cache_data=past)
-
-
-class _CachedPrefixAttention(torch.autograd.Function):
-    """softmax(q·[k_p; k_s]ᵀ·scale + causal mask on the k_s block)·[v_p; v_s] on CPU.
-
-    q, k_s, v_s: (B, H, S, D) — the branch; k_p, v_p: (B, H, P, D) — its cached prefix,
-    which every query sees. Two flash-attention calls (prefix block full, branch block
-    causal) merged by log-sum-exp: o = Σ_b exp(lse_b − lse)·o_b, lse = logaddexp(lse_p, lse_s).
-    The backward of each block is the flash backward given the merged o and lse (then
-    exp(s − lse) are the true probabilities and rowsum(dO∘o) the true correction), dq summed.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k_p, v_p, k_s, v_s, scale):
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        o_p, lse_p = flash(q, k_p, v_p, 0.0, False, scale=scale)
-        o_s, lse_s = flash(q, k_s, v_s, 0.0, True, scale=scale)
-        lse = torch.logaddexp(lse_p, lse_s)  # (B, H, S)
-        out = o_p * torch.exp(lse_p - lse).unsqueeze(-1) + o_s * torch.exp(lse_s - lse).unsqueeze(-1)
-        ctx.save_for_backward(q, k_p, v_p, k_s, v_s, out, lse)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k_p, v_p, k_s, v_s, out, lse = ctx.saved_tensors
-        flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        g = grad_out.contiguous()
-        dq_p, dk_p, dv_p = flash_bwd(g, q, k_p, v_p, out, lse, 0.0, False, scale=ctx.scale)
-        dq_s, dk_s, dv_s = flash_bwd(g, q, k_s, v_s, out, lse, 0.0, True, scale=ctx.scale)
-        return dq_p + dq_s, dk_p, dv_p, dk_s, dv_s, None
-
-
-def _prefix_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers attention function (`AttentionInterface`): SDPA, except for a query block
-    continuing a cached prefix (kv longer than q, no mask), which attends to the whole prefix
-    and causally to itself. query (B, H, S, D), key/value (B, H_kv, P + S, D); returns
-    ((B, S, H, D), None) like `sdpa_attention_forward`."""
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-
-    q_len, kv_len = query.shape[2], key.shape[2]
-    if kv_len == q_len or attention_mask is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if dropout or kwargs.get("sliding_window") is not None:
-        raise ValueError("cached-prefix attention supports neither attention dropout nor sliding windows")
-    n_rep = getattr(module, "num_key_value_groups", 1)
-    key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
-    p = kv_len - q_len
-    if query.device.type == "cpu":
-        out = _CachedPrefixAttention.apply(query, key[:, :, :p], value[:, :, :p], key[:, :, p:], value[:, :, p:], scaling)
-    else:
-        from torch.nn.attention.bias import causal_lower_right
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(q_len, kv_len),
-                                                               scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-_ATTENTION = "gyre_cached_prefix_sdpa"
-
-
-def _enable_prefix_attention(model) -> bool:
-    """Switch `model` to `_prefix_attention` when its attention allows it (SDPA, full attention
-    on every layer, no attention dropout); returns whether it did."""
-    from transformers import AttentionInterface
-
-    cfg = model.config
-    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"]
-    if (cfg._attn_implementation != "sdpa" or any(t != "full_attention" for t in layer_types)
-            or getattr(cfg, "use_sliding_window", False) or getattr(cfg, "attention_dropout", 0.0)):
-        return False
-    AttentionInterface.register(_ATTENTION, _prefix_attention)
-    model.set_attn_implementation(_ATTENTION)
-    return model.config._attn_implementation == _ATTENTION

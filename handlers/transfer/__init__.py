@@ -1,0 +1,1 @@
+"""Transfer backends (gyre.transfer.interface): servers and threads that move snapshots."""
