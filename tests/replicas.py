@@ -146,7 +146,8 @@ class Cells:
     # -- processes ---------------------------------------------------------------------------------
     def start(self, cell: str) -> None:
         env = dict(os.environ, GYRE_NATS_URL=self.server.url, GYRE_NATS_TOKEN=self.server.token,
-                   GYRE_RUNS_DIR=str(self.runs), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+                   GYRE_RUNS_DIR=str(self.runs), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1",
+                   GYRE_ENGINE_TOKEN="replicas-test-engine-token")
         self.starts[cell] += 1
         log = open(self.run_dir / "logs" / f"{cell}.{self.starts[cell]}.log", "ab")
         self.procs[cell] = subprocess.Popen(

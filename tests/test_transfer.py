@@ -94,6 +94,11 @@ def test_loopback_pull_returns_verified_tensors(pair):
     with pytest.raises(TransferError, match="manifest digest"):
         reader.pull(TransferRef(ref.key, "0" * 64), "cell1")  # another snapshot than the event named
     owner.withdraw("weights-v3")
+    # The owner learns that a reader gave up (the wrong digest) on its serving thread, after
+    # `pull` has returned; the snapshot goes once that reader's claim is released.
+    deadline = time.monotonic() + 5.0
+    while owner.exposed() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert owner.exposed() == []
     with pytest.raises(TransferError, match="not offered"):
         reader.pull(ref, "cell1")
