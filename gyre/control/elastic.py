@@ -170,6 +170,8 @@ class ElasticPolicy(Policy):
             cells = [c for c in trainers if c not in self.holding and self.claimable(k) == 0]
         else:
             cells = self.idle_returns(k, [c for c in trainers if c not in self.holding], waiting)
+        if not cells and not returning and self.rollout_capacity == 0:
+            cells = trainers[:1]  # executions wait and nothing serves: one cell must
         cells = cells[:need]
         return self.switch(cells, "rollout", "executions waiting") if cells else []
 
@@ -252,4 +254,4 @@ class ElasticPolicy(Policy):
         latency = longest / (self.cfg.staleness + 1) + training / (self.cfg.groups_per_step * cells)
         if latency > (rollout + training) / cells:
             return 0
-        return min(trainers, round(cells * training / (rollout + training)))
+        return min(trainers, self.claimable(step), round(cells * training / (rollout + training)))

@@ -41,9 +41,9 @@ def encode(item: F.Fact | F.Action, t: float | None = None) -> dict:
         fields = [f.name for f in dataclasses.fields(item)]
     for name in fields:
         value = getattr(item, name)
-        if name == "executions":
+        if isinstance(item, F.Dispatch) and name == "executions":
             value = [[p.execution, p.group, p.engine] for p in value]
-        elif name == "routes":
+        elif isinstance(item, F.Reroute) and name == "routes":
             value = [[r.execution, r.engine] for r in value]
         out[name] = value
     return out
@@ -58,9 +58,9 @@ def decode(obj: dict) -> F.Fact | F.Action:
     kwargs = {k: v for k, v in obj.items() if k not in ("fact", "action")}
     if "action" in obj:
         kwargs.pop("t", None)
-    if "executions" in kwargs:
+    if cls is F.Dispatch:
         kwargs["executions"] = tuple(F.Placed(execution=e, group=g, engine=n) for e, g, n in kwargs["executions"])
-    if "routes" in kwargs:
+    elif cls is F.Reroute:
         kwargs["routes"] = tuple(F.Route(execution=e, engine=n) for e, n in kwargs["routes"])
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in kwargs.items() if k in names})

@@ -34,9 +34,16 @@ def config(w: Workload) -> PolicyConfig:
                         steps=w.steps, staleness=w.staleness, pool=w.pool)
 
 
-def run(w: Workload, mode: str, *, timeline: bool = False, observe=None, **options) -> SimResult:
-    """Simulate one policy of `mode` on `w`."""
-    return Simulation(w, make_policy(mode, config(w), **options), timeline=timeline, observe=observe).run()
+def run(w: Workload, mode: str, *, timeline: bool = False, trace: Path | None = None, **options) -> SimResult:
+    """Simulate one policy of `mode` on `w`; with `trace`, write its trace there."""
+    policy = make_policy(mode, config(w), **options)
+    if trace is None:
+        return Simulation(w, policy, timeline=timeline).run()
+    from gyre.control.trace import Writer
+
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    with trace.open("w") as f:
+        return Simulation(w, policy, timeline=timeline, observe=Writer(f, policy).write).run()
 
 
 @dataclasses.dataclass
@@ -47,33 +54,41 @@ class Compared:
 
 
 def compare(w: Workload, *, modes: tuple[str, ...] = ("elastic", *BASELINES), timeline: bool = False,
-            elastic: dict | None = None, warmup: int = WARMUP) -> Compared:
-    """Every mode on `w`; the figures of BENCHMARKS.md "gyre sim" for one profile."""
+            elastic: dict | None = None, warmup: int = WARMUP, split: int | None = None,
+            splits: list[int] | None = None, traces: Path | None = None, prefix: str = "") -> Compared:
+    """Every mode on `w`; the figures of BENCHMARKS.md "gyre sim" for one profile. split: the
+    rollout cells of both async modes; splits: the ones to try (default: every whole-cell
+    split), the fastest kept; traces: a directory for each run's trace
+    (`<prefix>-<mode>.trace.jsonl`)."""
     results: dict[str, SimResult] = {}
     steps: dict[str, float] = {}
-    splits: dict[str, dict[str, float]] = {}
+    by_mode: dict[str, dict[str, float]] = {}
+
+    def trace(name: str) -> Path | None:
+        return traces / f"{prefix}-{name.replace(' ', '-')}.trace.jsonl" if traces is not None else None
+
     for mode in modes:
         if mode in ("async", "async_nonstreaming"):
             if w.cells < 2:
                 continue
             by_split = {}
-            for r in range(1, w.cells):
-                res = run(w, mode, timeline=timeline, rollout_cells=r)
+            for r in ([split] if split else splits or range(1, w.cells)):
+                res = run(w, mode, timeline=timeline, trace=trace(f"{mode} {r}+{w.cells - r}"), rollout_cells=r)
                 key = f"{r}+{w.cells - r}"
                 results[f"{mode} {key}"] = res
                 by_split[key] = step_time(res.step_ends, warmup)
             best = min(by_split, key=by_split.get)
-            splits[mode] = by_split
+            by_mode[mode] = by_split
             steps[mode] = by_split[best]
             results[mode] = results[f"{mode} {best}"]
         else:
-            res = run(w, mode, timeline=timeline, **((elastic if elastic is not None else ELASTIC)
-                                                     if mode == "elastic" else {}))
+            res = run(w, mode, timeline=timeline, trace=trace(mode),
+                      **((elastic if elastic is not None else ELASTIC) if mode == "elastic" else {}))
             results[mode] = res
             steps[mode] = step_time(res.step_ends, warmup)
     figures: dict = {"step_time_s": steps}
-    if splits:
-        figures["async_splits"] = {m: {"step_time_s": v, "best": min(v, key=v.get)} for m, v in splits.items()}
+    if by_mode:
+        figures["async_splits"] = {m: {"step_time_s": v, "best": min(v, key=v.get)} for m, v in by_mode.items()}
     if "elastic" in steps:
         e = steps["elastic"]
         for m in BASELINES:

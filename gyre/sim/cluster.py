@@ -128,7 +128,7 @@ class Simulation:
         self.w = workload
         self.policy = policy
         self.observe = observe
-        self.env = simpy.Environment()
+        self.env = simpy.Environment(initial_time=0.0)
         names = workload.cell_names
         if tuple(policy.cfg.cells) != names:
             raise ValueError(f"the policy's cells {policy.cfg.cells} are not the workload's {names}")
