@@ -53,6 +53,24 @@ def test_the_switch_rule_at_its_boundary():
     assert p.rollout_capacity == 2 and p.water_level == 2
 
 
+def test_the_standalone_pool_counts_in_c_r_and_takes_moved_executions_first():
+    p = make_policy("elastic", PolicyConfig(cells=("c0", "c1"), capacity=2, groups_per_step=6, group_size=1,
+                                            steps=1, pool=2))
+    start = placed(boot(p))
+    assert sorted((x.engine, x.execution) for x in start)[:2] == [("c0", "s0-g2-e0"), ("c0", "s0-g3-e0")]
+    assert [x.engine for x in start].count(F.POOL) == 2 and p.rollout_capacity == 6
+    on = {x.engine: [] for x in start}
+    for x in start:
+        on[x.engine].append(x.execution)
+    finish(p, 1.0, on[F.POOL][0])
+    finish(p, 2.0, on["c1"][0])
+    actions = p.on(F.MicrostepReady(t=2.0, step=0, microstep=0))  # w = 4 = C_R − C_e
+    assert [(s.cell, s.to_role) for s in of(actions, F.Switch)] == [("c0", "training")]
+    (moved,) = of(actions, F.Reroute)
+    assert sorted(r.engine for r in moved.routes) == ["c1", F.POOL]
+    assert p.rollout_capacity == 4  # the pool and c1
+
+
 def test_no_switch_without_training_to_do():
     p = make_policy("elastic", PolicyConfig(cells=("c0", "c1"), capacity=2, groups_per_step=4, group_size=1,
                                             steps=1))

@@ -52,6 +52,14 @@ def test_a_fresh_policy_fed_a_traces_facts_takes_exactly_its_actions(mode, optio
     assert trace.replay(lines) == []
 
 
+def test_every_mode_runs_with_a_standalone_pool():
+    w = dataclasses.replace(small(seed=5), pool=3)
+    for mode, options in (("elastic", {}), ("colocate", {}), ("colocate_overlapped", {}),
+                          ("async", {"rollout_cells": 1}), ("async_nonstreaming", {"rollout_cells": 2})):
+        ends = run(w, mode, **options).step_ends
+        assert len(ends) == w.steps and ends == sorted(ends)
+
+
 def test_a_later_finish_changes_the_actions():
     lines = _trace(small())
     _, items = trace.read(lines)

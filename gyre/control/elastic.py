@@ -18,11 +18,13 @@ Return rules (`return_rule`):
     spread over the S+1 bursts in flight, outlasts one step's work (rollout and training)
     spread over every cell. Bound by latency, every training cell returns, so the new
     burst's long executions all start at once (the boundary rule); bound by throughput,
-    round(K·ρ) training cells stay, ρ the training share of a step's work, as a fixed split
-    would, and the others return;
+    round(K·ρ) training cells stay (ρ the training share of a step's work, as the best
+    fixed split would have it; never more than have micro-steps to claim), the others
+    return;
   - between boundaries, an idle training cell returns when, staying until the open step's
     data is complete, it would idle longer than a return costs: a round trip of switches
-    plus the drain that bringing it back takes (C_e slots emptied one finish at a time).
+    plus the drain that bringing it back takes (C_e slots emptied one finish at a time);
+  - while executions wait and no engine serves, one training cell always returns.
 
 The policy reads only what it observes: execution durations so far (finished ones, and the
 elapsed time of those running), the switch durations measured in `cell.switched`, the
