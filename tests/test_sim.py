@@ -212,6 +212,13 @@ def test_gyre_sim_random_profiles_report_the_worst_against_the_best_baseline(tmp
     assert not list(tmp_path.glob("*.png"))  # random profiles draw pictures only when asked
 
 
+def test_gyre_sim_runs_a_subset_of_modes(capsys):
+    from gyre.sim.command import main
+
+    assert main(["--profile", "nl2repo_122b", "--steps", "3", "--modes", "elastic", "--jobs", "1"]) == 0
+    assert "ratio_to_bound" in capsys.readouterr().out
+
+
 def test_random_profiles_are_drawn_within_the_benchmark_ranges():
     for p in random_profiles(50, 7):
         assert 2 <= p.cells <= 8 and 16 <= p.capacity <= 128

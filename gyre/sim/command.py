@@ -125,9 +125,12 @@ def _table(name: str, f: dict) -> str:
                      f"{rtext:10s}  {splits}".rstrip())
     if "ratio_to_bound" in f:
         b = f["bound"]
-        lines.append(f"  ratio_to_bound {f['ratio_to_bound']:.3f} (bound {_minutes(b['bound_s'])} min: critical path "
-                     f"{_minutes(b['critical_path_s'])}, ideal {_minutes(b['ideal_s'])}); ratio_to_ideal "
-                     f"{f['ratio_to_ideal']:.3f}; elastic ÷ best baseline {f['elastic_vs_best_baseline']:.3f}")
+        line = (f"  ratio_to_bound {f['ratio_to_bound']:.3f} (bound {_minutes(b['bound_s'])} min: critical path "
+                f"{_minutes(b['critical_path_s'])}, ideal {_minutes(b['ideal_s'])}); ratio_to_ideal "
+                f"{f['ratio_to_ideal']:.3f}")
+        if "elastic_vs_best_baseline" in f:
+            line += f"; elastic ÷ best baseline {f['elastic_vs_best_baseline']:.3f}"
+        lines.append(line)
     return "\n".join(lines)
 
 
