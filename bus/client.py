@@ -477,6 +477,15 @@ class Bus:
             return spec
         raise KeyError(f"unknown consumer {durable!r} in run {self.run}: declare it with ensure_consumer()")
 
+    async def consumer_backlog(self, durable: str) -> int:
+        """Messages durable consumer `durable` has not settled yet: those not delivered
+        (`num_pending`) plus those delivered and neither acked nor terminated
+        (`num_ack_pending`). 0 once it has handled everything stored. Raises KeyError for an
+        unknown durable."""
+        spec = await self._consumer_spec(durable)
+        info = await self.js.consumer_info(subjects.stream(spec.stream).stream_name(self.run), spec.durable)
+        return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+
     async def _dead_letter(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
         await self.publish_raw(subject, data, headers)
 

@@ -31,7 +31,7 @@ from gyre.serving.engine import Engine, EngineConfig
 from gyre.serving.settings import EngineSettings
 from gyre.trajectory.microstep import from_bytes
 from handlers.engines import embedded as engine_server
-from handlers.daemon import RunContext, connected, daemon_main, run_loops
+from handlers.daemon import FatalError, RunContext, connected, daemon_main, run_loops
 from schemas import ids
 
 log = structlog.get_logger()
@@ -58,6 +58,8 @@ class Config:
     """Engine listener address."""
     port: int = 0
     """Engine listener port (0 = a free port)."""
+    engine_token: str = dataclasses.field(default="", repr=False)
+    """The bearer token the engine server demands (the run's; `handlers.engines.embedded`)."""
 
     @property
     def core(self) -> bool:
@@ -69,7 +71,11 @@ def config_from_context(ctx: RunContext, args) -> Config:
     from their recipe tables here, and only here."""
     r = ctx.recipe
     model_dir = ctx.checkpoint()
+    if not ctx.engine_token:
+        raise FatalError("no engine token: the engine demands one; set GYRE_ENGINE_TOKEN (the value the proxy "
+                         "sends) or start the cell with --run-dir of a run `gyre run` made (its engine_token file)")
     return Config(run=ctx.run, nats_url=ctx.nats_url, nats_token=ctx.nats_token, cell=args.cell,
+                  engine_token=ctx.engine_token,
                   model_dir=model_dir, weights_dir=ctx.run_dir / "weights",
                   engine=EngineConfig(**fields_of(r.engine, EngineSettings), model_dir=str(model_dir),
                                       max_completion_tokens=r.sampling.max_tokens, seed=r.run.seed),
@@ -93,7 +99,8 @@ class Cell:
         self.latest_weights: schemas.WeightsPublished | None = None
 
     async def start(self) -> None:
-        self.app, self.runner, self.url = await engine_server.serve(self.engine, host=self.cfg.host, port=self.cfg.port)
+        self.app, self.runner, self.url = await engine_server.serve(self.engine, host=self.cfg.host, port=self.cfg.port,
+                                                                    api_key=self.cfg.engine_token)
         await self._switched(-1, "idle", "rollout", {"total_s": 0.0})
         self.role = "rollout"
         log.info("cell.started", cell=self.cfg.cell, engine_url=self.url)

@@ -5,7 +5,7 @@
     gyre tap [PATTERN] [--run-dir DIR] [--run ID | --all-runs] [--width N]
                                                   print live events of the current run
     gyre init-model DIR [--layers N ...]          write the embedded default model
-    gyre bench NAME [--json PATH]                 a benchmark of docs/BENCHMARKS.md (proxy, trajectories)
+    gyre bench NAME [--json PATH]                 a benchmark of docs/BENCHMARKS.md (proxy, trajectories, hostile)
     gyre sim [--profile NAME|all] [--random N --seed S] [--trace PATH] [--json PATH]
                                                   the scheduling modes on simulated clusters
     gyre proxy|cell|scheduler|builder|runner|evaluator --run-dir DIR   one daemon
@@ -53,25 +53,29 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+BENCHMARKS = {
+    "proxy": "handlers.bench.proxy",
+    "trajectories": "handlers.bench.trajectories",
+    "hostile": "handlers.bench.hostile",
+}
+"""`gyre bench NAME` → the module whose `main(argv) -> int` runs it (BENCHMARKS.md)."""
+
+
 def _bench(argv: list[str]) -> int:
     import importlib
 
-    usage = "usage: gyre bench NAME [--json PATH] ...  (NAME: proxy, trajectories; gyre bench NAME --help)"
+    usage = f"usage: gyre bench NAME [--json PATH] ...  (NAME: {', '.join(BENCHMARKS)}; gyre bench NAME --help)"
     if argv[:1] in (["-h"], ["--help"]):
         print(usage)
         return 0
     if not argv or argv[0].startswith("-"):
         print(usage, file=sys.stderr)
         return 2
-    name = argv[0].replace("-", "_")
-    try:
-        module = importlib.import_module(f"handlers.bench.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"handlers.bench.{name}":
-            raise
-        print(f"gyre bench: unknown benchmark {argv[0]!r}", file=sys.stderr)
+    module_name = BENCHMARKS.get(argv[0].replace("-", "_"))
+    if module_name is None:
+        print(f"gyre bench: unknown benchmark {argv[0]!r} (one of: {', '.join(BENCHMARKS)})", file=sys.stderr)
         return 2
-    return module.main(argv[1:])
+    return importlib.import_module(module_name).main(argv[1:])
 
 
 def _init_model(argv: list[str]) -> int:

@@ -13,7 +13,9 @@ A daemon module reads as its frozen `Config`, its `handle_*` functions and its w
 A daemon is started either by `gyre run` (which passes `--run-dir`) or on its own for a
 deployment (`gyre proxy --run-dir DIR`, or `--recipe R --run ID` with `GYRE_NATS_URL`
 and credentials in the environment). Secrets travel in the environment, never argv:
-`GYRE_NATS_TOKEN` (NATS token) and `GYRE_KEY_SECRET` (hex; execution keys).
+`GYRE_NATS_TOKEN` (NATS token), `GYRE_KEY_SECRET` (hex; execution keys) and
+`GYRE_ENGINE_TOKEN` (the bearer token engines demand); a daemon joining a run with
+`--run-dir` reads the last two from the run directory when the environment lacks them.
 """
 from __future__ import annotations
 
@@ -65,6 +67,9 @@ class RunContext:
     owner: dict | None = None
     """The `gyre run` that owns the run (nats.json's identity, `run_owner_alive`) when the
     daemon joined it with `--run-dir` on its private server; None otherwise."""
+    engine_token: str = dataclasses.field(default="", repr=False)
+    """The bearer token the run's engines demand and the proxy sends ('' = none given):
+    `GYRE_ENGINE_TOKEN`, else `<run_dir>/engine_token`."""
 
     @property
     def model_dir(self) -> Path:
@@ -184,9 +189,12 @@ def context_from_args(args: argparse.Namespace) -> RunContext:
         url = env_url
     if not secret_hex and (run_dir / "key_secret").exists():
         secret_hex = (run_dir / "key_secret").read_text().strip()
+    engine_token = os.environ.get("GYRE_ENGINE_TOKEN", "")
+    if not engine_token and (run_dir / "engine_token").exists():
+        engine_token = (run_dir / "engine_token").read_text().strip()
     return RunContext(run=run, run_dir=run_dir, recipe=recipe, nats_url=url, nats_token=token,
                       key_secret=bytes.fromhex(secret_hex) if secret_hex else b"",
-                      owner=info if args.run_dir and not env_url else None)
+                      owner=info if args.run_dir and not env_url else None, engine_token=engine_token)
 
 
 def base_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -315,11 +323,17 @@ class BusSettings(Protocol):
 @contextlib.asynccontextmanager
 async def connected(cfg: BusSettings, stop: asyncio.Event, name: str) -> AsyncIterator[Bus]:
     """The run's bus for the daemon `name`: connects (retrying until it succeeds or `stop`
-    is set: ConnectError(stopped=True) then), declares the run's streams, and on the way
-    out, whatever raised, drains and closes it."""
+    is set: ConnectError(stopped=True) then), declares the run's streams (a failure once
+    `stop` is set is ConnectError(stopped=True) too), and on the way out, whatever raised,
+    drains and closes it."""
     bus = await Bus.connect(cfg.nats_url, token=cfg.nats_token, run=cfg.run, name=name, stop=stop)
     try:
-        await bus.ensure_streams()
+        try:
+            await bus.ensure_streams()
+        except Exception as exc:
+            if stop.is_set():  # the server went away with the run while we declared: a stop, not a crash
+                raise ConnectError(f"stopped while declaring the run's streams: {exc!r}", stopped=True) from exc
+            raise
         yield bus
     finally:
         await bus.close()

@@ -1,7 +1,7 @@
 """`gyre run RECIPE`: one training run on this machine, every daemon as a process.
 
-Creates `runs/<run id>/` (config.json, key_secret and nats.json readable only by the
-owner, logs/, metrics.jsonl, summary.json), starts a private nats-server (unless
+Creates `runs/<run id>/` (config.json, key_secret, engine_token and nats.json readable
+only by the owner, logs/, metrics.jsonl, summary.json), starts a private nats-server (unless
 `GYRE_NATS_URL` names an external one), writes the model if the recipe has none,
 starts proxy, runner, evaluator, builder, cells and scheduler, follows the run's
 events to show progress, and stops everything once the last step is completed.
@@ -318,6 +318,8 @@ async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float, daemon
         pass
     key_secret = secrets.token_hex(32)
     _write_private(run_dir / "key_secret", key_secret.encode())
+    engine_token = secrets.token_hex(32)  # the run's engines demand it; harnesses never see it
+    _write_private(run_dir / "engine_token", engine_token.encode())
     external = os.environ.get("GYRE_NATS_URL")
     server = None
     if external:
@@ -327,7 +329,7 @@ async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float, daemon
         url, token = server.url, server.token
     try:
         outcome = await _run_with_server(recipe, run, run_dir, timeout_s, url, token, key_secret, interrupted,
-                                         daemons)
+                                         daemons, engine_token)
     finally:
         if server is not None:
             server.stop()
@@ -338,9 +340,10 @@ async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float, daemon
 
 async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: float, url: str,
                            token: str | None, key_secret: str, interrupted: asyncio.Event,
-                           daemons: tuple[str, ...] = DAEMONS) -> str:
+                           daemons: tuple[str, ...] = DAEMONS, engine_token: str = "") -> str:
     """Start the daemons, follow the run, stop them, write and print the summary; returns
-    the outcome (`done`, `interrupted`, `timeout`, `daemon_failed`)."""
+    the outcome (`done`, `interrupted`, `timeout`, `daemon_failed`). engine_token: the
+    bearer token the cells' engines demand and the proxy sends (GYRE_ENGINE_TOKEN)."""
     from handlers.daemon import process_identity
 
     info = {"run": run, "url": url, **process_identity()}
@@ -364,7 +367,8 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
         m = recipe.model
         init_model(run_dir / "model", ModelSpec(layers=m.layers, hidden=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
                                                 head_dim=m.hidden // m.heads, intermediate=3 * m.hidden, seed=m.seed))
-    env = dict(os.environ, GYRE_KEY_SECRET=key_secret, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+    env = dict(os.environ, GYRE_KEY_SECRET=key_secret, GYRE_ENGINE_TOKEN=engine_token,
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_DISABLE_PROGRESS_BARS="1",  # daemon logs are JSON lines: no tqdm bars in them
                PYTHONUNBUFFERED="1")
     if token:
@@ -403,12 +407,24 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
     return outcome
 
 
+def _positive_seconds(text: str) -> float:
+    """--timeout's value: a finite number of seconds > 0 (argparse makes anything else a usage error, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gyre run", description="Run a recipe: rollouts, trajectories, GSPO steps.")
     p.add_argument("recipe", help="bundled recipe name (quickstart, toy) or a TOML path")
     p.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE", help="override a recipe value")
     p.add_argument("--run-id", help="run id (default: <recipe name>-<UTC time>-<random>)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds (default 3600)")
+    p.add_argument("--timeout", type=_positive_seconds, default=3600.0,
+                   help="give up after this many seconds, > 0 (default 3600)")
     p.add_argument("--no-evaluator", action="store_true",
                    help="start no built-in evaluator: an external reward service scores the executions "
                         "(docs/reward-services.md)")

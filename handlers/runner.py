@@ -8,10 +8,17 @@ executions at once. Per execution:
    to the sandbox uid;
 3. publish `execution.started`, start the harness confined (gyre.env.sandbox) with the proxy's
    base URL and the execution's key (gyre.env.harness.execution_key) in its environment, its
-   stdout+stderr in `<run_dir>/logs/executions/<execution>.log`;
+   stdout+stderr in `<run_dir>/logs/executions/<execution>.log`; in its own network
+   namespace, where the proxy's port on 127.0.0.1 is relayed (handlers/sandbox_relay.py) to
+   the runner's Unix socket and from there to the proxy, and nothing else is reachable;
 4. wait at most the event's `timeout_s`, then kill the whole sandbox (status `timeout`);
 5. keep the workspace, record the outcome in `<run_dir>/runner/<execution>.json`, publish
    `execution.finished` (status `ok` / `timeout` / `harness_error`, exit code, duration).
+
+The sandbox uid must be able to read the harness interpreter (`Config.python`) and its
+installation: a runner that finds it cannot (a checkout inside a 0700 directory under the
+setuid fallback) stops at start with a message naming the path and the fix; a harness
+installation it cannot read fails that execution (`harness_error`) with the same message.
 
 Idempotent under redelivery: a recorded execution re-publishes its recorded
 `execution.finished` (same event id, deduplicated); an execution whose workspace exists
@@ -25,9 +32,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 
 import aiohttp
@@ -37,9 +47,12 @@ import schemas
 from bus import Bus, Retry
 from gyre.config import RunnerSettings, fields_of
 from gyre.env import harness as harnesses
-from gyre.env.sandbox import Launch, SandboxConfig, base_env, confine, own_tree, resolve_mode, unreachable_ancestor
+from gyre.env.sandbox import (
+    Launch, Network, SandboxConfig, base_env, confine, own_tree, resolve_mode, unreachable_ancestor, unreadable,
+)
 from gyre.env.tasks import Task, load_tasks, seed_workspace, task_index, write_files
-from handlers.daemon import RunContext, connected, daemon_main
+from handlers import sandbox_relay
+from handlers.daemon import FatalError, RunContext, connected, daemon_main
 from handlers.proxy.http import serving_proxy, url_in
 from schemas import ids
 
@@ -141,6 +154,59 @@ class Runner:
             log.warning("runner.sandbox.weak", mode=self.mode, reason=warning)
         else:
             log.info("runner.sandbox", mode=self.mode, uid=cfg.sandbox.uid)
+        sb = cfg.sandbox
+        if self.mode in ("bwrap", "setuid") and os.geteuid() == 0:
+            installation = harnesses.python_installation(cfg.python)
+            problem = unreadable([cfg.python, *installation], sb.uid, sb.gid,
+                                 binds=installation if self.mode == "bwrap" else None)
+            if problem:
+                raise FatalError(f"the harness interpreter cannot run in the sandbox: {problem}")
+        self.relay: sandbox_relay.ProxyRelay | None = None
+        self._relay_lock = asyncio.Lock()
+        self._relay_dir = ""
+        self._proxy_address: tuple[str, int] | None = None  # the proxy's, as last seen answering
+
+    async def close(self) -> None:
+        """Stop the harnesses' relay to the proxy (harnesses still running lose it)."""
+        if self.relay is not None:
+            await self.relay.close()
+            self.relay = None
+        if self._relay_dir:
+            shutil.rmtree(self._relay_dir, ignore_errors=True)
+            self._relay_dir = ""
+
+    async def sandbox_network(self, proxy_url: str) -> tuple[Network | None, str]:
+        """(the sandbox's network, the URL the harness is given): the proxy's port on the
+        sandbox's own 127.0.0.1, relayed to this runner's Unix socket, then to the proxy; in
+        mode `none` (no namespace) nothing and the proxy's own URL."""
+        parts = urllib.parse.urlsplit(proxy_url)
+        self._proxy_address = (parts.hostname or "127.0.0.1", parts.port or 80)
+        if self.mode == "none":
+            return None, proxy_url
+        async with self._relay_lock:
+            if self.relay is None:
+                # A short private path: a Unix socket's path is limited to 107 bytes.
+                self._relay_dir = tempfile.mkdtemp(prefix="gyre-relay-")
+                os.chmod(self._relay_dir, 0o711)  # the setuid fallback's uid connects to the socket inside
+                sb = self.cfg.sandbox
+                relay = sandbox_relay.ProxyRelay(os.path.join(self._relay_dir, "proxy.sock"), self._target,
+                                                 owner=(sb.uid, sb.gid) if os.geteuid() == 0 else None)
+                await relay.start()
+                self.relay = relay
+        script = os.path.abspath(sandbox_relay.__file__)
+        network = Network(port=self._proxy_address[1], socket=self.relay.path,
+                          relay=(sys.executable, "-I", "-S", script),
+                          readonly=(*harnesses.python_installation(sys.executable), script))
+        return network, f"http://127.0.0.1:{self._proxy_address[1]}"
+
+    def _target(self) -> tuple[str, int] | None:
+        """Where a relayed connection goes: the proxy's address now (`cfg.proxy_url`, else
+        <run_dir>/proxy.json's `url`, else the last one seen answering)."""
+        url = self.cfg.proxy_url or url_in(Path(self.cfg.run_dir) / "proxy.json")
+        if not url:
+            return self._proxy_address
+        parts = urllib.parse.urlsplit(url)
+        return parts.hostname or "127.0.0.1", parts.port or 80
 
     async def handle(self, event: schemas.Event) -> None:
         if not isinstance(event, schemas.ExecutionDispatched):
@@ -199,7 +265,7 @@ class Runner:
                                                         workspace=str(paths.workspace)))
 
     async def _prepare(self, event: schemas.ExecutionDispatched, task: Task, profile, paths: Paths) -> Launch:
-        proxy_url = await self._proxy_url()
+        network, proxy_url = await self.sandbox_network(await self._proxy_url())
         req = harnesses.LaunchRequest(
             execution=event.info.execution, task=task, workspace=paths.workspace, home=paths.home,
             proxy_url=proxy_url, api_key=harnesses.execution_key(self.secret, event.info.execution),
@@ -217,7 +283,8 @@ class Runner:
                 raise RuntimeError(f"{blocked} is not traversable by uid {sb.uid} (setuid sandbox); "
                                    "install bubblewrap or make the run directory's ancestors o+x")
         env = base_env(home=paths.home, path_dirs=cmd.path_dirs, extra=cmd.env)
-        return confine(cmd.argv, cwd=paths.workspace, env=env, cfg=sb, writable=[paths.home], readonly=cmd.readonly)
+        return confine(cmd.argv, cwd=paths.workspace, env=env, cfg=sb, writable=[paths.home], readonly=cmd.readonly,
+                       network=network)
 
     async def _proxy_url(self) -> str:
         """The proxy's base URL (`cfg.proxy_url`, or `url` in <run_dir>/proxy.json, read
@@ -309,7 +376,10 @@ async def run(cfg: Config, stop: asyncio.Event) -> None:
     tasks = task_index(load_tasks(cfg.tasks))
     async with connected(cfg, stop, "runner") as bus:
         runner = Runner(cfg, bus, tasks, stop)
-        await bus.consume("runner-v1", runner.handle, stop=stop, concurrency=cfg.concurrency)
+        try:
+            await bus.consume("runner-v1", runner.handle, stop=stop, concurrency=cfg.concurrency)
+        finally:
+            await runner.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,7 +90,8 @@ def test_every_variant_sends_the_prompt_of_the_direct_path(variant):
     from handlers.proxy.call import CHAT, MESSAGES, RESPONSES
     from handlers.proxy.anthropic import parse_messages_request
     from handlers.proxy.api import Answer, StreamStart
-    from handlers.proxy.openai import parse_chat_request, parse_responses_request
+    from handlers.proxy.openai import parse_chat_request
+    from handlers.proxy.responses import parse_responses_request
     from schemas.call import SamplingParams
 
     tok = build_tokenizer()

@@ -16,10 +16,10 @@ def _modules(package: str):
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     yield path, alias.name
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                if node.level:  # relative: resolve against the file's package
+            elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
+                if node.level:  # relative (`from .x import y`, `from .. import y`): resolve against the file's package
                     parts = path.relative_to(ROOT).with_suffix("").parts[:-node.level]
-                    base = ".".join((*parts, node.module))
+                    base = ".".join((*parts, node.module) if node.module else parts)
                 else:
                     base = node.module
                 yield path, base
@@ -82,3 +82,11 @@ def test_the_walker_resolves_full_names():
     found = {m for _, m in _modules("handlers")}
     assert "handlers.proxy.daemon.Config" in found or "handlers.proxy.daemon" in found
     assert any(m.startswith("gyre.serving.") for m in found)
+
+
+def test_the_walker_resolves_relative_imports(tmp_path, monkeypatch):
+    pkg = tmp_path / "gyre" / "control"
+    pkg.mkdir(parents=True)
+    (pkg / "x.py").write_text("from .. import serving\nfrom ..learning import gspo\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert {m for _, m in _modules("gyre/control")} >= {"gyre", "gyre.serving", "gyre.learning", "gyre.learning.gspo"}

@@ -94,3 +94,16 @@ def test_tap_refuses_a_pattern_nats_cannot_subscribe_in_one_line(nats_server):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "is not a NATS subject pattern" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["nope", "proxy_load", "proxy_servers", "probes", "probes.nfd_encode_cost", "."])
+def test_bench_names_only_benchmarks(name):
+    """`gyre bench NAME` runs only the benchmarks BENCHMARKS.md defines; a helper module of
+    handlers/bench/ or a typo is a usage error naming the choices, not a traceback."""
+    from handlers import cli
+
+    proc = subprocess.run([sys.executable, "-m", "handlers.cli", "bench", name], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "unknown benchmark" in proc.stderr and "Traceback" not in proc.stderr
+    assert all(b in proc.stderr for b in cli.BENCHMARKS)

@@ -212,3 +212,29 @@ def test_run_owner_alive_tells_only_what_this_process_can_see():
         live.kill()
         live.wait()
         zombie.wait()
+
+
+async def test_a_server_lost_while_declaring_streams_after_stop_is_a_clean_stop(nats_server, run_id, monkeypatch):
+    """`connected` declares the run's streams and consumers one by one; when the run ends
+    meanwhile (its server goes away and the daemon's `stop` is set), the failed declaration
+    is a stop (ConnectError(stopped=True): main exits 0), not a crash."""
+    import asyncio
+    import types
+
+    from bus import Bus, ConnectError
+    from handlers.daemon import connected
+
+    stop = asyncio.Event()
+    declare = Bus.ensure_streams
+
+    async def the_run_ends_midway(self):
+        stop.set()
+        nats_server.stop()
+        await declare(self)
+
+    monkeypatch.setattr(Bus, "ensure_streams", the_run_ends_midway)
+    cfg = types.SimpleNamespace(run=run_id, nats_url=nats_server.url, nats_token=nats_server.token)
+    with pytest.raises(ConnectError) as caught:
+        async with connected(cfg, stop, "builder"):
+            pytest.fail("the streams were declared against a stopped server")
+    assert caught.value.stopped

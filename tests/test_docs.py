@@ -2,6 +2,7 @@
 docs/recipes.md documents every recipe key with the type and default the code gives it.
 
 The commands and links of README.md and docs/ are checked in tests/test_doc_commands.py."""
+import ast
 import re
 import tomllib
 import typing
@@ -13,13 +14,33 @@ RECIPES = ROOT / "docs" / "recipes.md"
 PACKAGES = ("gyre", "handlers", "bus", "schemas", "tests", "ops")
 
 
+def _names(body) -> set[str]:
+    """Names a module or class body defines: functions, classes, assignments, imports."""
+    names = set()
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
 def _module_exists(dotted: str) -> bool:
-    """`a.b.c` is a module or package, or an attribute of one (`a.b.C`)."""
+    """`a.b.c` is a module or package, or a name a module defines (`a.b.func`,
+    `a.b.Class.attr`)."""
     parts = dotted.split(".")
     for n in range(len(parts), 0, -1):
         base = ROOT.joinpath(*parts[:n])
         if base.with_suffix(".py").is_file():
-            return n >= len(parts) - 2  # at most `module.Class.attr`
+            body = ast.parse(base.with_suffix(".py").read_text("utf-8")).body
+            for name in parts[n:]:
+                if name not in _names(body):
+                    return False
+                body = next((c.body for c in body if isinstance(c, ast.ClassDef) and c.name == name), [])
+            return True
         if (base / "__init__.py").is_file():
             return n == len(parts)  # a package's names are its modules
     return False

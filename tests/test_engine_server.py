@@ -15,6 +15,8 @@ from handlers.engines import embedded as engine_server
 from handlers.engines.client import EngineClient, EngineRequestError, EngineUnavailable, make_session
 from tests.test_engine import build_tiny_model, prompt
 
+TOKEN = "engine-token-of-the-test-run"
+
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
@@ -26,10 +28,10 @@ def model_dirs(tmp_path_factory):
 async def served(model_dirs):
     """(engine, app, client) with a fresh engine behind a real server."""
     engine = Engine(EngineConfig(model_dir=model_dirs[0]))
-    app, runner, url = await engine_server.serve(engine)
+    app, runner, url = await engine_server.serve(engine, api_key=TOKEN)
     assert url.startswith("http://127.0.0.1:")
     session = make_session()
-    yield engine, app, EngineClient(url, session)
+    yield engine, app, EngineClient(url, session, api_key=TOKEN)
     await session.close()
     await runner.cleanup()
 
@@ -119,13 +121,14 @@ async def test_bad_requests_answer_400(served):
     with pytest.raises(EngineRequestError, match="sampling_params.stop"):
         await client.generate([1, 2], {"stop": ["ok", 3]}, rid="st")
     session = client.session
+    auth = {"Authorization": f"Bearer {TOKEN}"}
     for raw in (b"{not json", b"[1, 2]", b'{"text": "hello"}', b'{"input_ids": ["a"]}', b'{"input_ids": [1], "stream": true}'):
-        async with session.post(client.base_url + "/generate", data=raw) as resp:
+        async with session.post(client.base_url + "/generate", data=raw, headers=auth) as resp:
             body = await resp.json()
             assert resp.status == 400 and set(body["error"]) == {"message", "type"}, raw
-    async with session.post(client.base_url + "/abort_request", data=b"{}") as resp:
+    async with session.post(client.base_url + "/abort_request", data=b"{}", headers=auth) as resp:
         assert resp.status == 400
-    async with session.get(client.base_url + "/nope") as resp:
+    async with session.get(client.base_url + "/nope", headers=auth) as resp:
         assert resp.status == 404 and (await resp.json())["error"]["type"] == "http_error"
 
 
@@ -194,14 +197,14 @@ async def test_disconnect_noticed_without_handler_cancellation(model_dirs):
     from aiohttp import web
 
     engine = Engine(EngineConfig(model_dir=model_dirs[0]))
-    runner = web.AppRunner(engine_server.make_app(engine))
+    runner = web.AppRunner(engine_server.make_app(engine, api_key=TOKEN))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     host, port = runner.addresses[0][:2]
     session = make_session()
     try:
-        client = EngineClient(f"http://{host}:{port}", session)
+        client = EngineClient(f"http://{host}:{port}", session, api_key=TOKEN)
         task = asyncio.create_task(client.generate([5, 6, 7], LONG, rid="gone"))
         await until(lambda: engine.in_flight().get("gone", 0) >= 1, "request to decode")
         task.cancel()
@@ -209,3 +212,48 @@ async def test_disconnect_noticed_without_handler_cancellation(model_dirs):
     finally:
         await session.close()
         await runner.cleanup()
+
+
+ROUTES = [("POST", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}),
+          ("POST", "/abort_request", {"abort_all": True}), ("POST", "/flush_cache", None),
+          ("POST", "/update_weights_from_disk", {"model_path": "/tmp/policy-chosen", "weight_version": "9"}),
+          ("GET", "/get_model_info", None), ("GET", "/get_weight_version", None)]
+
+
+async def test_every_route_but_health_demands_the_bearer_token(served):
+    """SGLang's --api-key convention: without the run's token (none, another, a Basic
+    header, the token without "Bearer") every route answers 401 and does nothing; /health
+    answers (a liveness probe); with it the same requests are served."""
+    import aiohttp
+
+    engine, app, client = served
+    url = client.base_url
+    before = engine.weight_version
+    async with aiohttp.ClientSession() as http:
+        for headers in ({}, {"Authorization": "Bearer not-the-token"}, {"Authorization": TOKEN},
+                        {"Authorization": "Basic " + TOKEN}, {"Authorization": f"Bearer {TOKEN}x"},
+                        {"Authorization": "Bearer \u00e9"}):
+            for method, path, body in ROUTES:
+                async with http.request(method, url + path, json=body, headers=headers) as resp:
+                    assert resp.status == 401, (path, headers, resp.status)
+                    assert resp.headers["WWW-Authenticate"] == "Bearer"
+                    assert (await resp.json())["error"]["type"] == "unauthorized"
+            async with http.get(url + "/health", headers=headers) as resp:
+                assert resp.status == 200
+        assert engine.weight_version == before and not engine.in_flight()
+        for method, path, body in ROUTES[:2] + ROUTES[4:]:
+            async with http.request(method, url + path, json=body,
+                                    headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+                assert resp.status == 200, (path, await resp.text())
+    # The client without the token gets the refusal as an error with its status.
+    session = make_session()
+    try:
+        with pytest.raises(EngineRequestError) as err:
+            await EngineClient(url, session).generate([1, 2], {"max_new_tokens": 1}, rid="no-token")
+        assert err.value.status == 401
+        with pytest.raises(EngineRequestError):
+            await EngineClient(url, session, api_key="wrong").model_info()
+    finally:
+        await session.close()
+    with pytest.raises(ValueError, match="bearer token"):
+        engine_server.make_app(engine, api_key="")

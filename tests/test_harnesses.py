@@ -239,18 +239,23 @@ async def compact_claude(stack: Stack, execution: str) -> int:
     found = re.findall(r'"session_id"\s*:\s*"([0-9a-f-]{36})"', text)
     assert found, f"no session id in Claude Code's output\n{text[-3000:]}"
     task = load_tasks(str(stack.tasks_file))[0]
+    relay = runner_mod.Runner(stack.runner_cfg, None, {})  # the proxy reached as the runner's harnesses reach it
+    network, proxy_url = await relay.sandbox_network(stack.url)
     req = harnesses.LaunchRequest(execution=execution, task=task, workspace=paths.workspace, home=paths.home,
-                                  proxy_url=stack.url, api_key=harnesses.execution_key(SECRET, execution),
+                                  proxy_url=proxy_url, api_key=harnesses.execution_key(SECRET, execution),
                                   model="gyre")
     cmd = harnesses.get_profile("claude-code")(req)
     argv = [cmd.argv[0], "-p", "/compact", "--resume", found[-1], "--output-format", "json", "--model", "gyre"]
     env = base_env(home=paths.home, path_dirs=cmd.path_dirs, extra=cmd.env)
     launch = confine(argv, cwd=paths.workspace, env=env, cfg=SandboxConfig(), writable=[paths.home],
-                     readonly=cmd.readonly)
-    with open(paths.log, "ab") as out:
-        proc = await asyncio.create_subprocess_exec(*launch.argv, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                                                    **launch.popen_kwargs())
-        outcome = await wait_or_kill(proc, 120, None)
+                     readonly=cmd.readonly, network=network)
+    try:
+        with open(paths.log, "ab") as out:
+            proc = await asyncio.create_subprocess_exec(*launch.argv, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                                                        **launch.popen_kwargs())
+            outcome = await wait_or_kill(proc, 120, None)
+    finally:
+        await relay.close()
     assert outcome == "ok", f"/compact did not finish\n{stack.log(execution)}"
     return proc.returncode
 
@@ -464,10 +469,10 @@ async def test_harnesses_run_to_their_end_on_the_random_model(tok, nats_server, 
     execs = {e: p for e, p in EXECUTIONS.items() if p in profiles}
     model_dir = init_model(tmp_path / "model")
     engine = Engine(EngineConfig(model_dir=str(model_dir), max_completion_tokens=32))
-    _app, eng_runner, engine_url = await engine_server.serve(engine)
+    _app, eng_runner, engine_url = await engine_server.serve(engine, api_key="engine-token")
     stack = Stack(tok, nats_server, run_id, run_dir)
     try:
-        await stack.start(engine_url, max_completion_tokens=32)
+        await stack.start(engine_url, max_completion_tokens=32, engine_token="engine-token")
         for e, p in execs.items():
             await stack.dispatch(e, p, timeout_s=90.0, max_calls=3)
         await stack.wait_finished(execs, 200.0)

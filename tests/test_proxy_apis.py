@@ -779,7 +779,7 @@ async def test_profile_configured_per_execution_from_execution_started(local):
 def test_responses_function_call_arguments_given_as_an_object_keep_their_values():
     """`arguments` is JSON text on the wire; a client that sends the object itself means the
     same call (it used to be rendered as `{}`)."""
-    from handlers.proxy.openai import responses_messages
+    from handlers.proxy.responses import responses_messages
 
     items = [{"type": "message", "role": "user", "content": "List files."},
              {"type": "function_call", "call_id": "c1", "name": "bash", "arguments": {"cmd": "ls", "n": 2}},
@@ -1138,7 +1138,7 @@ async def test_responses_reasoning_items_are_the_next_turns_reasoning(local, tok
     """A `reasoning` item sent back is rendered as the reasoning of the assistant turn it
     precedes, as a Messages thinking block is, also where no recorded call restores it (a
     new key, a restarted proxy); stored responses are a 404 in OpenAI's shape."""
-    from handlers.proxy.openai import responses_messages
+    from handlers.proxy.responses import responses_messages
 
     engine = await local.engine(["ok"])
     await local.proxy(engine=engine)
@@ -1150,7 +1150,7 @@ async def test_responses_reasoning_items_are_the_next_turns_reasoning(local, tok
     # Reasoning its turn's answer does not follow (an interrupted turn) goes with no later turn
     stray = [items[0], items[1], {"role": "user", "content": "q2"}, *items[2:],
              {"type": "reasoning", "summary": [{"type": "summary_text", "text": "R2"}]},
-             {"type": "function_call_output", "call_id": "c0", "output": "x"},
+             {"type": "function_call_output", "call_id": "c1", "output": "x"},
              {"type": "function_call", "call_id": "c2", "name": "bash", "arguments": "{}"},
              {"type": "reasoning", "summary": [{"type": "summary_text", "text": "R3"}]},
              {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search"}},

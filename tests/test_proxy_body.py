@@ -267,7 +267,8 @@ def test_parsing_a_request_leaves_its_body_as_it_was(api):
     from handlers.proxy.call import _parse_count_tokens
     from handlers.proxy.anthropic import parse_messages_request
     from handlers.proxy.api import MessageMemo
-    from handlers.proxy.openai import parse_chat_request, parse_responses_request
+    from handlers.proxy.openai import parse_chat_request
+    from handlers.proxy.responses import parse_responses_request
     from schemas.call import SamplingParams
 
     marker = {"type": "ephemeral"}

@@ -27,7 +27,7 @@ def ctx(tmp_path):
     (tmp_path / "model" / "config.json").write_text("{}")
     recipe = load_recipe("toy", {"model.dir": str(tmp_path / "model"), **OVERRIDES})
     return RunContext(run="r1", run_dir=tmp_path, recipe=recipe, nats_url="nats://127.0.0.1:1", nats_token=None,
-                      key_secret=b"k" * 32)
+                      key_secret=b"k" * 32, engine_token="e" * 32)
 
 
 def test_the_recipe_reaches_the_builder_and_the_scheduler(ctx):
@@ -50,6 +50,7 @@ def test_the_recipe_reaches_the_runner_and_the_cell(ctx):
     assert (run.concurrency, run.tasks, run.context_tokens) == (3, "toy", 999)
     c = cell.config_from_context(ctx, argparse.Namespace(cell="cell1"))
     assert (c.cell, c.core, c.weights_dir) == ("cell1", False, ctx.run_dir / "weights")
+    assert c.engine_token == "e" * 32
     e = c.engine
     assert (e.model_dir, e.max_context_tokens, e.max_completion_tokens, e.seed) == (str(ctx.run_dir / "model"), 999,
                                                                                      11, 7)

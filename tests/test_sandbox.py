@@ -1,6 +1,8 @@
-"""Confinement: unprivileged uid, private view of the file system, loopback, clean env."""
+"""Confinement: unprivileged uid, private view of the file system, a private network namespace
+that reaches only the proxy's relay, clean env, and a readable interpreter or a clear refusal."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -15,7 +17,9 @@ import pytest
 
 from gyre.env.harness import python_installation
 from gyre.env.sandbox import (
+    Network,
     SandboxConfig,
+    SandboxError,
     _ancestors,
     base_env,
     check_env,
@@ -23,7 +27,9 @@ from gyre.env.sandbox import (
     own_tree,
     resolve_mode,
     unreachable_ancestor,
+    unreadable,
 )
+from handlers import sandbox_relay
 
 ROOT = os.geteuid() == 0
 HAS_BWRAP = shutil.which("bwrap") is not None and resolve_mode(SandboxConfig())[0] == "bwrap"
@@ -46,11 +52,13 @@ out["list_root"] = attempt(lambda: os.listdir("/root"))
 out["read_other_ws"] = attempt(lambda: open(sys.argv[2]).read())
 out["write_ws"] = attempt(lambda: open("written.txt", "w").write("hi"))
 out["write_usr"] = attempt(lambda: open("/usr/gyre-probe", "w").write("x"))
-def connect():
-    with socket.create_connection(("127.0.0.1", int(sys.argv[3])), timeout=5) as s:
+def connect(port):
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(b"ping")
         assert s.recv(4) == b"pong"
-out["loopback"] = attempt(connect)
+out["loopback"] = attempt(lambda: connect(int(sys.argv[3])))
+if len(sys.argv) > 4:  # the proxy's port, relayed
+    out["proxy"] = attempt(lambda: connect(int(sys.argv[4])))
 print(json.dumps(out))
 """
 
@@ -96,12 +104,31 @@ def listener():
     srv.close()
 
 
-def run_probe(layout: Path, port: int, mode: str) -> dict:
+@pytest.fixture(scope="module")
+def pythons():
+    """(readable, private): the same interpreter as a venv in a directory the sandbox uid may
+    traverse, and as a venv of a fresh checkout in a private (0700) directory, as `mktemp
+    -d` makes it and as home directories are on current Debian. Independent of where this
+    checkout itself lives."""
+    base = Path(tempfile.mkdtemp(prefix="gyre-pythons-"))
+    out = []
+    for name, mode in (("readable", 0o711), ("private", 0o700)):
+        (base / name).mkdir()
+        os.chmod(base / name, mode)
+        subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(base / name / ".venv")], check=True)
+        out.append(str(base / name / ".venv" / "bin" / "python"))
+    os.chmod(base, 0o711)
+    yield tuple(out)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def run_probe(layout: Path, port: int, mode: str, python: str, proxy_port: int | None = None,
+              network: Network | None = None) -> dict:
     ws = layout / "workspaces" / "e1"
-    cfg = SandboxConfig(mode=mode, readonly=python_installation(sys.executable))
+    cfg = SandboxConfig(mode=mode, readonly=python_installation(python))
     env = base_env(home=str(ws), extra={"GYRE_EXAMPLE": "1"})
-    launch = confine([sys.executable, "-c", PROBE, str(layout / "nats.json"),
-                      str(layout / "workspaces" / "e2" / "other.txt"), str(port)], cwd=ws, env=env, cfg=cfg)
+    argv = [python, "-c", PROBE, str(layout / "nats.json"), str(layout / "workspaces" / "e2" / "other.txt"), str(port)]
+    launch = confine(argv + ([str(proxy_port)] if proxy_port else []), cwd=ws, env=env, cfg=cfg, network=network)
     os.environ["GYRE_SANDBOX_TEST_LEAK"] = "leak"
     try:
         res = subprocess.run(launch.argv, capture_output=True, text=True, timeout=60, **launch.popen_kwargs())
@@ -112,8 +139,9 @@ def run_probe(layout: Path, port: int, mode: str) -> dict:
 
 
 @pytest.mark.skipif(not (ROOT and HAS_BWRAP), reason="needs root and a working bubblewrap")
-def test_bwrap_confines_to_own_workspace(layout, listener):
-    out = run_probe(layout, listener, "bwrap")
+def test_bwrap_confines_to_own_workspace(layout, listener, pythons):
+    """Also from a checkout inside a 0700 directory: bubblewrap binds its installation."""
+    out = run_probe(layout, listener, "bwrap", pythons[1])
     assert (out["uid"], out["gid"], out["groups"]) == (UID, UID, [])
     assert set(out["caps"].values()) == {0}, out["caps"]
     assert out["cwd"] == str(layout / "workspaces" / "e1")
@@ -122,21 +150,110 @@ def test_bwrap_confines_to_own_workspace(layout, listener):
     assert out["list_root"] == "FileNotFoundError"
     assert out["write_ws"] == "ok"
     assert out["write_usr"] in ("OSError", "PermissionError")  # read-only system
-    assert out["loopback"] == "ok"
+    assert out["loopback"] == "ConnectionRefusedError"  # its own network namespace: the host's loopback is not there
     assert "GYRE_SANDBOX_TEST_LEAK" not in out["env"] and "GYRE_EXAMPLE" in out["env"]
     written = layout / "workspaces" / "e1" / "written.txt"
     assert written.read_text() == "hi" and written.stat().st_uid == UID
 
 
 @pytest.mark.skipif(not ROOT, reason="the setuid fallback needs root")
-def test_setuid_fallback_drops_privileges(layout, listener):
-    out = run_probe(layout, listener, "setuid")
+def test_setuid_fallback_drops_privileges(layout, listener, pythons):
+    out = run_probe(layout, listener, "setuid", pythons[0])
     assert (out["uid"], out["gid"], out["groups"]) == (UID, UID, [])
     assert out["read_secret"] == "PermissionError"
     assert out["read_other_ws"] == "PermissionError"
     assert out["list_root"] == "PermissionError"
-    assert out["write_ws"] == "ok" and out["loopback"] == "ok"
+    assert out["write_ws"] == "ok" and out["loopback"] == "ok"  # no Network given: the host's
     assert "GYRE_SANDBOX_TEST_LEAK" not in out["env"]
+
+
+@pytest.mark.skipif(not ROOT, reason="the setuid fallback needs root")
+def test_setuid_fallback_refuses_an_interpreter_its_uid_cannot_read(layout, pythons):
+    """A checkout in a 0700 directory: its venv's interpreter is unreachable for the sandbox
+    uid, so the launch is refused before anything starts, naming the directory in the way and
+    the fix (instead of a PermissionError on exec inside the harness)."""
+    private_dir = str(Path(pythons[1]).parents[2])
+    with pytest.raises(SandboxError) as err:
+        run_probe(layout, 1, "setuid", pythons[1])
+    message = str(err.value)
+    assert message.startswith(f"{pythons[1]} is not readable by the sandbox uid {UID}: {private_dir} is not searchable")
+    assert f"chmod o+x {private_dir}" in message and "apt-get install bubblewrap" in message
+    assert unreadable([pythons[0]], UID, UID) == ""
+
+
+@pytest.mark.skipif(not ROOT, reason="the sandbox uid differs from gyre's only as root")
+def test_unreadable_names_the_first_path_in_the_way(sandbox_dir):
+    tmp_path = sandbox_dir
+    inst = tmp_path / "inst"
+    (inst / "bin").mkdir(parents=True)
+    exe = inst / "bin" / "tool"
+    exe.write_text("#!/bin/sh\n")
+    os.chmod(tmp_path, 0o711)
+    os.chmod(inst, 0o755)
+    os.chmod(exe, 0o700)  # installed under umask 077
+    problem = unreadable([exe], UID, UID, binds=[str(inst)])
+    assert problem.startswith(f"{exe} is not readable by the sandbox uid {UID}: it is not readable (mode 0700)")
+    assert f"chmod -R o+rX {exe}" in problem
+    os.chmod(exe, 0o755)
+    assert unreadable([exe], UID, UID, binds=[str(inst)]) == ""
+    os.chmod(inst / "bin", 0o700)
+    assert f"{inst / 'bin'} is not searchable" in unreadable([exe], UID, UID, binds=[str(inst)])
+    assert "does not exist" in unreadable([inst / "missing"], UID, UID)
+    os.chmod(inst / "bin", 0o755)
+    os.chmod(tmp_path, 0o700)  # above the bind: bubblewrap makes its own ancestors, setuid needs them
+    assert unreadable([exe], UID, UID, binds=[str(inst)]) == ""
+    assert f"{tmp_path} is not searchable" in unreadable([exe], UID, UID)
+    os.chmod(tmp_path, 0o711)
+
+
+@pytest.fixture
+async def proxy_relay(listener):
+    """A stand-in proxy (echo 'ping' → 'pong' on a loopback port) behind the runner's relay."""
+    echo = socket.socket()
+    echo.bind(("127.0.0.1", 0))
+    echo.listen()
+
+    def serve():
+        while True:
+            try:
+                conn, _ = echo.accept()
+            except OSError:
+                return
+            with conn:
+                if conn.recv(4) == b"ping":
+                    conn.sendall(b"pong")
+
+    threading.Thread(target=serve, daemon=True).start()
+    sock_dir = tempfile.mkdtemp(prefix="gyre-relay-test-")
+    os.chmod(sock_dir, 0o711)
+    relay = sandbox_relay.ProxyRelay(os.path.join(sock_dir, "proxy.sock"), lambda: ("127.0.0.1", port),
+                                     owner=(UID, UID) if ROOT else None)
+    port = echo.getsockname()[1]
+    await relay.start()
+    yield relay, port
+    await relay.close()
+    echo.close()
+    shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def relay_network(relay, port: int) -> Network:
+    script = os.path.abspath(sandbox_relay.__file__)
+    return Network(port=port, socket=relay.path, relay=(sys.executable, "-I", "-S", script),
+                   readonly=(*python_installation(sys.executable), script))
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "setuid"])
+async def test_with_a_network_only_the_proxy_port_is_reachable(layout, listener, pythons, proxy_relay, mode):
+    """The process finds the proxy at its own port on 127.0.0.1 (relayed through the runner's
+    socket) and nothing else of the host's loopback, in both modes that confine."""
+    if not ROOT or (mode == "bwrap" and not HAS_BWRAP):
+        pytest.skip("needs root (and bubblewrap for its mode)")
+    relay, port = proxy_relay
+    out = await asyncio.to_thread(run_probe, layout, listener, mode, pythons[0], port, relay_network(relay, port))
+    assert out["proxy"] == "ok" and relay.connections == 1
+    assert out["loopback"] == "ConnectionRefusedError"
+    assert (out["uid"], out["gid"], out["groups"]) == (UID, UID, [])
+    assert set(out["caps"].values()) == {0}, out["caps"]
 
 
 def test_nats_settings_never_pass():
@@ -172,7 +289,7 @@ def test_bwrap_argv_creates_traversable_parents_once():
     assert dirs.index("/srv") < dirs.index("/srv/runs") < dirs.index("/srv/runs/r1")  # parents first
     sep = argv.index("--")
     assert argv[sep + 1].endswith("setpriv") and f"--reuid={UID}" in argv and argv[-1] == "true"
-    assert "--unshare-net" not in argv  # loopback must reach the proxy
+    assert "--unshare-net" in argv  # the host's loopback stays outside
     assert _ancestors("/a/b/c") == ["/a", "/a/b"]
 
 
@@ -205,3 +322,23 @@ def test_private_tmp_is_writable_by_the_unprivileged_uid(tmp_path):
     out = subprocess.run(launch.argv, cwd=str(ws), env=launch.env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["hi", str(cfg.uid)]
+
+
+@pytest.mark.skipif(not ROOT, reason="the sandbox uid differs from gyre's only as root")
+def test_the_runner_stops_at_start_when_the_sandbox_uid_cannot_read_its_harness_interpreter(pythons, sandbox_dir):
+    """A fresh checkout in a 0700 directory under the setuid fallback: the runner refuses to
+    start, naming the path and the fix; under bubblewrap, which binds it, it starts."""
+    import dataclasses
+
+    from handlers.daemon import FatalError
+    from handlers.runner import Config, Runner
+
+    cfg = Config(run="r", nats_url="nats://127.0.0.1:1", nats_token=None, run_dir=sandbox_dir / "run", tasks="toy",
+                 key_secret="ab", python=pythons[1], sandbox=SandboxConfig(mode="setuid"))
+    with pytest.raises(FatalError) as err:
+        Runner(cfg, None, {})
+    assert f"{pythons[1]} is not readable by the sandbox uid {UID}: {Path(pythons[1]).parents[2]} is not searchable" \
+        in str(err.value)
+    Runner(dataclasses.replace(cfg, python=pythons[0]), None, {})
+    if HAS_BWRAP:
+        Runner(dataclasses.replace(cfg, sandbox=SandboxConfig(mode="bwrap")), None, {})

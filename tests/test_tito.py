@@ -232,7 +232,7 @@ def test_with_another_template_an_extension_is_pending_and_prepared_off_the_stor
     later = [SYSTEM, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure."},
              {"role": "user", "content": "thanks"}]
     pending = store.attach(later, TOOLS)
-    assert pending.extends is c2
+    assert pending.extends is None  # a query after shown reasoning: known to branch without rendering c2's turn
     prepared = store.prepare(pending)
     assert prepared.suffix_ids is None and prepared.prompt_ids.tolist() == encode(tok, render(tok, later, TOOLS, True))
     m = store.complete(pending, prepared)
@@ -306,6 +306,31 @@ def test_dropped_thinking_opens_a_branch(tok):
     assert not m2.extended and m2.parent is c1
     assert m2.prefix_len == c1.prompt_len  # diverges where <think> was sampled
     assert m2.prompt_ids.tolist() == encode(tok, render(tok, turn2, TOOLS, True))
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+def test_an_empty_think_block_opens_a_branch_as_a_full_one_does(tok, incremental):
+    """The engine answers `<think>\n\n</think>\n\nI am good!`; the harness sends the turn
+    back as "I am good!" with a new query. The template renders that turn without the
+    block the call's ids hold, so the request branches where the block was sampled (as
+    with a non-empty block), also when the block lies further back in an extended chain;
+    a tool result instead of a query extends, as it does after a full block."""
+    store = CallStore(tok) if incremental else CallStore(tok, render=render)
+    assert store.incremental == incremental
+    turn1 = [SYSTEM, TASK]
+    _, c1, answer1 = serve(store, tok, turn1, TOOLS, "<think>\n\n</think>\n\nI am good!", "e:0", 0)
+    assert answer1 == {"role": "assistant", "content": "I am good!"}  # nothing of the block is left
+    turn2 = [*turn1, {"role": "assistant", "content": "I am good!"}, {"role": "user", "content": "and you?"}]
+    m2 = store.match(turn2, TOOLS)
+    assert not m2.extended and m2.parent is c1 and m2.prefix_len == c1.prompt_len
+    assert m2.prompt_ids.tolist() == encode(tok, render(tok, turn2, TOOLS, True))
+    # Further back: an empty block, then a tool round that extends it, then a query.
+    _, c3, answer3 = serve(store, tok, turn1, TOOLS, "<think>\n\n</think>\n\n" + CALL_TEXT, "e:2", 2)
+    tool_turn = [*turn1, answer3, {"role": "tool", "tool_call_id": answer3["tool_calls"][0]["id"], "content": "a"}]
+    m4, c4, answer4 = serve(store, tok, tool_turn, TOOLS, "Listed.", "e:3", 3)
+    assert m4.extended and m4.parent is c3
+    m5 = store.match([*tool_turn, answer4, {"role": "user", "content": "thanks"}], TOOLS)
+    assert not m5.extended and m5.prefix_len == c3.prompt_len
 
 
 def test_three_turn_chain_segments_and_masks(tok):

@@ -2,13 +2,29 @@
 
 A harness executes whatever the policy writes, so each process runs:
 - under an unprivileged uid (default 65534 `nobody`) even when gyre runs as root;
-- with an explicit allow-listed environment: never the NATS url/token (`check_env`);
+- with an explicit allow-listed environment: never the run's secrets (`check_env`: the
+  NATS url and token, the engine token, the key secret);
 - with bubblewrap where available: read-only system (/usr, /etc, /bin, /lib*), read-only
   extra paths (the venv or harness installation), read-write only its own directories
   (workspace, per-execution home), a private /tmp, fresh /proc and /dev, its own pid, ipc,
-  uts and cgroup namespaces, but the host network namespace so loopback reaches the proxy
-  (and so, tokenless, the NATS port). Nothing else of the host is visible: no other
+  uts, cgroup and network namespaces. Nothing else of the host is visible: no other
   workspace, no run directory (nats.json), no /root.
+
+Network (`Network`, given by the runner for a harness): the process gets a private network
+namespace whose only interface is its own loopback, on which one listener, 127.0.0.1:PORT
+(the proxy's port), relays each connection to a Unix socket outside, the runner's relay to
+the proxy (`handlers/sandbox_relay.py` runs inside, the harness is its child). So a harness
+reaches the proxy at its usual URL and nothing else: not the engines, NATS, metrics or any
+other listener on the host's loopback, no abstract Unix socket of the host (those belong to
+a network namespace), no other host or the internet. Without a `Network` (graders) the
+namespace has only its loopback. The `none` mode has no namespace (the host's network).
+
+Readability (`unreadable`): the sandbox uid must be able to read the interpreter and the
+installation a process runs from. `confine` checks the command and the read-only paths
+before anything starts and raises `SandboxError` naming the first path that uid cannot read
+and the fix (bubblewrap binds the installation, so there only the bound tree's own modes
+count; the setuid fallback needs every ancestor searchable too, which a checkout in a 0700
+home or `mktemp -d` directory is not).
 
 Modes (`resolve_mode`):
 - `bwrap`, gyre is root: bwrap runs without a user namespace (root does the mounts) with
@@ -17,8 +33,10 @@ Modes (`resolve_mode`):
   namespaces are disabled.
 - `bwrap`, gyre is not root: bwrap in a user namespace; the process keeps gyre's uid.
 - `setuid` (no bwrap, root): the process is started as uid:gid with a clean environment
-  in its own session. Weaker: it sees the whole file system its uid may read, and the
-  workspace's ancestors must be traversable by that uid.
+  in its own session; with a `Network`, the relay starts as root, enters a new network
+  namespace, brings its loopback up, binds, then drops to uid:gid (no groups, no
+  capabilities, no_new_privs) before starting the process. Weaker: it sees the whole file
+  system its uid may read, and the workspace's ancestors must be traversable by that uid.
 - `none` (no bwrap, not root): only the clean environment. Weakest; logged by callers.
 
 Everything here builds argv and checks paths; starting and killing the process is the
@@ -39,7 +57,8 @@ from typing import Iterable, Mapping
 
 MODES = ("auto", "bwrap", "setuid", "none")
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
-FORBIDDEN_ENV_PREFIXES = ("GYRE_NATS", "NATS_")
+FORBIDDEN_ENV_PREFIXES = ("GYRE_NATS", "NATS_", "GYRE_ENGINE_TOKEN", "GYRE_KEY_SECRET")
+"""The run's secrets: the NATS url and token, the engines' bearer token, the execution keys' secret."""
 SETPRIV = "/usr/bin/setpriv"
 
 
@@ -70,14 +89,44 @@ class SandboxConfig:
                 raise ValueError(f"sandbox readonly paths must be absolute, got {p!r}")
 
 
+class SandboxError(RuntimeError):
+    """A confined process cannot be started as asked; the message names the path or
+    setting at fault and the fix."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Network:
+    """How a confined process reaches the proxy, and nothing else (module docstring).
+
+    port: the port the process finds the proxy at on 127.0.0.1 inside its namespace (the
+      proxy's own port, so its URL does not change). socket: the host path of the Unix
+      socket each connection is relayed to (the runner's relay to the proxy), visible at the
+      same path inside. relay: the relay's command line up to its options
+      (`[python, -I, -S, .../handlers/sandbox_relay.py]`). readonly: host paths the relay
+      needs visible (its interpreter's installation and its file).
+    """
+
+    port: int
+    socket: str
+    relay: tuple[str, ...]
+    readonly: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"sandbox network port must be in [1, 65535], got {self.port}")
+        if not os.path.isabs(self.socket) or not self.relay:
+            raise ValueError("sandbox network needs an absolute socket path and a relay command")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Launch:
     """A confined command ready to start.
 
-    argv: full command line (bwrap wrapper included). cwd: working directory of the
-    starter (the sandbox sets its own). env: the complete environment of the process.
-    user, group: identity to start as (setuid mode) or None. mode: the resolved mode.
-    warning: '' or why confinement is weaker than bubblewrap's.
+    argv: full command line (bwrap wrapper and the network relay included). cwd: working
+    directory of the starter (the sandbox sets its own). env: the complete environment of
+    the process. user, group: identity to start as (setuid mode without a `Network`) or
+    None. mode: the resolved mode. warning: '' or why confinement is weaker than
+    bubblewrap's.
     """
 
     argv: list[str]
@@ -140,6 +189,7 @@ def resolve_mode(cfg: SandboxConfig) -> tuple[str, str]:
 
 @functools.lru_cache(maxsize=8)
 def _probe(bwrap: str, root: bool) -> str:
+    """'' when bwrap can start a sandbox here (its network namespace included), else why not."""
     argv = _bwrap_argv(bwrap, root=root, uid=65534, gid=65534, cwd="/", writable=(), readonly=()) + ["/bin/true"]
     try:
         res = subprocess.run(argv, capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL)
@@ -149,15 +199,19 @@ def _probe(bwrap: str, root: bool) -> str:
 
 
 def confine(argv: list[str], *, cwd: str | Path, env: Mapping[str, str], cfg: SandboxConfig,
-            writable: Iterable[str | Path] = (), readonly: Iterable[str | Path] = ()) -> Launch:
+            writable: Iterable[str | Path] = (), readonly: Iterable[str | Path] = (),
+            network: Network | None = None) -> Launch:
     """Wrap `argv` so it runs confined in `cwd`.
 
     cwd: working directory (made writable). env: the complete allow-listed environment
     (checked by `check_env`). writable: more host directories mounted read-write (a
     per-execution home). readonly: more host paths mounted read-only, added to
-    cfg.readonly. All paths absolute and identical inside and outside.
+    cfg.readonly. network: how the process reaches the proxy (module docstring); None = no
+    network at all (bwrap) or the host's (setuid, none). All paths absolute and identical
+    inside and outside.
     Raises ValueError on a forbidden environment variable or a relative path;
-    RuntimeError when the requested mode is impossible.
+    RuntimeError when the requested mode is impossible; SandboxError when the sandbox uid
+    cannot read the command or a read-only path (`unreadable`).
     """
     check_env(env)
     cwd = os.path.abspath(cwd)
@@ -165,11 +219,28 @@ def confine(argv: list[str], *, cwd: str | Path, env: Mapping[str, str], cfg: Sa
     ro = tuple(dict.fromkeys([*cfg.readonly, *(os.path.abspath(p) for p in readonly)]))
     mode, warning = resolve_mode(cfg)
     root = os.geteuid() == 0
+    if mode in ("bwrap", "setuid") and root:
+        command = [a for a in argv[:1] if os.path.isabs(a)]
+        present = [p for p in ro if os.path.lexists(p)]  # missing read-only paths are skipped (SandboxConfig)
+        problem = unreadable([*command, *present], cfg.uid, cfg.gid, binds=(*ro, *rw) if mode == "bwrap" else None)
+        if problem:
+            raise SandboxError(problem)
+    relay: list[str] = []
+    if network is not None and mode != "none":
+        relay = [*network.relay, "--listen", f"127.0.0.1:{network.port}", "--socket", network.socket]
+        if mode == "setuid":
+            relay += ["--unshare-net", "--drop", f"{cfg.uid}:{cfg.gid}"]
+        relay.append("--")
     if mode == "bwrap":
+        if network is not None:
+            ro = tuple(dict.fromkeys([*ro, *network.readonly, network.socket]))
         wrapped = _bwrap_argv(find_bwrap(cfg) or "bwrap", root=root, uid=cfg.uid, gid=cfg.gid, cwd=cwd,
-                              writable=rw, readonly=ro) + list(argv)
+                              writable=rw, readonly=ro) + relay + list(argv)
         return Launch(argv=wrapped, cwd="/", env=dict(env), user=None, group=None, mode=mode)
     if mode == "setuid":
+        if relay:  # the relay starts as root for the namespace, then drops to uid:gid itself
+            return Launch(argv=relay + list(argv), cwd=cwd, env=dict(env), user=None, group=None, mode=mode,
+                          warning=warning)
         return Launch(argv=list(argv), cwd=cwd, env=dict(env), user=cfg.uid, group=cfg.gid, mode=mode, warning=warning)
     return Launch(argv=list(argv), cwd=cwd, env=dict(env), user=None, group=None, mode=mode, warning=warning)
 
@@ -177,7 +248,7 @@ def confine(argv: list[str], *, cwd: str | Path, env: Mapping[str, str], cfg: Sa
 def _bwrap_argv(bwrap: str, *, root: bool, uid: int, gid: int, cwd: str, writable: tuple[str, ...],
                 readonly: tuple[str, ...]) -> list[str]:
     args = [bwrap, "--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-pid", "--unshare-uts",
-            "--unshare-cgroup-try", "--hostname", "gyre-sandbox"]
+            "--unshare-net", "--unshare-cgroup-try", "--hostname", "gyre-sandbox"]
     if not root:
         args.append("--unshare-user")
     mirrored: list[str] = []   # host paths visible at the same place (their subtrees exist)
@@ -221,7 +292,8 @@ def _ancestors(path: str) -> list[str]:
 
 
 def check_env(env: Mapping[str, str]) -> None:
-    """Raise ValueError if `env` carries a NATS setting (the token never reaches a harness)."""
+    """Raise ValueError if `env` carries one of the run's secrets (`FORBIDDEN_ENV_PREFIXES`:
+    a NATS setting, the engine token, the key secret), which never reach a harness."""
     for key in env:
         if key.upper().startswith(FORBIDDEN_ENV_PREFIXES):
             raise ValueError(f"environment variable {key!r} must not be passed to a confined process")
@@ -246,6 +318,70 @@ def own_tree(path: str | Path, uid: int, gid: int) -> None:
     for dirpath, dirnames, filenames in os.walk(path):
         for name in dirnames + filenames:
             os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
+
+
+def _allows(st: os.stat_result, uid: int, gid: int, bits: int) -> bool:
+    """Whether uid:gid (no supplementary groups) has `bits` (an `S_IRUSR | S_IXUSR`-style
+    mask of the owner's bits) on a file of stat `st`."""
+    if st.st_uid == uid:
+        return st.st_mode & bits == bits
+    if st.st_gid == gid:
+        return st.st_mode & (bits >> 3) == bits >> 3
+    return st.st_mode & (bits >> 6) == bits >> 6
+
+
+def unreadable(paths: Iterable[str | Path], uid: int, gid: int, *,
+               binds: Iterable[str] | None = None) -> str:
+    """'' when uid:gid can read every one of `paths`, else a message naming the first path in
+    the way and the fix. A path must exist, be readable and, if it is a directory or an
+    executable file, searchable/executable; a symlink's target is checked too. binds: the
+    host trees a bwrap sandbox mounts (their ancestors are made for it, mode 0755, so only
+    the directories from the bind's root down count); None = the setuid fallback, where every
+    ancestor from / must be searchable."""
+    roots = sorted({os.path.abspath(b) for b in binds}, key=len, reverse=True) if binds is not None else None
+    for raw in paths:
+        path = os.path.abspath(raw)
+        for target in dict.fromkeys([path, os.path.realpath(path)]):
+            problem = _unreadable_one(target, uid, gid, roots)
+            if problem:
+                return problem
+    return ""
+
+
+def _unreadable_one(path: str, uid: int, gid: int, roots: list[str] | None) -> str:
+    start = "/"
+    if roots is not None:
+        start = next((r for r in roots if path == r or path.startswith(r.rstrip("/") + "/")), "/")
+        if start == "/" and not path.startswith(SYSTEM_PATHS):
+            return ""  # not mounted in the sandbox: nothing to read there
+    chain = [a for a in _ancestors(path) if a == start or a.startswith(start.rstrip("/") + "/")]
+    for anc in chain:
+        try:
+            st = os.stat(anc)
+        except OSError as exc:
+            return f"{path} cannot be reached: {anc}: {exc.strerror}"
+        if not _allows(st, uid, gid, stat.S_IXUSR):
+            return _fix(path, anc, st, uid, roots, "is not searchable")
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return f"{path} does not exist or cannot be reached ({exc.strerror})"
+    bits = stat.S_IRUSR | (stat.S_IXUSR if stat.S_ISDIR(st.st_mode) or st.st_mode & 0o111 else 0)
+    if not _allows(st, uid, gid, bits):
+        return _fix(path, path, st, uid, roots, "is not readable")
+    return ""
+
+
+def _fix(path: str, blocked: str, st: os.stat_result, uid: int, roots: list[str] | None, what: str) -> str:
+    mode = f"mode {stat.S_IMODE(st.st_mode):04o}"
+    head = (f"{path} is not readable by the sandbox uid {uid}: it {what} ({mode})" if blocked == path else
+            f"{path} is not readable by the sandbox uid {uid}: {blocked} {what} ({mode})")
+    if roots is None:
+        return (f"{head}. The setuid sandbox (no bubblewrap) needs every directory above the interpreter and the "
+                f"harness installation searchable by that uid: install them under a world-readable prefix "
+                f"(e.g. /opt), or `chmod o+x {blocked}`, or install bubblewrap (apt-get install bubblewrap), "
+                f"which binds the installation into the sandbox")
+    return f"{head}. Make the installation world-readable: `chmod -R o+rX {blocked}`"
 
 
 def unreachable_ancestor(path: str | Path, uid: int, gid: int) -> str | None:

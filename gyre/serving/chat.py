@@ -4,6 +4,8 @@
   tokenizer's chat template (gyre/serving/templates/qwen3_chat.jinja on the embedded default).
   Messages are normalised first: `developer` → `system`, content parts → one string,
   tool-call arguments → JSON text. Invalid input raises `ValueError` naming the message.
+- `added_tools_text` is what a system message says that makes tools available mid-conversation
+  (Responses `additional_tools` items), in the header's tool format.
 - `parse_completion` splits a completion's text into reasoning (`<think>…</think>`),
   content, and tool calls (`<tool_call>{"name": …, "arguments": {…}}</tool_call>`).
   It never raises: a malformed or unclosed block stays in the content as plain text (but
@@ -156,6 +158,20 @@ def call_function(call: Any) -> Any:
         text = custom.get("input")
         return {"name": custom.get("name"), "arguments": custom_arguments("" if text is None else text)}
     return call.get("function")
+
+
+def added_tools_text(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The content of a system message that makes `tools` (chat-form function tools)
+    available from its place in a conversation on (Responses `additional_tools` items):
+    the list written as the template's header writes its tools (one JSON object a line
+    inside `<tools></tools>`) and how to call them, so the policy reads them as it reads
+    the first ones."""
+    listed = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return ("# Additional tools\n\nThese functions are available from here on, beside any listed before. "
+            "Their signatures are within <tools></tools> XML tags:\n<tools>" + listed + "\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -21,7 +21,9 @@ Contract:
      after the last one show reasoning), so the cost does not grow with the history; with
      another template both conversations are rendered in full and compared.
   2. *Branch.* Otherwise (no such call, or the rendered text is not an extension, e.g. a
-     template that drops earlier thinking) the whole request is rendered and encoded, and
+     template that drops earlier thinking; or c's completion held a think block, empty
+     ones included, and a real user query follows it: the template renders that turn
+     without the block, which c's ids hold) the whole request is rendered and encoded, and
      the recorded call sharing the longest common token prefix with it becomes the parent
      (prefix_len = that length; parent None and 0 when nothing is shared). Never raises
      for a mismatch.
@@ -232,6 +234,8 @@ class CallStore:
         self.tokenizer = tokenizer
         self.render = render
         self.check_drift = check_drift
+        # A completion holding this id wrote a think block, empty or not (Qwen3's `</think>`).
+        self._think_end = (getattr(tokenizer, "get_added_vocab", dict)() or {}).get("</think>")
         self.calls: list[CallRecord] = []
         self.tool_args: dict[str, str] = {}
         self._by_conv: dict[bytes, CallRecord] = {}
@@ -387,7 +391,8 @@ class CallStore:
             if c is None:
                 continue
             if not self.incremental:
-                extends = c  # decided once both conversations are rendered (`prepare`)
+                if not _drops_shown_reasoning(c, msgs[k:]):
+                    extends = c  # decided once both conversations are rendered (`prepare`)
                 break
             rest = msgs[k:]
             if _text_chars(rest, ()) > HEAVY_CHARS and not _drops_shown_reasoning(c, rest):
@@ -447,8 +452,10 @@ class CallStore:
                 sampled = np.zeros(len(prompt), bool)
                 sampled[: c.full_len] = c.sampled_mask(c.full_len)
                 drift = count_drift(prompt, sampled, prepared.reference_ids, self._joins)
+            query, shown = conversation_facts(pending.rest, (c.conv_query, c.conv_shown))
             return Match(parent=c, prefix_len=c.full_len, prompt_ids=prompt, extended=True, drift=drift,
-                         messages=(*c.messages, c.answer, *pending.rest), tools=tools, digest=pending.digest)
+                         messages=(*c.messages, c.answer, *pending.rest), tools=tools, digest=pending.digest,
+                         query=query, shown=shown)
         prompt_ids = prepared.prompt_ids
         if pending.fresh:
             return Match(parent=None, prefix_len=0, prompt_ids=prompt_ids, extended=False, drift=0,
@@ -467,7 +474,7 @@ class CallStore:
             best = best.parent
         if best_len == 0:
             best = None
-        query, shown = conversation_facts(msgs) if self.incremental else (False, False)
+        query, shown = conversation_facts(msgs)
         return Match(parent=best, prefix_len=best_len, prompt_ids=prompt_ids, extended=False, drift=0,
                      messages=msgs, tools=tools, digest=pending.digest, query=query, shown=shown)
 
@@ -582,9 +589,12 @@ class CallStore:
         conv_key = hashlib.sha256(match.digest + message_key(answer_n)).digest()
         prompt_len = len(match.prompt_ids)
         turn_start = turn_drift = 0
-        conv_shown = match.shown
+        # The answer shows reasoning after the last query when its message has some, or when
+        # its ids hold a think block (an empty one leaves the message none): either way a
+        # later query makes the template render this turn otherwise than its ids.
+        thinks = self._think_end is not None and bool(np.any(comp == self._think_end))
+        conv_shown = match.shown or (match.query and (shows_reasoning(answer_n) or thinks))
         if self.incremental:
-            conv_shown = conv_shown or (match.query and shows_reasoning(answer_n))
             ends = np.flatnonzero(match.prompt_ids[match.prefix_len:] == IM_END)
             if len(ends):
                 turn_start = match.prefix_len + int(ends[-1]) + 1
@@ -616,8 +626,8 @@ class CallStore:
 
 
 def _drops_shown_reasoning(c: CallRecord, rest: Sequence[dict]) -> bool:
-    """With gyre's template: a real user query in `rest` after c's conversation showed
-    reasoning, which the template then drops, so c's rendering is no prefix of the
-    request's (a branch, not an extension)."""
+    """A real user query in `rest` after c's conversation showed reasoning (a think block in
+    its ids, empty ones included), which the template then drops, so c's ids are no prefix
+    of the request's rendering (a branch, not an extension)."""
     return c.conv_shown and any(is_query(m) for m in rest)
 

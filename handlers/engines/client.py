@@ -12,8 +12,12 @@ One method per endpoint. Errors:
 The session is the caller's: one per process, from `make_session()` (no total timeout,
 bounded connect and socket read; `/generate` takes its own bound, since a generation may
 run for a long time). `/generate`, sent once per model call, goes over the client's own
-keep-alive connections instead (`engine_http.EngineConnections`: a fraction of aiohttp's
+keep-alive connections instead (`handlers.engines.connections.EngineConnections`: a fraction of aiohttp's
 cost per request); `close()` drops them.
+
+Authentication: `api_key`, the run's engine token, is sent on every request as
+`Authorization: Bearer <token>` (SGLang's `--api-key` convention; the embedded engine
+demands it). A 401 or 403 is an `EngineRequestError`, like any refusal.
 """
 from __future__ import annotations
 
@@ -108,10 +112,13 @@ def ids_json(input_ids: Sequence[int] | np.ndarray) -> bytes:
 class EngineClient:
     """Client of one engine at `base_url` (e.g. "http://127.0.0.1:30000")."""
 
-    def __init__(self, base_url: str, session: aiohttp.ClientSession) -> None:
+    def __init__(self, base_url: str, session: aiohttp.ClientSession, api_key: str = "") -> None:
+        """api_key: the engine's bearer token ('' = send none: an engine that demands none)."""
         self.base_url = base_url.rstrip("/")
         self.session = session
-        self.connections = EngineConnections(self.base_url, connect_s=session.timeout.connect or 10.0)
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.connections = EngineConnections(self.base_url, connect_s=session.timeout.connect or 10.0,
+                                             bearer=api_key)
 
     def close(self) -> None:
         """Drop the idle `/generate` connections (the session is the caller's to close)."""
@@ -121,7 +128,9 @@ class EngineClient:
                        timeout: aiohttp.ClientTimeout | None = None) -> object:
         url = self.base_url + path
         data = None if body is None else orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
-        headers = None if body is None else {"Content-Type": "application/json"}
+        headers = dict(self._auth)
+        if body is not None:
+            headers["Content-Type"] = "application/json"
         extra = {} if timeout is None else {"timeout": timeout}
         try:
             async with self.session.request(method, url, data=data, headers=headers, **extra) as resp:

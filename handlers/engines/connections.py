@@ -8,7 +8,7 @@ latency run), against 0.13–0.16 ms for one `transport.write` and a parse with 
 (llhttp, the parser uvicorn uses) — measured in the same process, interleaved
 (docs/results.md, "The engine request"). The proxy's budget for all it adds to a
 call is 1 ms (BENCHMARKS.md), so the `/generate` leg uses this pool; every other engine
-endpoint stays on the aiohttp session (`engine_client.EngineClient`).
+endpoint stays on the aiohttp session (`handlers.engines.client.EngineClient`).
 
 What it speaks: `POST` with a `Content-Length` body; a response framed by
 `Content-Length`, chunked encoding, or the connection's close (httptools parses them;
@@ -26,7 +26,7 @@ closed before the whole response, malformed response, an unusable URL) and
 asyncio.TimeoutError (`timeout_s` ran out); `Unreachable`, a ConnectionError, when no
 connection could be made (within `connect_s` too), so the request was never sent. A request is never sent twice:
 when the engine closes a reused idle connection after the poll, just as the request goes
-out, that is a ConnectionError like any other (the caller, `proxy_routing.Dispatcher`,
+out, that is a ConnectionError like any other (the caller, `handlers.proxy.routing.Dispatcher`,
 retries under a new request id), since the engine may have read it. Cancelling `post`, or
 its timeout, aborts the connection, so the engine sees the client go and aborts the
 generation (SGLang and gyre's engine do).
@@ -167,12 +167,13 @@ class EngineConnections:
     """A pool of keep-alive connections to the engine at `base_url` ("http://host:port",
     optionally with a path prefix; https is served with the default SSL context).
     connect_s: seconds a new connection may take. idle_s: seconds an idle connection is
-    kept. Use from one event loop; `close` drops the idle connections. A URL this pool
+    kept. bearer: the engine's token, sent as `Authorization: Bearer` ('' = none; a URL's
+    user and password are then sent as Basic). Use from one event loop; `close` drops the idle connections. A URL this pool
     cannot reach (no http(s) scheme or host, a bad port) fails each `post` with
     ConnectionError, as a refused connection does: the caller avoids that engine, as it
     did when aiohttp refused such a URL."""
 
-    def __init__(self, base_url: str, connect_s: float = 10.0, idle_s: float = IDLE_S) -> None:
+    def __init__(self, base_url: str, connect_s: float = 10.0, idle_s: float = IDLE_S, bearer: str = "") -> None:
         self.invalid = ""
         try:
             parts = urllib.parse.urlsplit(base_url)
@@ -186,6 +187,8 @@ class EngineConnections:
             user, password = parts.username or "", parts.password or ""
             self.auth = b"Authorization: Basic %s\r\n" % base64.b64encode(
                 f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}".encode()) if user or password else b""
+            if bearer:  # the engine's token (SGLang's --api-key) takes the Authorization header
+                self.auth = b"Authorization: Bearer %s\r\n" % bearer.encode("ascii")
         except (ValueError, UnicodeError) as exc:
             parts, self.invalid = None, f"engine URL {base_url!r} is not usable: {exc}"
         if parts is not None and (parts.scheme not in ("http", "https") or not parts.hostname):

@@ -19,11 +19,18 @@ Routes (bodies are JSON; errors are `{"error": {"message", "type"}}`):
 
 `set_serving(app, False)` makes a cell leaving rollout answer 503 on /generate and
 /health; requests already in flight finish (the cell aborts them if it must).
+
+Authentication (SGLang's `--api-key` convention, so one client serves both): every route
+but `/health*` demands `Authorization: Bearer <token>`, the run's engine token, and
+answers 401 `{"error": {"message", "type": "unauthorized"}}` without it. The proxy and the
+cells hold the token; harnesses never do (gyre.env.sandbox refuses it in their
+environment, and their network namespace does not reach the engine at all).
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hmac
 import threading
 import uuid
 
@@ -39,6 +46,9 @@ log = structlog.get_logger(__name__)
 ENGINE = web.AppKey("engine", Engine)
 SERVING = web.AppKey("serving", dict)
 POOL = web.AppKey("pool", concurrent.futures.ThreadPoolExecutor)
+API_KEY = web.AppKey("api_key", bytes)
+OPEN_PREFIX = "/health"
+"""Routes answered without the token (liveness probes), as SGLang exempts them."""
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting /generate checks whether its client left
 
@@ -236,6 +246,21 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 
 
 @web.middleware
+async def _auth(request: web.Request, handler):
+    """401 unless the request carries the engine's bearer token (module docstring)."""
+    if request.path.startswith(OPEN_PREFIX):
+        return await handler(request)
+    given = request.headers.get("Authorization", "").encode("utf-8", "surrogatepass")
+    if not hmac.compare_digest(given, b"Bearer " + request.app[API_KEY]):
+        log.warning("engine.server.unauthorized", path=request.path, remote=request.remote)
+        response = _error(401, "Unauthorized: this engine demands its run's bearer token "
+                               "(Authorization: Bearer <token>)", "unauthorized")
+        response.headers["WWW-Authenticate"] = "Bearer"
+        return response
+    return await handler(request)
+
+
+@web.middleware
 async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
@@ -248,10 +273,15 @@ async def _errors(request: web.Request, handler):
         return _error(500, f"{type(e).__name__}: {e}", "internal_error")
 
 
-def make_app(engine: Engine, max_workers: int = 256) -> web.Application:
-    """The aiohttp app serving `engine`. max_workers bounds concurrent /generate calls
-    (each holds a worker thread while its decode steps interleave with the others)."""
-    app = web.Application(middlewares=[_errors], client_max_size=256 * 1024 * 1024)
+def make_app(engine: Engine, *, api_key: str, max_workers: int = 256) -> web.Application:
+    """The aiohttp app serving `engine`. api_key: the bearer token every route but
+    `/health*` demands (non-empty; raises ValueError otherwise). max_workers bounds
+    concurrent /generate calls (each holds a worker thread while its decode steps
+    interleave with the others)."""
+    if not api_key:
+        raise ValueError("the engine server demands a bearer token: api_key must be non-empty")
+    app = web.Application(middlewares=[_errors, _auth], client_max_size=256 * 1024 * 1024)
+    app[API_KEY] = api_key.encode("utf-8")
     app[ENGINE] = engine
     app[SERVING] = {"on": True}
     app[POOL] = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="engine")
@@ -272,10 +302,11 @@ def make_app(engine: Engine, max_workers: int = 256) -> web.Application:
     return app
 
 
-async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> tuple[web.Application, web.AppRunner, str]:
-    """Starts the app on host:port (0 = a free port). Returns (app, runner, base url);
-    stop it with `await runner.cleanup()`."""
-    app = make_app(engine)
+async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0, *,
+                api_key: str) -> tuple[web.Application, web.AppRunner, str]:
+    """Starts the app on host:port (0 = a free port), demanding `api_key` (`make_app`).
+    Returns (app, runner, base url); stop it with `await runner.cleanup()`."""
+    app = make_app(engine, api_key=api_key)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

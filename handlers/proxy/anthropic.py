@@ -10,8 +10,10 @@ Requests → internal chat messages (handlers/proxy/api.py):
   text (a `text` source's data, a `content` source's text blocks; a PDF or URL source a
   placeholder), `search_result` → its title and source, a blank line, its content's text,
   `image` → a placeholder, `tool_result` {tool_use_id,
-  content string|blocks, is_error → "Error: " prefix} → a `tool` message, in block order
-  (texts around tool results become user messages). Assistant: `thinking` →
+  content string|blocks, is_error → "Error: " prefix} → a `tool` message (texts around
+  tool results become user messages), results in the order of the `tool_use` blocks they
+  answer; a `tool_use_id` no earlier `tool_use` has is a 400 naming it
+  (`handlers.proxy.api.tool_results_in_call_order`). Assistant: `thinking` →
   `reasoning_content`, `text` → content, `tool_use` {id, name, input} → a tool call whose
   arguments are the JSON text of `input`; `redacted_thinking` and server-tool blocks dropped.
   `role: "system"` entries mid-conversation stay system messages. `cache_control` anywhere
@@ -46,7 +48,7 @@ import orjson
 
 from handlers.proxy.api import (
     Answer, Api, ApiError, MessageMemo, ModelRequest, StreamStart, check_count, flag, function_tool, parse_sampling,
-    pieces, sse, unique_hex,
+    pieces, sse, tool_results_in_call_order, unique_hex,
 )
 from schemas.call import SamplingParams
 
@@ -219,7 +221,7 @@ def anthropic_messages(body: dict, memo: MessageMemo | None = None) -> list[dict
     else:
         for i, m in enumerate(messages):
             out.extend(_message(i, m))
-    return out
+    return tool_results_in_call_order(out, "messages")
 
 
 def anthropic_tools(tools: Any) -> list[dict] | None:

@@ -1,7 +1,8 @@
 """What the proxy's API shapes share: errors, the parsed request, the answer, SSE framing.
 
 Contract: each wire API (OpenAI Chat Completions, OpenAI Responses, Anthropic Messages)
-is an `Api` object (handlers/proxy/openai.py, handlers/proxy/anthropic.py) that
+is an `Api` object (handlers/proxy/openai.py, handlers/proxy/responses.py,
+handlers/proxy/anthropic.py) that
 - parses a request body into a `ModelRequest` whose `messages`/`tools` are in the internal
   form `gyre.serving.chat.render` and `gyre.serving.tito` take (OpenAI chat messages: role, content string,
   tool_calls [{id, type, function{name, arguments JSON text}}], tool_call_id,
@@ -10,6 +11,9 @@ is an `Api` object (handlers/proxy/openai.py, handlers/proxy/anthropic.py) that
 - renders an `ApiError` in its own error shape (`error_body`, `sse_error`).
 The assistant message recorded for TITO is `internal_message(answer)` for every API, so
 a harness that echoes our answer back in its own API's form converts to the same message.
+Every API's tool results pass `tool_results_in_call_order`: a result for no call of the
+request's history is a 400 naming the id, and results are rendered in the order of the
+calls they answer.
 
 Pure: no aiohttp here (handlers/proxy/call.py and app.py do the HTTP).
 """
@@ -205,7 +209,7 @@ class Api:
         return sse(err.body())
 
     def preamble(self, start: StreamStart, req: ModelRequest) -> list[bytes]:
-        """SSE frames that open a stream, ahead of the answer's (`proxy_http.Reply`)."""
+        """SSE frames that open a stream, ahead of the answer's (`handlers.proxy.http.Reply`)."""
         return []
 
     def render(self, answer: Answer, req: ModelRequest) -> dict | list[bytes]:
@@ -224,6 +228,76 @@ def internal_message(answer: Answer) -> dict:
         msg["tool_calls"] = [{"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}
                              for tc in answer.tool_calls]
     return msg
+
+
+# --------------------------------------------------------------------------- tool results
+
+_ORPHAN = {
+    "chat": ("Invalid parameter: 'tool_call_id' of {id!r} not found in 'tool_calls' of an earlier assistant "
+             "message: a message with role 'tool' must answer a tool call of this conversation", "messages"),
+    "responses": ("No tool call found for function call output with call_id {id!r}: an output must answer a "
+                  "function_call (or custom_tool_call) item of this input", "input"),
+    "messages": ("unexpected `tool_use_id` found in `tool_result` blocks: {id!r}. Each `tool_result` block must "
+                 "have a corresponding `tool_use` block in an earlier assistant message", "messages"),
+}
+
+
+def tool_results_in_call_order(messages: list[dict], api: str) -> list[dict]:
+    """The internal `messages` of an `api` request (`chat`, `responses`, `messages`) with
+    every tool result checked against the request's own history and each run of results
+    put in the order of the calls they answer.
+
+    - A `tool` message whose `tool_call_id` is empty, missing, or names no tool call of an
+      earlier assistant message in the request is refused: ApiError(400) naming the id in
+      the API's words (`_ORPHAN`), as the hosted APIs refuse it, instead of a result the
+      policy would read as an orphan turn.
+    - A run of consecutive `tool` messages right after an assistant message with tool
+      calls is ordered as those calls are (stable; results of other calls after them):
+      the Qwen3 format renders results without their ids, in order, so the policy reads
+      the k-th result as its k-th call's. Other messages keep their place.
+    Returns `messages` itself when nothing moves (the message objects are never copied)."""
+    seen: set[str] = set()
+    out: list[dict] | None = None
+    i = 0
+    while i < len(messages):
+        m = messages[i]
+        if m.get("role") == "assistant":
+            order = {}
+            for call in m.get("tool_calls") or ():
+                if isinstance(call, dict) and isinstance(call.get("id"), str) and call["id"]:
+                    order.setdefault(call["id"], len(order))
+            seen.update(order)
+            j = i + 1
+            while j < len(messages) and messages[j].get("role") == "tool":
+                _check_result(messages[j], j, seen, api)
+                j += 1
+            run = messages[i + 1:j]
+            ranked = sorted(run, key=lambda r: order.get(r.get("tool_call_id"), len(order)))
+            if any(a is not b for a, b in zip(ranked, run)):
+                out = list(messages) if out is None else out
+                out[i + 1:j] = ranked
+            i = j
+            continue
+        if m.get("role") == "tool":
+            _check_result(m, i, seen, api)
+        i += 1
+    return messages if out is None else out
+
+
+def _check_result(message: dict, index: int, seen: set[str], api: str) -> None:
+    tc_id = message.get("tool_call_id")
+    if isinstance(tc_id, str) and tc_id in seen:
+        return
+    text, param = _ORPHAN[api]
+    if api == "chat":
+        param = f"messages[{index}].tool_call_id"
+    what = {"chat": "'tool_call_id'", "responses": "'call_id'", "messages": "`tool_use_id`"}[api]
+    if not isinstance(tc_id, str):
+        raise ApiError(400, f"a tool result's {what} must be a string naming the call it answers, got {tc_id!r}"[:300],
+                       param=param)
+    if not tc_id:
+        raise ApiError(400, f"a tool result's {what} is empty: it must name the call it answers", param=param)
+    raise ApiError(400, text.format(id=tc_id[:200]), param=param)
 
 
 # --------------------------------------------------------------------------- helpers

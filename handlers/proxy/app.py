@@ -4,8 +4,8 @@ its server.
 Contract:
 - Routes (`make_app`), each also without `/v1`: `POST /v1/chat/completions`, `POST
   /v1/responses` and `POST /v1/responses/input_tokens` (OpenAI shapes,
-  handlers/proxy/openai.py), `POST /v1/messages` and `POST /v1/messages/count_tokens`
-  (Anthropic shapes, handlers/proxy/anthropic.py; a `?beta=true` query is ignored), all
+  handlers/proxy/openai.py and handlers/proxy/responses.py), `POST /v1/messages` and
+  `POST /v1/messages/count_tokens` (Anthropic shapes, handlers/proxy/anthropic.py; a `?beta=true` query is ignored), all
   served by `handlers.proxy.call`; `GET /v1/models` and `/v1/models/{id}` (any id; the
   key is checked); `/v1/responses/{id}` is a 404 (no response is stored); `GET /health`
   (`{"status": "ok", "run"}`), `GET|HEAD /`. Any other path: 404 `unknown_url`, a model

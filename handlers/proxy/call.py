@@ -76,7 +76,8 @@ from handlers.proxy.api import (
     internal_message, unique_hex,
 )
 from handlers.proxy.http import Reply, error_response, key_of, read_json
-from handlers.proxy.openai import ChatApi, ResponsesApi, parse_chat_request, parse_responses_request
+from handlers.proxy.openai import ChatApi, parse_chat_request
+from handlers.proxy.responses import ResponsesApi, parse_responses_request
 from handlers.proxy.routing import Attempt, EngineResult
 from handlers.proxy.state import ProxyState, _Execution, finished_error
 from schemas.call import SamplingParams

@@ -93,6 +93,9 @@ class Config(ProxySection):
     nats_token: str | None = None
     engine_url: str = ""
     """Engine used while no rollout cell is known ('' = none: wait for `cell.switched`)."""
+    engine_token: str = dataclasses.field(default="", repr=False)
+    """Bearer token sent to every engine (the run's engine token, SGLang's `--api-key`;
+    `handlers.engines.embedded` demands it); '' = none."""
     static_cell: str = "static"
     """Cell name recorded for calls served by `engine_url`."""
     model_name: str = "gyre"
@@ -311,6 +314,7 @@ def config_from_context(ctx: Any, args: Any) -> Config:
     r = ctx.recipe
     return Config(run=ctx.run, key_secret=ctx.key_secret, port=args.port, model_dir=str(ctx.checkpoint()),
                   nats_url=ctx.nats_url, nats_token=ctx.nats_token, engine_url=args.engine_url or "",
+                  engine_token=ctx.engine_token,
                   temperature=r.sampling.temperature, top_p=r.sampling.top_p, top_k=r.sampling.top_k,
                   max_completion_tokens=r.sampling.max_tokens, max_calls=r.harness.max_calls,
                   context_tokens=0 if args.engine_url else r.engine.max_context_tokens,

@@ -385,13 +385,16 @@ class Dispatcher:
     the call goes to another rollout cell at once, or to the same engine after a backoff
     (`retry_backoff_s` doubling to `retry_backoff_max_s`), or waits for a cell, for up to
     `retry_timeout_s` seconds. session: the process's engine `aiohttp.ClientSession`.
+    engine_token: the bearer token sent to every engine ('' = none); an engine that
+    refuses it (401, 403) fails the call with a 502 `engine_unauthorized`.
     spawn: runs a background coroutine (the upstream aborts) the caller drains at shutdown.
     """
 
     def __init__(self, router: Router, session: Any, *, concurrency: int, retry_timeout_s: float,
                  retry_backoff_s: float, retry_backoff_max_s: float, spawn: Callable[[Awaitable[Any]], None],
-                 vocab_size: int = 2**31):
+                 vocab_size: int = 2**31, engine_token: str = ""):
         self.router = router
+        self.engine_token = engine_token
         self.vocab_size = vocab_size
         self.session = session
         self.retry_timeout_s = retry_timeout_s
@@ -419,7 +422,8 @@ class Dispatcher:
     def _engine(self, url: str) -> tuple[EngineClient, asyncio.Semaphore]:
         c = self._clients.get(url)
         if c is None:
-            c = self._clients[url] = (EngineClient(url, self.session), asyncio.Semaphore(self.concurrency))
+            client = EngineClient(url, self.session, self.engine_token)
+            c = self._clients[url] = (client, asyncio.Semaphore(self.concurrency))
         return c
 
     async def abort_upstream(self, client: EngineClient, rid: str) -> None:
@@ -451,7 +455,7 @@ class Dispatcher:
         Raises ApiError(503) when no engine answered within retry_timeout_s (time spent waiting
         for one: an attempt that generated and was lost adds its time back) or none is left
         once the proxy stops (`stop`), ApiError(400) when the engine refused the request (a
-        4xx: `proxy_api.context_exceeded` when it refused a prompt its context cannot hold),
+        4xx: `handlers.proxy.api.context_exceeded` when it refused a prompt its context cannot hold),
         ApiError(502) when it failed it MAX_ENGINE_ERRORS + 1 times (a 5xx other than 503).
         """
         if prompt_tokens is None and not isinstance(prompt_ids, orjson.Fragment):
@@ -517,6 +521,10 @@ class Dispatcher:
                     deadline += time.monotonic() - t_engine  # the window counts waiting, not generating
                     backoff = await self._avoid(avoid, cell, backoff, deadline - time.monotonic())
                     continue
+                if exc.status in (401, 403):  # gyre's own wiring, not the harness's request
+                    log.error("proxy.engine.unauthorized", **ctx, cell=cell, status=exc.status)
+                    raise ApiError(502, "the engine refused the proxy's credentials (its engine token)",
+                                   "server_error", code="engine_unauthorized") from exc
                 status = 400 if 400 <= exc.status < 500 else 502
                 raise ApiError(status, f"the engine refused the request: {exc.body}",
                                "invalid_request_error" if status == 400 else "server_error",
