@@ -6,6 +6,8 @@
                                                   print live events of the current run
     gyre init-model DIR [--layers N ...]          write the embedded default model
     gyre bench NAME [--json PATH]                 a benchmark of docs/BENCHMARKS.md (proxy, trajectories, hostile)
+    gyre sim [--profile NAME|all] [--random N --seed S] [--trace PATH] [--json PATH]
+                                                  the scheduling modes on simulated clusters
     gyre proxy|cell|scheduler|builder|runner|evaluator --run-dir DIR   one daemon
                                                   (gyre proxy --engine-url URL: an engine of your own while no cell rolls out)
     gyre DAEMON --help, gyre run --help, ...      each command's options
@@ -33,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         return _init_model(rest)
     if command == "bench":
         return _bench(rest)
+    if command == "sim":
+        from gyre.sim.command import main as sim_main
+        return sim_main(rest)
     daemons = {
         "proxy": "handlers.proxy.daemon",
         "cell": "handlers.cell",

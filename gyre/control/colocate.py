@@ -8,6 +8,10 @@ f(t) finished, water level w(t) = d(t) − f(t).
 Implemented mode: `colocate` (classic): every cell rolls out burst k; when the burst
 has finished, every cell switches to training; when step k is completed, every cell
 returns to rollout and burst k+1 is dispatched.
+
+This is the policy the scheduler daemon runs today. Every mode, this one included, also
+exists over the shared view of `gyre.control.policy` (`gyre.control.modes`,
+`gyre.control.elastic`), which `gyre sim` drives; the daemons move to those next.
 """
 from __future__ import annotations
 
