@@ -33,7 +33,7 @@ from bus import Bus, Retry
 from gyre.env.harness import python_installation
 from gyre.env.sandbox import SandboxConfig, base_env, confine, own_tree, resolve_mode
 from gyre.env.tasks import Grade, GradeError, Task, grade, load_tasks, prepare_grading, task_index
-from handlers.daemon import RunContext, connected, daemon_main
+from handlers.daemon import FatalError, RunContext, connected, daemon_main
 from handlers.runner import wait_or_kill
 from schemas import ids
 
@@ -161,7 +161,10 @@ class Evaluator:
         (self.root / "evaluator").mkdir(parents=True, exist_ok=True)
         (self.root / "eval").mkdir(parents=True, exist_ok=True)
         (self.root / "eval").chmod(0o711)
-        mode, warning = resolve_mode(cfg.sandbox)
+        try:
+            mode, warning = resolve_mode(cfg.sandbox)
+        except RuntimeError as exc:  # no way to confine graders here: say why and how to fix it, once
+            raise FatalError(str(exc)) from None
         if warning:
             log.warning("evaluator.sandbox.weak", mode=mode, reason=warning)
 

@@ -13,12 +13,17 @@ executions at once. Per execution:
    the runner's Unix socket and from there to the proxy, and nothing else is reachable;
 4. wait at most the event's `timeout_s`, then kill the whole sandbox (status `timeout`);
 5. keep the workspace, record the outcome in `<run_dir>/runner/<execution>.json`, publish
-   `execution.finished` (status `ok` / `timeout` / `harness_error`, exit code, duration).
+   `execution.finished` (status `ok` / `timeout` / `harness_error`, exit code, duration);
+   exit code 125 with confinement is the relay's "could not set up the sandbox's network"
+   (the harness never started): `harness_error`.
 
 The sandbox uid must be able to read the harness interpreter (`Config.python`) and its
 installation: a runner that finds it cannot (a checkout inside a 0700 directory under the
 setuid fallback) stops at start with a message naming the path and the fix; a harness
 installation it cannot read fails that execution (`harness_error`) with the same message.
+A host where harnesses cannot be confined at all (no working bubblewrap, and as root no
+network namespace: a container without CAP_SYS_ADMIN) stops the runner at start, naming
+the fix (`gyre.env.sandbox.resolve_mode`).
 
 Idempotent under redelivery: a recorded execution re-publishes its recorded
 `execution.finished` (same event id, deduplicated); an execution whose workspace exists
@@ -149,7 +154,10 @@ class Runner:
         for sub, mode in (("workspaces", 0o711), ("homes", 0o711), ("logs/executions", 0o700), ("runner", 0o700)):
             (root / sub).mkdir(parents=True, exist_ok=True)
             os.chmod(root / sub, mode)
-        self.mode, warning = resolve_mode(cfg.sandbox)
+        try:
+            self.mode, warning = resolve_mode(cfg.sandbox)
+        except RuntimeError as exc:  # no way to confine harnesses here: say why and how to fix it, once
+            raise FatalError(str(exc)) from None
         if warning:
             log.warning("runner.sandbox.weak", mode=self.mode, reason=warning)
         else:
@@ -328,7 +336,10 @@ class Runner:
                 raise Retry(1.0, "runner stopping")
             if outcome == "timeout":
                 elog.info("runner.harness.timeout", timeout_s=timeout_s)
-            return outcome, proc.returncode
+            status = harness_status(outcome, launch.mode, proc.returncode)
+            if status != outcome:
+                elog.error("runner.sandbox.failed", exit_code=proc.returncode, log=str(paths.log))
+            return status, proc.returncode
 
     async def _finish(self, event: schemas.ExecutionFinished, paths: Paths, elog, reason: str = "") -> None:
         paths.record.parent.mkdir(parents=True, exist_ok=True)
@@ -339,6 +350,16 @@ class Runner:
         log_fn = elog.warning if reason else elog.info
         log_fn("runner.execution.finished", status=event.status, exit_code=event.exit_code,
                duration_s=event.duration_s, reason=reason or None)
+
+
+def harness_status(outcome: str, mode: str, exit_code: int | None) -> str:
+    """The `execution.finished` status of a harness that ended with `outcome` (`ok` or
+    `timeout`, from `wait_or_kill`): `harness_error` when its confinement could not be set
+    up (the relay's exit code, `sandbox_relay.FAILED`, in a mode that confines: the harness
+    never started), else the outcome."""
+    if outcome == "ok" and mode != "none" and exit_code == sandbox_relay.FAILED:
+        return "harness_error"
+    return outcome
 
 
 async def wait_or_kill(proc: asyncio.subprocess.Process, timeout_s: float, stop: asyncio.Event | None) -> str:

@@ -81,6 +81,7 @@ class ProxyRelay:
         self.server: asyncio.base_events.Server | None = None
         self.connections = 0
         """Connections relayed so far (a count for tests and logs)."""
+        self._open: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         if os.path.lexists(self.path):
@@ -92,21 +93,33 @@ class ProxyRelay:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
-        target = self.target()
+        task = asyncio.current_task()
+        if task is not None:
+            self._open.add(task)
         try:
-            if target is None:
-                raise OSError("no proxy is known")
-            up_reader, up_writer = await asyncio.open_connection(*target)
-        except OSError:
-            writer.transport.abort()  # the harness sees a refused/reset connection and retries
-            return
-        await splice(reader, writer, up_reader, up_writer)
+            target = self.target()
+            try:
+                if target is None:
+                    raise OSError("no proxy is known")
+                up_reader, up_writer = await asyncio.open_connection(*target)
+            except OSError:
+                writer.transport.abort()  # the harness sees a refused/reset connection and retries
+                return
+            await splice(reader, writer, up_reader, up_writer)
+        finally:
+            self._open.discard(task)
 
     async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
-            self.server = None
+        """Stop accepting, end the connections still relayed (their harnesses lose the
+        proxy), and remove the socket."""
+        server, self.server = self.server, None
+        if server is not None:
+            server.close()
+        for task in list(self._open):
+            task.cancel()
+        await asyncio.gather(*self._open, return_exceptions=True)
+        if server is not None:
+            await server.wait_closed()
         if os.path.lexists(self.path):
             os.unlink(self.path)
 

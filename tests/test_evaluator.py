@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,15 @@ async def test_evaluator_over_the_bus(nats_server, run_id, base):
         stop.set()
         await asyncio.gather(replay, daemon)
         await bus.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the setuid fallback needs root")
+def test_the_setuid_fallback_grades_on_the_daemons_event_loop(base):
+    """The daemons run on uvloop, which cannot start a process as another user (Popen's
+    `user=`): graders of the setuid fallback drop privileges in their argv instead."""
+    import uvloop
+
+    task = quick("rpn-calculator")
+    ws = workspace(base, "good-setuid", task.solution)
+    g = uvloop.run(grade_workspace(task, ws, base / "scratch-setuid", sandbox=SandboxConfig(mode="setuid")))
+    assert (g.reward, g.passed, g.total) == (1.0, 7, 7)

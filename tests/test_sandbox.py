@@ -163,7 +163,9 @@ def test_setuid_fallback_drops_privileges(layout, listener, pythons):
     assert out["read_secret"] == "PermissionError"
     assert out["read_other_ws"] == "PermissionError"
     assert out["list_root"] == "PermissionError"
-    assert out["write_ws"] == "ok" and out["loopback"] == "ok"  # no Network given: the host's
+    assert set(out["caps"].values()) == {0}, out["caps"]
+    assert out["write_ws"] == "ok"
+    assert out["loopback"] == "OSError"  # no Network given: a namespace of its own, loopback down (unreachable)
     assert "GYRE_SANDBOX_TEST_LEAK" not in out["env"]
 
 
@@ -342,3 +344,53 @@ def test_the_runner_stops_at_start_when_the_sandbox_uid_cannot_read_its_harness_
     Runner(dataclasses.replace(cfg, python=pythons[0]), None, {})
     if HAS_BWRAP:
         Runner(dataclasses.replace(cfg, sandbox=SandboxConfig(mode="bwrap")), None, {})
+
+
+NO_SYS_ADMIN = [shutil.which("setpriv") or "/usr/bin/setpriv", "--bounding-set=-sys_admin", "--"]
+
+
+@pytest.mark.skipif(not ROOT, reason="the setuid fallback needs root")
+@pytest.mark.parametrize("mode", ["setuid", "auto"])
+def test_a_root_without_cap_sys_admin_is_refused_with_the_fix(mode):
+    """A root container without CAP_SYS_ADMIN (Docker's default) can make no network
+    namespace: the setuid fallback could not confine a harness, so resolving the mode fails
+    naming the fix, instead of every harness dying in its relay (exit 125)."""
+    code = ("from gyre.env.sandbox import SandboxConfig, resolve_mode\n"
+            f"print(resolve_mode(SandboxConfig(mode={mode!r}, bwrap='/nonexistent/bwrap')))")
+    res = subprocess.run([*NO_SYS_ADMIN, sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode != 0, res.stdout
+    assert "RuntimeError" in res.stderr and "network namespace" in res.stderr and "CAP_SYS_ADMIN" in res.stderr
+
+
+@pytest.mark.skipif(not ROOT, reason="the setuid fallback needs root")
+def test_the_runner_stops_at_start_where_harnesses_cannot_be_confined(tmp_path):
+    code = ("import asyncio\n"
+            "from gyre.env.sandbox import SandboxConfig\n"
+            "from handlers.daemon import FatalError\n"
+            "from handlers.runner import Config, Runner\n"
+            f"cfg = Config(run='r1', nats_url='nats://127.0.0.1:1', nats_token=None, run_dir={str(tmp_path)!r},\n"
+            "             key_secret='00' * 32, tasks='toy', sandbox=SandboxConfig(mode='auto', bwrap='/nonexistent'))\n"
+            "try:\n"
+            "    Runner(cfg, None, {})\n"
+            "except FatalError as exc:\n"
+            "    print('FATAL', exc)\n")
+    res = subprocess.run([*NO_SYS_ADMIN, sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("FATAL cannot confine harnesses here") and "CAP_SYS_ADMIN" in res.stdout
+
+
+def test_a_relay_that_cannot_set_up_makes_the_execution_a_harness_error():
+    from handlers import sandbox_relay
+    from handlers.runner import harness_status
+
+    script = Path(sandbox_relay.__file__)
+    res = subprocess.run([sys.executable, "-I", "-S", str(script), "--listen", "127.0.0.1:notaport", "--socket",
+                          "/nonexistent.sock", "--", "/bin/true"], capture_output=True, text=True, timeout=30)
+    assert res.returncode == sandbox_relay.FAILED, res.stderr
+    assert "cannot set up the sandbox's network" in res.stderr
+    assert harness_status("ok", "bwrap", res.returncode) == "harness_error"
+    assert harness_status("ok", "setuid", res.returncode) == "harness_error"
+    assert harness_status("ok", "none", res.returncode) == "ok"  # no relay in mode none: the harness's own code
+    assert harness_status("ok", "bwrap", 1) == "ok" and harness_status("timeout", "bwrap", None) == "timeout"

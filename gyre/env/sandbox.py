@@ -32,16 +32,22 @@ Modes (`resolve_mode`):
   groups and empty capability sets (bounding set included). Works where unprivileged user
   namespaces are disabled.
 - `bwrap`, gyre is not root: bwrap in a user namespace; the process keeps gyre's uid.
-- `setuid` (no bwrap, root): the process is started as uid:gid with a clean environment
-  in its own session; with a `Network`, the relay starts as root, enters a new network
-  namespace, brings its loopback up, binds, then drops to uid:gid (no groups, no
-  capabilities, no_new_privs) before starting the process. Weaker: it sees the whole file
-  system its uid may read, and the workspace's ancestors must be traversable by that uid.
+- `setuid` (no bwrap, root): the process runs as uid:gid with a clean environment in its
+  own session and its own network namespace. With a `Network`, the relay starts as root,
+  enters a new network namespace, brings its loopback up, binds, then drops to uid:gid (no
+  groups, no capabilities, no_new_privs) before starting the process; without one
+  (graders), `unshare --net` and `setpriv` do the same with the namespace's loopback down.
+  Needs CAP_SYS_ADMIN for the namespace (`resolve_mode` probes it: a root container
+  without it, Docker's default, is refused with the fix named). Weaker: the process sees
+  the whole file system its uid may read, the workspace's ancestors must be traversable by
+  that uid, and executions share that uid (one can signal or write into another's
+  workspace); use bubblewrap where isolation between executions matters.
 - `none` (no bwrap, not root): only the clean environment. Weakest; logged by callers.
 
 Everything here builds argv and checks paths; starting and killing the process is the
 caller's (`handlers/runner.py`, `handlers/evaluator.py`): start it with
-`Launch.popen_kwargs()` (own session) and kill the whole process group on timeout;
+`Launch.popen_kwargs()` (own session; no `user=`, so any event loop can start it) and
+kill the whole process group on timeout;
 bwrap's `--die-with-parent` then tears the sandbox's pid namespace down.
 """
 from __future__ import annotations
@@ -60,6 +66,7 @@ SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", 
 FORBIDDEN_ENV_PREFIXES = ("GYRE_NATS", "NATS_", "GYRE_ENGINE_TOKEN", "GYRE_KEY_SECRET")
 """The run's secrets: the NATS url and token, the engines' bearer token, the execution keys' secret."""
 SETPRIV = "/usr/bin/setpriv"
+UNSHARE = "/usr/bin/unshare"
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,26 +131,20 @@ class Launch:
 
     argv: full command line (bwrap wrapper and the network relay included). cwd: working
     directory of the starter (the sandbox sets its own). env: the complete environment of
-    the process. user, group: identity to start as (setuid mode without a `Network`) or
-    None. mode: the resolved mode. warning: '' or why confinement is weaker than
+    the process. mode: the resolved mode. warning: '' or why confinement is weaker than
     bubblewrap's.
     """
 
     argv: list[str]
     cwd: str
     env: dict[str, str]
-    user: int | None
-    group: int | None
     mode: str
     warning: str = ""
 
     def popen_kwargs(self) -> dict:
         """Keyword arguments for subprocess.Popen / asyncio.create_subprocess_exec
         (argv excluded): own session so the caller can kill the process group."""
-        kw: dict = {"cwd": self.cwd, "env": self.env, "start_new_session": True, "stdin": subprocess.DEVNULL}
-        if self.user is not None:
-            kw.update(user=self.user, group=self.group, extra_groups=[])
-        return kw
+        return {"cwd": self.cwd, "env": self.env, "start_new_session": True, "stdin": subprocess.DEVNULL}
 
 
 def find_bwrap(cfg: SandboxConfig) -> str | None:
@@ -172,6 +173,10 @@ def resolve_mode(cfg: SandboxConfig) -> tuple[str, str]:
     if cfg.mode == "setuid":
         if not root:
             raise RuntimeError("sandbox mode 'setuid' needs gyre to run as root")
+        problem = _netns_probe()
+        if problem:
+            raise RuntimeError(f"sandbox mode 'setuid' cannot give a process its own network namespace here "
+                               f"({problem}); {NETNS_FIX}")
         return "setuid", "no bubblewrap: the process sees the file system its uid may read"
     if cfg.mode == "none":
         return "none", "no confinement: the process runs as gyre's own user"
@@ -183,8 +188,30 @@ def resolve_mode(cfg: SandboxConfig) -> tuple[str, str]:
             return "bwrap", ""
         reason = f"bwrap does not work here ({problem})"
     if root:
+        problem = _netns_probe()
+        if problem:
+            raise RuntimeError(f"cannot confine harnesses here: {reason}, and the setuid fallback cannot give a "
+                               f"process its own network namespace ({problem}); {NETNS_FIX}")
         return "setuid", f"{reason}; falling back to setuid: the process sees the file system its uid may read"
     return "none", f"{reason}; not root, so the process runs unconfined as gyre's own user"
+
+
+NETNS_FIX = ("give gyre CAP_SYS_ADMIN (e.g. `docker run --cap-add SYS_ADMIN`) or a runtime where bubblewrap works "
+             "(`apt-get install bubblewrap`; some need `--security-opt seccomp=unconfined`)")
+
+
+@functools.lru_cache(maxsize=1)
+def _netns_probe() -> str:
+    """'' when this (root) process can make a network namespace (the setuid fallback's
+    confinement), else why not."""
+    if not os.access(UNSHARE, os.X_OK) or not os.access(SETPRIV, os.X_OK):
+        return f"{UNSHARE} and {SETPRIV} are needed (Debian's util-linux)"
+    try:
+        res = subprocess.run([UNSHARE, "--net", "--", "/bin/true"], capture_output=True, text=True, timeout=20,
+                             stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    return "" if res.returncode == 0 else (res.stderr.strip() or f"unshare --net: exit code {res.returncode}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -236,13 +263,18 @@ def confine(argv: list[str], *, cwd: str | Path, env: Mapping[str, str], cfg: Sa
             ro = tuple(dict.fromkeys([*ro, *network.readonly, network.socket]))
         wrapped = _bwrap_argv(find_bwrap(cfg) or "bwrap", root=root, uid=cfg.uid, gid=cfg.gid, cwd=cwd,
                               writable=rw, readonly=ro) + relay + list(argv)
-        return Launch(argv=wrapped, cwd="/", env=dict(env), user=None, group=None, mode=mode)
+        return Launch(argv=wrapped, cwd="/", env=dict(env), mode=mode)
     if mode == "setuid":
         if relay:  # the relay starts as root for the namespace, then drops to uid:gid itself
-            return Launch(argv=relay + list(argv), cwd=cwd, env=dict(env), user=None, group=None, mode=mode,
+            return Launch(argv=relay + list(argv), cwd=cwd, env=dict(env), mode=mode,
                           warning=warning)
-        return Launch(argv=list(argv), cwd=cwd, env=dict(env), user=cfg.uid, group=cfg.gid, mode=mode, warning=warning)
-    return Launch(argv=list(argv), cwd=cwd, env=dict(env), user=None, group=None, mode=mode, warning=warning)
+        # Root makes an empty network namespace, then setpriv becomes uid:gid with no groups
+        # and no capabilities (argv, not Popen's user=: uvloop does not take it).
+        dropped = [UNSHARE, "--net", "--", SETPRIV, f"--reuid={cfg.uid}", f"--regid={cfg.gid}", "--clear-groups",
+                   "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+        return Launch(argv=dropped + list(argv), cwd=cwd, env=dict(env), mode=mode,
+                      warning=warning)
+    return Launch(argv=list(argv), cwd=cwd, env=dict(env), mode=mode, warning=warning)
 
 
 def _bwrap_argv(bwrap: str, *, root: bool, uid: int, gid: int, cwd: str, writable: tuple[str, ...],
