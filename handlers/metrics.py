@@ -125,3 +125,26 @@ def recorded_urls(run_dir: Path) -> dict[str, str]:
         except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
             continue
     return out
+
+
+def scrape(url: str, timeout_s: float = 2.0) -> str:
+    """The text of one `/metrics`. Raises OSError (urllib's URLError included)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - a URL the run recorded
+        return resp.read().decode()
+
+
+def scrape_all(run_dir: Path) -> dict[str, str]:
+    """Scrape every recorded daemon once and keep the text as `<run_dir>/metrics/<daemon>.prom`
+    (`gyre run` does it as the run ends, before stopping the daemons: their last counters).
+    Returns daemon → text; a daemon that does not answer is left out."""
+    out = {}
+    for daemon, url in recorded_urls(run_dir).items():
+        try:
+            text = scrape(url)
+        except OSError:
+            continue
+        (Path(run_dir) / "metrics" / f"{daemon}.prom").write_text(text)
+        out[daemon] = text
+    return out
