@@ -386,7 +386,8 @@ def daemon_main(name: str, description: str,
     from handlers import metrics
 
     try:  # every daemon's /metrics (handlers.metrics), one per process; a cell's carries its id
-        url = metrics.serve(getattr(args, "cell", None) or name, ctx.run_dir, args.metrics_host, args.metrics_port)
+        url = metrics.serve(getattr(args, "cell", None) or name, ctx.run_dir, args.metrics_host, args.metrics_port,
+                            ctx.run)
     except OSError as exc:
         log.error("daemon.metrics.failed", error=f"cannot serve /metrics on {args.metrics_host}:"
                                                  f"{args.metrics_port}: {exc}")

@@ -3,8 +3,10 @@
 Contract:
 - `serve(daemon, run_dir, host, port)` starts the text-format endpoint on `host:port`
   (default 127.0.0.1 and a free port) on a thread of its own, and records its URL in
-  `<run_dir>/metrics/<daemon>.json` ({"daemon", "url", "pid"}) so `gyre status`, `gyre run`
-  (its last scrape, `<daemon>.prom`) and scrapers find it. `daemon_main` calls it once per
+  `<run_dir>/metrics/<daemon>.json` so `gyre status`, `gyre run` (its last scrape,
+  `<daemon>.prom`) and scrapers find it. The file is a Prometheus file-based service
+  discovery list, `[{"targets": ["host:port"], "labels": {"daemon", "run", "url", "pid"}}]`,
+  so `ops/prometheus.yml` scrapes every daemon of every run from `runs/*/metrics/*.json`. `daemon_main` calls it once per
   daemon; nothing else needs to.
 - Counters are fed by what the daemon itself publishes (`bus.client.PUBLISH_OBSERVERS`,
   events the bus stored for the first time only, so a re-sent event is never counted
@@ -98,19 +100,21 @@ def url_file(run_dir: Path, daemon: str) -> Path:
     return Path(run_dir) / "metrics" / f"{daemon}.json"
 
 
-def serve(daemon: str, run_dir: Path, host: str = "127.0.0.1", port: int = 0) -> str:
+def serve(daemon: str, run_dir: Path, host: str = "127.0.0.1", port: int = 0, run: str = "") -> str:
     """Start `/metrics` on host:port (0: a free one), hook the publish observer, record the
     URL (module docstring); returns the URL. Raises OSError when the port is taken."""
     server, _thread = start_http_server(port, addr=host)
     bound = server.server_port
     shown = f"[{host}]" if ":" in host else host
-    url = f"http://{shown}:{bound}/metrics"
+    target = f"{shown}:{bound}"
+    url = f"http://{target}/metrics"
     if observe not in bus_client.PUBLISH_OBSERVERS:
         bus_client.PUBLISH_OBSERVERS.append(observe)
     path = url_file(run_dir, daemon)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(orjson.dumps({"daemon": daemon, "url": url, "pid": os.getpid()}))
+    tmp.write_bytes(orjson.dumps([{"targets": [target], "labels": {
+        "daemon": daemon, "run": run or Path(run_dir).name, "url": url, "pid": str(os.getpid())}}]))
     os.replace(tmp, path)  # readers poll for it: never half-written
     return url
 
@@ -120,9 +124,9 @@ def recorded_urls(run_dir: Path) -> dict[str, str]:
     out = {}
     for path in sorted((Path(run_dir) / "metrics").glob("*.json")):
         try:
-            info = orjson.loads(path.read_bytes())
-            out[info["daemon"]] = info["url"]
-        except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
+            labels = orjson.loads(path.read_bytes())[0]["labels"]
+            out[labels["daemon"]] = labels["url"]
+        except (OSError, orjson.JSONDecodeError, KeyError, TypeError, IndexError):
             continue
     return out
 

@@ -129,6 +129,9 @@ def _timeline(lines: list[dict], config: dict) -> dict | None:
         t.append(when)
         w.append(level)
         spare.append(c_e * sum(1 for r in roles.values() if r == "rollout") - c_e)
+    t.append(end)  # the last level holds to the run's last record
+    w.append(level)
+    spare.append(spare[-1])
     step_ends = [x["t"] for x in lines if x.get("kind") == "step.completed"]
     return {"cells": cells, "segments": segments, "t": t, "water_level": w, "spare": spare, "step_ends": step_ends,
             "c_e": c_e}

@@ -132,6 +132,9 @@ class RunView:
             return "completed"
         if step in self.sealed:
             return "training"
+        ex = self.dispatched.get(step, set())
+        if ex and all(e in self.finished for e in ex):
+            return "scoring"
         return "rollout"
 
     @property
