@@ -15,6 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen first)
 from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 COLOURS = {"rollout": "#4c78a8", "training": "#f2c48d", "busy": "#e45756", "switching": "#9d9d9d"}
 
@@ -75,6 +76,8 @@ def series_png(path: str | Path, *, title: str, x: Sequence[float], series: Mapp
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
+    if all(float(v).is_integer() for v in x):  # steps: no tick between two
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if len(series) > 1:
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -181,9 +181,10 @@ TITLES = {
     "tokens_per_s": ("Tokens per second", "no generated tokens were recorded"),
 }
 
-_CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}
-figure{display:inline-block;margin:0.5em;vertical-align:top}figure img{max-width:100%;border:1px solid #ddd}
-figure.wide img{width:1000px}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;
+_CSS = """body{font-family:system-ui,sans-serif;max-width:1120px;margin:1.5em auto;color:#222}
+main{display:flex;flex-wrap:wrap;gap:0 16px}section{flex:0 0 550px}section.wide{flex:0 0 100%}
+h2{font-size:1.1em;margin:0.6em 0 0.2em}figure{margin:0}figure img{max-width:100%;border:1px solid #ddd}
+figcaption{font-size:0.8em;color:#666}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;
 text-align:left;font-size:0.9em}p.missing{color:#888;font-style:italic}"""
 
 
@@ -202,20 +203,20 @@ def render(run_dir: Path) -> Path:
     if summary.get("outcome"):
         parts.append(f"<p>outcome <b>{html.escape(str(summary['outcome']))}</b>, {summary.get('steps', 0)} steps, "
                      f"{summary.get('executions', 0)} executions, wall {summary.get('wall_s', '?')} s</p>")
+    parts.append("<main>")
     for name, (title, missing) in TITLES.items():
-        parts.append(f"<section><h2>{title}</h2>")
+        parts.append(f'<section{" class=wide" if name == "timeline" else ""}><h2>{title}</h2>')
         if data[name] is None:
             parts.append(f'<p class="missing" id="missing-{name}">This run recorded nothing to draw: {missing}.</p>')
         else:
             png = _png(run_dir / "report" / f"{name}.png", name, data[name], run)
             b64 = base64.b64encode(png.read_bytes()).decode()
-            wide = ' class="wide"' if name == "timeline" else ""
-            parts.append(f'<figure id="plot-{name}"{wide}><img alt="{title}" src="data:image/png;base64,{b64}">'
+            parts.append(f'<figure id="plot-{name}"><img alt="{title}" src="data:image/png;base64,{b64}">'
                          f'<figcaption>{title} — data in #data-{name}</figcaption>'
                          f'<script type="application/json" id="data-{name}">{_json_script(data[name])}</script>'
                          "</figure>")
         parts.append("</section>")
-    parts.append("<section><h2>Summary</h2><table>")
+    parts.append("</main><section><h2>Summary</h2><table>")
     for key, value in summary.items():
         shown = value if isinstance(value, (str, int, float)) or value is None else orjson.dumps(value).decode()
         parts.append(f"<tr><th>{html.escape(key)}</th><td>{html.escape(str(shown))}</td></tr>")
