@@ -231,7 +231,8 @@ def render(view: RunView, metrics_urls: dict[str, str] | None = None):
             sw.add_row(cell, a, b, f"{s:.2f}")
         parts.append(sw)
     if metrics_urls:
-        parts.append(Text("metrics: " + "  ".join(f"{d} {u}" for d, u in sorted(metrics_urls.items())), style="dim"))
+        parts.append(Text("metrics:\n" + "\n".join(f"  {d:<10} {u}" for d, u in sorted(metrics_urls.items())),
+                          style="dim", no_wrap=True))
     return Group(*parts)
 
 

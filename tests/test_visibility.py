@@ -130,7 +130,7 @@ def test_status_once_shows_step_cells_executions_rewards(toy_run):
     rewards = [x["reward"] for x in _lines(toy_run["run_dir"]) if x["kind"] == "execution.scored"
                and x["execution"].startswith("s0-")]
     assert row.group(5) != "-" and min(rewards) - 1e-3 <= float(row.group(5)) <= max(rewards) + 1e-3
-    assert "metrics: " in text and "proxy http://127.0.0.1:" in text
+    assert re.search(r"^\s+proxy\s+http://127\.0\.0\.1:\d+/metrics$", text, re.M), text
 
 
 def test_status_live_view_in_tmux(toy_run):
