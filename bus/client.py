@@ -14,12 +14,15 @@ Contract:
 - `serve` and `request` are request/reply on core NATS (`bus.rpc`); `dead_letter` copies an
   event that failed something downstream to the run's dead letters.
 - `close` stops consume/replay loops, waits for handlers in hand within a bound, then drains.
+- `PUBLISH_OBSERVERS` (process-wide) hear of every publish that returned and every dead
+  letter: this is how a daemon's metrics (handlers.metrics) count what it published.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import time
 from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping
 
 import nats
@@ -46,6 +49,22 @@ _MAY_HAVE_LANDED = (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.
 lost, not the message); the others mean the server did not take it."""
 
 _STREAM_CONFIG_DIFFERS = 10058  # JetStream err_code: stream name in use with a different config
+
+
+PublishObserver = Callable[[str, "schemas.Event | None", float, bool], None]
+PUBLISH_OBSERVERS: list[PublishObserver] = []
+"""Called as `fn(name, event, seconds, stored)` after each `Bus.publish` that returned
+(name: the event's NAME; seconds: the publish's duration, retries included; stored: its
+return value, False for a duplicate) and after each dead letter (name `dlq.<event name>`,
+event None, stored True). An observer must be quick and must not raise."""
+
+
+def _observe(name: str, event: "schemas.Event | None", seconds: float, stored: bool) -> None:
+    for fn in PUBLISH_OBSERVERS:
+        try:
+            fn(name, event, seconds, stored)
+        except Exception:  # noqa: BLE001 - an observer never breaks a publish
+            log.exception("bus.observer.failed", subject=name)
 
 
 MIN_SERVER_VERSION = (2, 10)
@@ -380,11 +399,15 @@ class Bus:
             raise PayloadTooLarge(
                 f"{name} {event.event_id}: encoded event is {len(data)} bytes, over {MAX_EVENT_BYTES}; "
                 "put large arrays in the object store (bus.put_object) and carry the key")
+        t0 = time.perf_counter()
         ack, landed = await self._publish(subjects.subject(self.run, name), data,
                                           {**(headers or {}), "Nats-Msg-Id": event.event_id})
         if ack.duplicate:
             log.debug("bus.publish.duplicate", event_id=event.event_id, subject=name, ours=landed)
-        return not ack.duplicate or landed
+        stored = not ack.duplicate or landed
+        if PUBLISH_OBSERVERS:
+            _observe(name, event, time.perf_counter() - t0, stored)
+        return stored
 
     async def publish_raw(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> Any:
         """Publish bytes to a JetStream subject with bounded retries; returns the PubAck."""
@@ -491,6 +514,10 @@ class Bus:
 
     async def _dead_letter(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
         await self.publish_raw(subject, data, headers)
+        if PUBLISH_OBSERVERS:
+            original = headers.get(DLQ_SUBJECT, "")
+            _observe("dlq." + (subjects.name_of(original) if original.startswith(subjects.PREFIX + ".") else "?"),
+                     None, 0.0, True)
 
     # ---- history and tap (bus.history) ----------------------------------------------------
 
@@ -539,4 +566,6 @@ class Bus:
         await self.publish_raw(subjects.dlq_subject(self.run, name), schemas.encode(event), {
             DLQ_REASON: reason[:1000], DLQ_SUBJECT: subjects.subject(self.run, name),
             "Nats-Msg-Id": ids.dead_letter_of(event.event_id)})
+        if PUBLISH_OBSERVERS:
+            _observe("dlq." + name, None, 0.0, True)
 

@@ -2,6 +2,8 @@
 
 `timeline_png(path, ...)`: the cell roles over time (a Gantt chart, one row per cell,
 core on top) above the water level w(t) and the switch rule's threshold C_R(t) − C_e.
+`series_png(path, ...)`: per-step curves (reward, loss, KL, clip fraction, tokens/s).
+`bars_png(path, ...)`: grouped bars (staleness histogram, call latency percentiles).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen first)
 from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 COLOURS = {"rollout": "#4c78a8", "training": "#f2c48d", "busy": "#e45756", "switching": "#9d9d9d"}
 
@@ -56,5 +59,52 @@ def timeline_png(path: str | Path, *, title: str, segments: Mapping[str, Sequenc
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def series_png(path: str | Path, *, title: str, x: Sequence[float], series: Mapping[str, Sequence[float | None]],
+               xlabel: str, ylabel: str, marker: str = "o") -> Path:
+    """Write one line chart to `path` (PNG): each `series` label → its y values over `x`
+    (None = not recorded at that x, left as a gap)."""
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    for label, ys in series.items():
+        ax.plot(x, [float("nan") if y is None else y for y in ys], marker=marker, markersize=4, linewidth=1.2,
+                label=label)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if all(float(v).is_integer() for v in x):  # steps: no tick between two
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(series) > 1:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def bars_png(path: str | Path, *, title: str, labels: Sequence[str], values: Mapping[str, Sequence[float]],
+             xlabel: str, ylabel: str) -> Path:
+    """Write a grouped bar chart to `path` (PNG): one bar per label and `values` entry."""
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    n = max(len(values), 1)
+    width = 0.8 / n
+    for i, (name, ys) in enumerate(values.items()):
+        ax.bar([j + (i - (n - 1) / 2) * width for j in range(len(labels))], ys, width=width, label=name)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, axis="y")
+    if n > 1:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

@@ -4,6 +4,8 @@
                                                   start everything, show progress, exit 0
     gyre tap [PATTERN] [--run-dir DIR] [--run ID | --all-runs] [--width N]
                                                   print live events of the current run
+    gyre status [--run ID | --run-dir DIR] [--once]  a live view of the current run (cells, executions, rewards)
+    gyre report [RUN_DIR]                         write RUN_DIR/report.html with the run's pictures
     gyre init-model DIR [--layers N ...]          write the embedded default model
     gyre bench NAME [--json PATH]                 a benchmark of docs/BENCHMARKS.md (proxy, trajectories, hostile)
     gyre sim [--profile NAME|all] [--random N --seed S] [--trace PATH] [--json PATH]
@@ -31,6 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     if command == "tap":
         from handlers.tap import main as tap_main
         return tap_main(rest)
+    if command == "status":
+        from handlers.status import main as status_main
+        return status_main(rest)
+    if command == "report":
+        from handlers.report import main as report_main
+        return report_main(rest)
     if command == "init-model":
         return _init_model(rest)
     if command == "bench":

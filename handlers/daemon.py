@@ -206,6 +206,11 @@ def base_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="least severe log lines written (debug adds per-call lines, e.g. the proxy's "
                         "`proxy.call.recorded`)")
+    p.add_argument("--metrics-host", default=os.environ.get("GYRE_METRICS_HOST", "127.0.0.1"),
+                   help="address of this daemon's Prometheus /metrics (default $GYRE_METRICS_HOST or 127.0.0.1)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="port of its /metrics (default 0: a free one); the URL is recorded in "
+                        "<run dir>/metrics/<daemon>.json")
     return p
 
 
@@ -353,7 +358,8 @@ def daemon_main(name: str, description: str,
                 run: Callable[[object, asyncio.Event], Awaitable[None]],
                 argv: list[str] | None = None, extra_args: Callable[[argparse.ArgumentParser], None] | None = None,
                 ) -> int:
-    """The one main() of every daemon: parse args, build its Config, run until stopped.
+    """The one main() of every daemon: parse args, build its Config, serve its Prometheus
+    `/metrics` (`handlers.metrics.serve`), run until stopped.
 
     make_config(ctx, args) builds the daemon's frozen Config from the run context;
     run(cfg, stop) is the daemon's `async def run`.
@@ -377,6 +383,16 @@ def daemon_main(name: str, description: str,
         log.error("daemon.config.invalid", error=str(exc))
         return 2
     structlog.contextvars.bind_contextvars(run=ctx.run)
+    from handlers import metrics
+
+    try:  # every daemon's /metrics (handlers.metrics), one per process; a cell's carries its id
+        url = metrics.serve(getattr(args, "cell", None) or name, ctx.run_dir, args.metrics_host, args.metrics_port,
+                            ctx.run)
+    except OSError as exc:
+        log.error("daemon.metrics.failed", error=f"cannot serve /metrics on {args.metrics_host}:"
+                                                 f"{args.metrics_port}: {exc}")
+        return 2
+    log.info("daemon.metrics", url=url)
 
     async def _main() -> None:
         stop = asyncio.Event()

@@ -62,9 +62,11 @@ def _write_private(path: Path, data: bytes) -> None:
 class Progress:
     """Follows the run's events: prints progress lines, appends metrics, builds the summary."""
 
-    def __init__(self, recipe: Recipe, metrics_path: Path) -> None:
+    def __init__(self, recipe: Recipe, metrics_path: Path, tensorboard_dir: Path | None = None) -> None:
         self.recipe = recipe
         self.metrics = open(metrics_path, "ab")
+        self.tensorboard_dir = tensorboard_dir
+        self._writer = None  # TensorBoard's SummaryWriter, made at the first step
         self.t0 = time.monotonic()
         self.started: set[str] = set()
         self.finished: dict[str, str] = {}
@@ -75,6 +77,7 @@ class Progress:
         self.calls_by_status: dict[str, int] = {}  # ok, error (refused or failed), aborted
         self.exit_nonzero: set[str] = set()  # harnesses that exited with a non-zero code
         self.calls_by_version: dict[int, int] = {}
+        self.tokens_generated = 0
         self.completed: dict[int, schemas.StepCompleted] = {}
         self.sealed: dict[int, schemas.StepSealed] = {}
         self.switches: list[dict] = []
@@ -86,13 +89,34 @@ class Progress:
         self.metrics.write(orjson.dumps(fields) + b"\n")
         self.metrics.flush()
 
+    def _scalars(self, step: int, values: dict[str, float]) -> None:
+        """TensorBoard scalars of `step` (tags `train/<name>`) in `tensorboard_dir`."""
+        if self.tensorboard_dir is None:
+            return
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+            self._writer = SummaryWriter(str(self.tensorboard_dir))
+        for name, value in values.items():
+            if value is not None:
+                self._writer.add_scalar(f"train/{name}", value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self.metrics.close()
+
     def _say(self, text: str) -> None:
         print(f"[{time.monotonic() - self.t0:7.1f}s] {text}", flush=True)
 
     async def on_event(self, event) -> None:
         steps = self.recipe.run.steps
         per_step = self.recipe.tasks.groups_per_step * self.recipe.tasks.group_size
-        if isinstance(event, schemas.ExecutionStarted):
+        if isinstance(event, schemas.RouteUpdated):  # dispatches (a work queue, so not replayed itself)
+            for route in event.routes:
+                if route.reason == "dispatch":
+                    self._emit(schemas.ExecutionDispatched.NAME, execution=route.execution, cell=route.cell)
+        elif isinstance(event, schemas.ExecutionStarted):
             self.started.add(event.info.execution)
         elif isinstance(event, schemas.ExecutionFinished):
             self.finished[event.info.execution] = event.status
@@ -119,6 +143,11 @@ class Progress:
             self.calls_by_status[event.status] = self.calls_by_status.get(event.status, 0) + 1
             for _s, _e, v in event.versions:
                 self.calls_by_version[v] = self.calls_by_version.get(v, 0) + 1
+            from handlers.metrics import completion_tokens
+            tokens = completion_tokens(event)
+            self.tokens_generated += tokens
+            self._emit(schemas.CallCompleted.NAME, call=event.call, api=event.api, status=event.status,
+                       cell=event.cell, total_s=event.timings.get("total_s"), completion_tokens=tokens)
         elif isinstance(event, schemas.StepSealed):
             self.sealed[event.step] = event
             self._say(f"step {event.step}: sealed — {event.microsteps} micro-steps, {event.executions} executions, "
@@ -132,11 +161,22 @@ class Progress:
             if event.step in self.completed:
                 return
             self.completed[event.step] = event
+            scores = list(self.rewards.get(event.step, {}).values())
+            reward_mean = sum(scores) / len(scores) if scores else None
+            reward_std = (sum((r - reward_mean) ** 2 for r in scores) / len(scores)) ** 0.5 if scores else None
+            hist = {int(k): int(v) for k, v in event.staleness_histogram.items()}
             self._emit(schemas.StepCompleted.NAME, step=event.step, loss=event.loss, grad_norm=event.grad_norm,
+                       reward_mean=reward_mean, reward_std=reward_std,
                        tokens=event.tokens, policy_version=event.policy_version, duration_s=event.duration_s,
                        clip_fraction=event.clip_fraction, ratio=event.ratio, kl=event.kl,
                        microsteps=event.microsteps, microsteps_per_replica=event.microsteps_per_replica,
                        staleness_histogram=event.staleness_histogram, phase_s=event.phase_s, epoch=event.epoch)
+            self._scalars(event.step, {
+                "loss": event.loss, "grad_norm": event.grad_norm, "kl": event.kl,
+                "clip_fraction": event.clip_fraction, "reward_mean": reward_mean, "reward_std": reward_std,
+                "tokens": event.tokens, "step_s": event.duration_s,
+                "staleness_mean": sum(k * v for k, v in hist.items()) / sum(hist.values()) if hist else None,
+                "staleness_max": max(hist) if hist else None})
             self._say(f"step {event.step}: completed — loss {event.loss:.3g}, grad norm {event.grad_norm:.4g}, "
                       f"{event.tokens} tokens trained, policy version {event.policy_version}")
             if len(self.completed) >= steps:
@@ -168,6 +208,7 @@ class Progress:
             "calls": self.calls,
             "calls_by_status": dict(sorted(self.calls_by_status.items())),
             "calls_by_policy_version": {str(k): v for k, v in sorted(self.calls_by_version.items())},
+            "tokens_generated": self.tokens_generated,
             "tokens_trained": sum(self.completed[k].tokens for k in steps),
             "zero_variance_groups": sum(s.zero_variance_groups for s in self.sealed.values()),
             "grad_norm_per_step": [self.completed[k].grad_norm for k in steps],
@@ -277,7 +318,7 @@ async def _follow(bus: Bus, progress: Progress, sup: Supervisor, timeout_s: floa
     """Follow the run until done, a step fails, a daemon dies, `interrupted` or the timeout;
     returns the outcome."""
     stop = asyncio.Event()
-    names = [e.NAME for e in (schemas.ExecutionStarted, schemas.ExecutionFinished, schemas.ExecutionScored,
+    names = [e.NAME for e in (schemas.RouteUpdated, schemas.ExecutionStarted, schemas.ExecutionFinished, schemas.ExecutionScored,
                               schemas.CallCompleted, schemas.StepSealed, schemas.StepCompleted, schemas.CellSwitched,
                               schemas.StepFailed)]
     follower = asyncio.create_task(bus.replay(names, progress.on_event, stop=stop))
@@ -388,7 +429,7 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
     if token:
         env["GYRE_NATS_TOKEN"] = token
     sup = Supervisor(run_dir, env)
-    progress = Progress(recipe, run_dir / "metrics.jsonl")
+    progress = Progress(recipe, run_dir / "metrics.jsonl", run_dir / "tensorboard")
     bus: Bus | None = None
     outcome = "interrupted"
     try:
@@ -409,15 +450,26 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
             raise
         print("\ngyre: interrupted before the bus connected", file=sys.stderr)
     finally:
+        if sup.procs:  # the daemons' last counters, before they go (handlers.metrics)
+            from handlers.metrics import scrape_all
+            await asyncio.to_thread(scrape_all, run_dir)
         sup.stop()
         if bus is not None:
             await bus.close()
+        progress.close()
     summary = progress.summary(run, time.monotonic() - t0)
     summary["outcome"] = outcome
     summary["evaluator"] = "built-in" if "evaluator" in daemons else "external"
     (run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     _print_summary(summary)
     print(f"gyre: summary written to {run_dir / 'summary.json'}")
+    try:
+        from handlers.report import write_report
+        report = write_report(run_dir)
+    except Exception as exc:  # noqa: BLE001 - the run is over either way; say why there is no report
+        print(f"gyre: no report: {exc!r}", file=sys.stderr)
+    else:
+        print(f"gyre: report written to {report}")
     return outcome
 
 

@@ -19,6 +19,7 @@ from gyre.config import CellsSection, HarnessSection, RunSection, TasksSection
 from gyre.control.colocate import ColocatePolicy, Dispatch, Done, Switch
 from gyre.env.tasks import load_tasks
 from handlers.daemon import RunContext, connected, daemon_main, run_loops
+from handlers.metrics import WATER_LEVEL
 from schemas import ids
 
 log = structlog.get_logger()
@@ -75,6 +76,7 @@ class Scheduler:
             elif isinstance(action, Done):
                 log.info("scheduler.done", steps=action.steps)
                 self.done.set()
+        WATER_LEVEL.set(self.policy.water_level)
 
     async def _dispatch(self, burst: Dispatch) -> None:
         routes = tuple(schemas.Route(execution=e.execution, cell=e.cell, reason="dispatch") for e in burst.executions)

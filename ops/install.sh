@@ -7,7 +7,9 @@
 #    `2.13.0+cpu` wheel where pip finds one (the project's VM), else from PyTorch's CPU
 #    index (PyPI's Linux wheel is the CUDA build). A torch 2.13.0 already in the venv (a
 #    CUDA build put there for the `gpu` tests) is kept.
-#  - bubblewrap confines harness processes; installed from Debian when we are root.
+#  - bubblewrap confines harness processes; installed from Debian when we are root, as
+#    are chromium and chromium-driver (the test extra's browser test renders `gyre report`
+#    in headless Chromium through selenium; without them it skips, or fails under CI=true).
 #  - Claude Code and Codex CLI (npm) go into ./.harnesses (world-readable, so the
 #    sandbox uid can run them), pinned to the versions docs/tasks.md names; skipped when
 #    already there at that version, or when npm is missing (their tests then skip,
@@ -34,7 +36,9 @@ apt_tool() {
   fi
 }
 apt_tool bwrap bubblewrap "harness confinement" "harnesses run under an unprivileged uid without it"
-apt_tool tmux tmux "drives Claude Code's interactive TUI in the harness tests" "the interactive Claude Code test cannot run"
+apt_tool tmux tmux "drives Claude Code's interactive TUI and gyre status in the tests" "the interactive Claude Code and live gyre status tests cannot run"
+apt_tool chromium chromium "renders gyre report in the browser test" "the browser test skips"
+apt_tool chromedriver chromium-driver "drives headless Chromium in the browser test" "the browser test skips"
 
 if [ ! -x "$VENV/bin/python" ]; then
   PY=$(pick_python)

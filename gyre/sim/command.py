@@ -92,10 +92,15 @@ def _run_profile(p: Profile, modes: tuple[str, ...], split: str | None, pictures
 
 
 def _all(profiles: list[Profile], modes, split, pictures: Path | None, traces, jobs: int) -> dict[str, dict]:
+    from gyre.progress import bar
+
     if jobs <= 1 or len(profiles) == 1:
-        return {p.name: _run_profile(p, modes, split, pictures, traces) for p in profiles}
+        return {p.name: _run_profile(p, modes, split, pictures, traces)
+                for p in bar(profiles, total=len(profiles), desc="profiles")}
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
         futures = {p.name: pool.submit(_run_profile, p, modes, split, pictures, traces) for p in profiles}
+        for _ in bar(concurrent.futures.as_completed(futures.values()), total=len(futures), desc="profiles"):
+            pass
         return {name: f.result() for name, f in futures.items()}
 
 

@@ -88,6 +88,7 @@ import numpy as np
 import orjson
 import structlog
 
+from gyre.progress import bar
 from handlers.bench.proxy_load import (
     CALLS_PER_EXECUTION, MODEL, SECRET, Load, RunStats, Workload, _stored_calls, _wait_stored, direct_prompts,
 )
@@ -290,7 +291,7 @@ async def bench(cfg: BenchConfig, workdir: Path) -> dict:
                 load.settles.clear()
                 stored_before = await _stored_calls(bus, run)
                 reps = []
-                for rep in range(cfg.reps):
+                for rep in bar(range(cfg.reps), total=cfg.reps, desc=f"{variant} reps"):
                     # proxy and direct paths alternate which goes first, so a slow spell of
                     # this shared machine does not always fall on the same one
                     if rep % 2 == 0:
@@ -340,7 +341,7 @@ async def _floor(load: Load, passthrough_url: str, cfg: BenchConfig, rng: random
     load generator on this machine, the ceiling beside BENCHMARKS.md's "~4,000 here"). The
     variant keys without the CPU ones."""
     reps = []
-    for rep in range(cfg.reps):
+    for rep in bar(range(cfg.reps), total=cfg.reps, desc="direct reps"):
         runs = {}
         for path in (("passthrough", "direct") if rep % 2 == 0 else ("direct", "passthrough")):
             runs[path] = await load.run_direct(cfg.executions, cfg.think_s, cfg.duration_s, rng,

@@ -47,6 +47,7 @@ import orjson
 from gyre.trajectory.microstep import Sample, pack
 from gyre.trajectory.synth import SynthSpec, synth_executions
 from gyre.trajectory.tree import CallTree, Trajectory, build_tree, trajectories
+from gyre.progress import bar
 
 SETTINGS = ("jmax1", "jmax5", "uncapped")
 SIZES = (50_000, 200_000, 700_000)
@@ -209,7 +210,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
             for t in (trainer, trainers["uncapped"]):
                 t.accumulate(microsteps["jmax1"][0])  # warm-up (allocator, kernels); not timed
                 t.optimizer.zero_grad(set_to_none=True)
-            for rep in range(cfg.reps):
+            for rep in bar(range(cfg.reps), total=cfg.reps, desc="reps"):
                 # Micro-steps of the three settings round-robin, each timed on its own, so a
                 # slow spell of this shared machine falls on all settings alike.
                 spent = {s: 0.0 for s in SETTINGS}
