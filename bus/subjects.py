@@ -135,6 +135,8 @@ CONSUMERS: tuple[ConsumerSpec, ...] = (
     ConsumerSpec("scheduler-v1", "EXECUTIONS", (ExecutionStarted.NAME, ExecutionFinished.NAME, ExecutionScored.NAME)),
     ConsumerSpec("scheduler-steps-v1", "STEPS", (StepSealed.NAME, StepCompleted.NAME)),
     ConsumerSpec("scheduler-cells-v1", "CELLS", (CellSwitched.NAME,)),
+    ConsumerSpec("scheduler-microsteps-v1", "MICROSTEPS", (MicrostepReady.NAME,)),
+    ConsumerSpec("scheduler-ledger-v1", "LEDGER", (MicrostepGranted.NAME, MicrostepCommitted.NAME)),
     # The core pulls and adds each contribution before it acks; a redelivery is a duplicate
     # the ledger counts once.
     ConsumerSpec("core-contributions-v1", "LEDGER", (ContributionReturned.NAME,), ack_wait_s=120.0,

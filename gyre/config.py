@@ -41,6 +41,7 @@ from gyre.serving.settings import EngineSettings
 RECIPES_DIR = Path(__file__).parent / "recipes"
 
 Mode = Literal["colocate", "elastic", "colocate_overlapped", "async", "async_nonstreaming"]
+ReturnRule = Literal["adaptive", "boundary", "idle"]
 
 
 class RecipeError(ValueError):
@@ -71,12 +72,17 @@ class RunSection:
     steps: int = 2
     """Optimizer steps (= bursts) to run, > 0."""
     mode: Mode = "colocate"
-    """Scheduling policy (DESIGN.md "Elastic scheduling"); only `colocate` is implemented."""
+    """Scheduling policy (DESIGN.md "Elastic scheduling"; gyre.control.modes.make_policy)."""
+    rollout_cells: int = 0
+    """The async modes' fixed split: cells that roll out, the others (core first) train;
+    0 = half the cells, rounded down, at least one. Ignored by the other modes."""
+    return_rule: ReturnRule = "adaptive"
+    """The elastic mode's return rule (gyre.control.elastic). Ignored by the other modes."""
 
     def __post_init__(self) -> None:
         _positive(self, "steps")
-        if self.mode != "colocate":
-            raise RecipeError(f"run.mode {self.mode!r} is not implemented yet; use 'colocate'")
+        if self.rollout_cells < 0:
+            raise RecipeError(f"run.rollout_cells must be >= 0 (0 = half the cells), got {self.rollout_cells}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -234,9 +240,11 @@ class CellsSection:
 
     count: int = 1
     """Cells, > 0; their ids are `ids`."""
+    capacity: int = 16
+    """C_e: executions one rollout cell serves at once; the scheduler dispatches no more to it, > 0."""
 
     def __post_init__(self) -> None:
-        _positive(self, "count")
+        _positive(self, "count", "capacity")
 
     @property
     def ids(self) -> tuple[str, ...]:
@@ -257,6 +265,20 @@ class Recipe:
     proxy: ProxySection = ProxySection()
     train: TrainSection = TrainSection()
     cells: CellsSection = CellsSection()
+
+    def __post_init__(self) -> None:
+        if self.run.mode in ("async", "async_nonstreaming"):
+            if self.cells.count < 2:
+                raise RecipeError(f"run.mode {self.run.mode!r} trains and rolls out on separate cells: it needs "
+                                  f"cells.count >= 2, got {self.cells.count}")
+            if self.run.rollout_cells >= self.cells.count:
+                raise RecipeError(f"run.rollout_cells must leave a cell to train: < cells.count "
+                                  f"({self.cells.count}), got {self.run.rollout_cells}")
+
+    @property
+    def rollout_cells(self) -> int:
+        """The async split's rollout cells (`run.rollout_cells`, 0 = half the cells, at least one)."""
+        return self.run.rollout_cells or max(1, self.cells.count // 2)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -53,12 +53,15 @@ class ExecutionDispatched(Event):
 
     timeout_s: wall-clock limit of the harness process, seconds.
     max_calls: cap on model calls the proxy serves this execution (0 = no cap).
+    cell: the rollout cell the scheduler placed it on ('' = not said); `route.updated`
+      tells the proxy the same.
     """
 
     NAME: ClassVar[str] = "execution.dispatched"
     info: ExecutionInfo
     timeout_s: float
     max_calls: int = 0
+    cell: str = ""
 
     def check(self) -> None:
         _check_info(self, self.info)

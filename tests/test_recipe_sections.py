@@ -14,7 +14,8 @@ from gyre.config import RecipeError, fields_of, load_recipe
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = {"run.seed": 7, "run.steps": 5, "tasks.group_size": 2, "harness.concurrency": 3,
              "harness.timeout_s": 9.5, "harness.max_calls": 9, "engine.max_context_tokens": 999,
-             "sampling.max_tokens": 11, "cells.count": 3, "train.lr": 0.5, "train.weight_decay": 0.1,
+             "sampling.max_tokens": 11, "cells.count": 3, "cells.capacity": 5, "run.mode": "async",
+             "run.rollout_cells": 2, "train.lr": 0.5, "train.weight_decay": 0.1,
              "train.grad_clip": 2.0, "train.eps_low": 0.2, "train.eps_high": 0.1, "train.microstep_tokens": 100,
              "train.j_max": 3, "train.max_staleness": 2}
 
@@ -38,8 +39,10 @@ def test_the_recipe_reaches_the_builder_and_the_scheduler(ctx):
     cfg = scheduler.config_from_context(ctx)
     sched = scheduler.Scheduler(cfg, bus=None, tasks=["t1", "t2"])
     p = sched.policy
-    assert (p.tasks, p.cells, p.steps, p.groups_per_step, p.group_size, p.seed) == (
-        ["t1", "t2"], ["cell0", "cell1", "cell2"], 5, 2, 2, 7)
+    assert (p.mode, p.cfg.cells, p.cfg.capacity, p.cfg.steps, p.cfg.groups_per_step, p.cfg.group_size,
+            p.cfg.staleness, p.options()) == (
+        "async", ("cell0", "cell1", "cell2"), 5, 5, 2, 2, 2, {"rollout_cells": 2})
+    assert sorted(sched.order) == ["t1", "t2"] and cfg.trace_path == ctx.run_dir / "trace.jsonl"
     assert (cfg.harness.name, cfg.harness.timeout_s, cfg.harness.max_calls) == ("toy", 9.5, 9)
 
 
