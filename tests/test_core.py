@@ -171,3 +171,40 @@ async def test_a_redelivered_contribution_is_added_once(core, run_id):
     await asyncio.sleep(0.2)
     assert [(c.microstep, c.replica) for c in h.facts["microstep.committed"]] == [(0, "cell1")]
     assert the_core.ledger.committed == {0: "cell1"}
+
+
+async def test_a_core_killed_between_its_checkpoint_and_step_completed_publishes_it_on_restart(core, run_id, tmp_path,
+                                                                                                model_dir):
+    """The checkpoint of step 0 is on disk but `step.completed` never left (the core died in
+    between): the restarted core publishes it, so the scheduler does not wait forever."""
+    the_core, h = core
+    hung = asyncio.Event()
+
+    async def dies_here(path):
+        hung.set()
+        raise RuntimeError("killed")  # the process is gone before step.completed
+
+    the_core._publish_weights = dies_here
+    assert (await h.claim("cell0")).outcome == "granted"
+    async with the_core.grad_lock:
+        await the_core.commit_local(0)
+    await h.bus.publish(schemas.StepSealed(event_id=ids.sealed(run_id, 0), step=0, microsteps=1, executions=1,
+                                           groups=1))
+    await asyncio.wait_for(hung.wait(), 60)
+    completed: list = []
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(h.bus.replay([schemas.StepCompleted.NAME], completed.append, stop=stop))
+    await asyncio.sleep(0.3)
+    assert not completed  # the kill landed after the checkpoint, before the event
+    transfer = LoopbackTransfer()
+    again = Core(run=run_id, cell="cell0", bus=h.bus, cfg=the_core.cfg, model_dir=model_dir,
+                 weights_dir=tmp_path / "weights", transfer=transfer)
+    try:
+        await again.start()
+        await h.until(lambda: completed, "the restarted core to publish step 0's step.completed")
+        assert [(e.step, e.epoch) for e in completed] == [(0, 0)] and again.epoch == 1
+        assert again.trainer.policy_version == 1
+    finally:
+        stop.set()
+        await watcher
+        transfer.close()
