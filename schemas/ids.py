@@ -3,6 +3,7 @@ place that builds them. Each is deterministic in its arguments except `announce`
 names a cell's start by the wall-clock time it happened."""
 from __future__ import annotations
 
+import hashlib
 import time
 
 
@@ -65,9 +66,15 @@ def committed(run: str, epoch: int, step: int, index: int) -> str:
     return f"{run}:core:{epoch}:step:{step}:mstep:{index}:committed"
 
 
-def contribution(run: str, epoch: int, step: int, replica: str) -> str:
-    """A replica's one contribution to `step` under the core of `epoch`."""
-    return f"{run}:core:{epoch}:step:{step}:contribution:{replica}"
+def contribution(run: str, epoch: int, step: int, replica: str, microsteps: tuple[int, ...]) -> str:
+    """A replica's contribution to `step` under the core of `epoch`, covering `microsteps`.
+
+    DESIGN.md spells it without the ids; they are part of it because a replica can return a
+    second contribution to the same step (it left training and came back, or it restarted,
+    or its first was refused and its ids granted again), which is another fact, not a
+    duplicate to drop. A repeat of the same contribution keeps its id."""
+    covered = hashlib.blake2b(",".join(map(str, sorted(microsteps))).encode(), digest_size=6).hexdigest()
+    return f"{run}:core:{epoch}:step:{step}:contribution:{replica}:{covered}"
 
 
 def step_failed(run: str, epoch: int, step: int) -> str:

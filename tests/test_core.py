@@ -109,7 +109,7 @@ async def test_an_unreadable_contribution_is_refused_and_its_ids_granted_again(c
     granted = await h.claim("cell1")
     assert granted.outcome == "granted"
     await h.bus.publish(schemas.ContributionReturned(
-        event_id=ids.contribution(run_id, 0, 0, "cell1"), step=0, epoch=0, replica="cell1", microsteps=(0,),
+        event_id=ids.contribution(run_id, 0, 0, "cell1", (0,)), step=0, epoch=0, replica="cell1", microsteps=(0,),
         key="loopback://127.0.0.1:9/contribution-cell1-s0-e0", digest="0" * 64))  # nobody serves it
     await h.until(lambda: not the_core.ledger.holders, "the core to refuse it and release micro-step 0")
     again = await h.claim("cell2")  # at once, not after cell1's lease
@@ -159,7 +159,7 @@ async def test_a_redelivered_contribution_is_added_once(core, run_id):
     try:
         ref = satellite.expose("contribution-cell1-s0-e0", grads)
         event = schemas.ContributionReturned(
-            event_id=ids.contribution(run_id, 0, 0, "cell1"), step=0, epoch=0, replica="cell1", microsteps=(0,),
+            event_id=ids.contribution(run_id, 0, 0, "cell1", (0,)), step=0, epoch=0, replica="cell1", microsteps=(0,),
             key=ref.key, digest=ref.digest, metrics=StepMetrics().to_dict())
         await the_core.on_contribution(event)
         await the_core.on_contribution(event)
@@ -171,3 +171,72 @@ async def test_a_redelivered_contribution_is_added_once(core, run_id):
     await asyncio.sleep(0.2)
     assert [(c.microstep, c.replica) for c in h.facts["microstep.committed"]] == [(0, "cell1")]
     assert the_core.ledger.committed == {0: "cell1"}
+
+
+async def test_a_core_killed_between_its_checkpoint_and_step_completed_publishes_it_on_restart(core, run_id, tmp_path,
+                                                                                                model_dir):
+    """The checkpoint of step 0 is on disk but `step.completed` never left (the core died in
+    between): the restarted core publishes it, so the scheduler does not wait forever."""
+    the_core, h = core
+    hung = asyncio.Event()
+
+    async def dies_here(path):
+        hung.set()
+        raise RuntimeError("killed")  # the process is gone before step.completed
+
+    the_core._publish_weights = dies_here
+    assert (await h.claim("cell0")).outcome == "granted"
+    async with the_core.grad_lock:
+        await the_core.commit_local(0)
+    await h.bus.publish(schemas.StepSealed(event_id=ids.sealed(run_id, 0), step=0, microsteps=1, executions=1,
+                                           groups=1))
+    await asyncio.wait_for(hung.wait(), 60)
+    completed: list = []
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(h.bus.replay([schemas.StepCompleted.NAME], completed.append, stop=stop))
+    await asyncio.sleep(0.3)
+    assert not completed  # the kill landed after the checkpoint, before the event
+    transfer = LoopbackTransfer()
+    again = Core(run=run_id, cell="cell0", bus=h.bus, cfg=the_core.cfg, model_dir=model_dir,
+                 weights_dir=tmp_path / "weights", transfer=transfer)
+    try:
+        await again.start()
+        await h.until(lambda: completed, "the restarted core to publish step 0's step.completed")
+        assert [(e.step, e.epoch) for e in completed] == [(0, 0)] and again.epoch == 1
+        assert again.trainer.policy_version == 1
+    finally:
+        stop.set()
+        await watcher
+        transfer.close()
+
+
+async def test_a_second_contribution_of_a_replica_to_the_same_step_is_counted(core, run_id):
+    """A satellite that left training and came back (or restarted) in the same step returns a
+    second contribution covering other ids: it is another fact, not a duplicate for the bus to
+    drop (it was, and the step waited forever for those ids)."""
+    import numpy as np
+
+    from gyre.trajectory.microstep import to_bytes
+
+    the_core, h = core
+    (ms,) = microsteps(0, 1, seed=10)
+    await h.bus.put_object("step-0/mstep-1", to_bytes(ms))
+    await h.bus.publish(schemas.MicrostepReady(event_id=ids.microstep(run_id, 0, 1), step=0, microstep=1,
+                                               key="step-0/mstep-1", executions=(), tokens=ms.n_tokens,
+                                               trained=ms.n_trained, trajectories=ms.n_trajectories))
+    await h.until(lambda: 1 in the_core.ledger.announced.get(0, {}), "the second announcement")
+    grads = {name: np.full(p.shape, 0.25, dtype=np.float64) for name, p in the_core.trainer.model.named_parameters()}
+    satellite = LoopbackTransfer()
+    try:
+        for n, covered in enumerate(((0,), (1,)), start=1):
+            assert (await h.claim("cell1")).microstep == covered[0]
+            ref = satellite.expose(f"contribution-{n}", grads)
+            await h.bus.publish(schemas.ContributionReturned(
+                event_id=ids.contribution(run_id, 0, 0, "cell1", covered), step=0, epoch=0, replica="cell1",
+                microsteps=covered, key=ref.key, digest=ref.digest, metrics=StepMetrics().to_dict()))
+            await h.until(lambda: len(h.facts.get("microstep.committed", ())) == n, f"contribution {n}'s commit")
+    finally:
+        satellite.close()
+    assert the_core.ledger.committed == {0: "cell1", 1: "cell1"}
+    got = the_core.trainer.gradients()
+    assert all(np.array_equal(got[name], 2 * grads[name]) for name in grads)

@@ -311,7 +311,9 @@ class Core:
             duration = time.perf_counter() - self._step_started if self._step_started is not None else 0.0
 
             def completed_of(stats: StepStats, optimizer_s: float) -> dict:
-                return self._completed(step, sealed, stats, per_replica, duration, optimizer_s, 0.0).to_dict()
+                # start() republishes it from here when the core died between checkpoint and publish
+                return {"step_completed": self._completed(step, sealed, stats, per_replica, duration, optimizer_s,
+                                                          0.0).to_dict()}
 
             done = await asyncio.to_thread(apply_step, trainer, sealed.executions, self.weights_dir, completed_of)
             snapshot = await self._snapshot()

@@ -231,11 +231,12 @@ class Replica:
             return
         epoch, step, held = self.epoch, self.step, tuple(sorted(self.held))
         grads = await asyncio.to_thread(self.trainer.gradients)
-        name = f"contribution-{self.cell}-s{step}-e{epoch}"
+        event_id = ids.contribution(self.run_id, epoch, step, self.cell, held)
+        name = f"contribution-{self.cell}-s{step}-e{epoch}-{event_id.rsplit(':', 1)[1]}"
         ref = await asyncio.to_thread(self.transfer.expose, name, grads)
         self._contributions[name] = step
         await self.bus.publish(schemas.ContributionReturned(
-            event_id=ids.contribution(self.run_id, epoch, step, self.cell), step=step, epoch=epoch, replica=self.cell,
+            event_id=event_id, step=step, epoch=epoch, replica=self.cell,
             microsteps=held, key=ref.key, digest=ref.digest, metrics=self.trainer.metrics.to_dict()))
         self.returned.add((epoch, step))
         self.trainer.discard()  # `held` keeps the ids until the step moves on or the ledger says lost
