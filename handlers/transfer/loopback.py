@@ -69,11 +69,11 @@ def _say(sock: socket.socket, verdict: bytes) -> None:
         pass
 
 
-def parse_key(key: str) -> tuple[str, int, str]:
-    """(host, port, name) of a loopback key. Raises TransferError."""
-    m = re.fullmatch(r"loopback://([0-9.]+|localhost):(\d+)/([A-Za-z0-9._-]+)", key)
+def parse_key(key: str, scheme: str = SCHEME) -> tuple[str, int, str]:
+    """(host, port, name) of a key `<scheme>HOST:PORT/NAME`. Raises TransferError."""
+    m = re.fullmatch(re.escape(scheme) + r"([0-9.]+|localhost):(\d+)/([A-Za-z0-9._-]+)", key)
     if not m:
-        raise TransferError(f"not a loopback transfer key: {key!r}")
+        raise TransferError(f"not a {scheme.rstrip(':/')} transfer key: {key!r}")
     return m.group(1), int(m.group(2)), m.group(3)
 
 
@@ -98,9 +98,11 @@ class LoopbackTransfer:
         self._accept = threading.Thread(target=self._accept_loop, name="transfer-accept", daemon=True)
         self._accept.start()
 
+    scheme = SCHEME
+
     @property
     def url(self) -> str:
-        return f"{SCHEME}{self.host}:{self.port}"
+        return f"{self.scheme}{self.host}:{self.port}"
 
     # -- owner side -------------------------------------------------------------------------
     def expose(self, name: str, tensors: Mapping[str, np.ndarray]) -> TransferRef:
@@ -111,6 +113,10 @@ class LoopbackTransfer:
         manifest, buf = pack(tensors)
         with self._lock:
             self._leases.expose(name, time.monotonic())
+            old = self._snapshots.pop(name, None)
+            if old is not None:
+                self._drop(name, old[1])
+            self._hold(name, buf)
             self._snapshots[name] = (manifest, buf)
         return TransferRef(f"{self.url}/{name}", manifest.digest())
 
@@ -128,7 +134,15 @@ class LoopbackTransfer:
 
     def _free(self) -> None:
         for name in self._leases.releasable(time.monotonic()):
-            self._snapshots.pop(name, None)
+            entry = self._snapshots.pop(name, None)
+            if entry is not None:
+                self._drop(name, entry[1])
+
+    def _hold(self, name: str, buf: bytearray) -> None:
+        """A snapshot's buffer is about to be offered (a backend registers it here)."""
+
+    def _drop(self, name: str, buf: bytearray) -> None:
+        """A snapshot's buffer is freed: no reader holds it (a backend unregisters it here)."""
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
@@ -156,14 +170,9 @@ class LoopbackTransfer:
                     _send_frame(conn, {"ok": False, "error": str(exc)})
                     return
             manifest, buf = entry
-            _send_frame(conn, {"ok": True, "manifest": manifest.to_json().decode()})
-            view = memoryview(buf)
-            for start in range(0, len(view), self.slice_bytes):
-                conn.sendall(view[start:start + self.slice_bytes])
-                with self._lock:
-                    self._leases.renew(name, reader, time.monotonic(), self.lease_s)
-            verdict = _recv_exact(conn, 1)
-            log.debug("transfer.served", snapshot=name, reader=reader, verified=verdict == b"\x01", bytes=len(view))
+            _send_frame(conn, {"ok": True, "manifest": manifest.to_json().decode(), **self._where(name, buf)})
+            verdict = self._deliver(conn, name, reader, memoryview(buf))
+            log.debug("transfer.served", snapshot=name, reader=reader, verified=verdict == b"\x01", bytes=len(buf))
         except (OSError, ConnectionError, LeaseError, ValueError) as exc:
             log.info("transfer.serve.ended", snapshot=name, reader=reader, error=repr(exc))
         finally:
@@ -173,12 +182,30 @@ class LoopbackTransfer:
                     self._leases.release(name, reader)
                     self._free()
 
+    def _where(self, name: str, buf: bytearray) -> dict:
+        """Fields the owner adds to its answer so the reader can fetch the bytes (none here:
+        they follow on the connection)."""
+        return {}
+
+    def _deliver(self, conn: socket.socket, name: str, reader: str, view: memoryview) -> bytes:
+        """Move the snapshot's bytes to the reader, renewing its lease after each slice;
+        returns the reader's verdict byte."""
+        for start in range(0, len(view), self.slice_bytes):
+            conn.sendall(view[start:start + self.slice_bytes])
+            self._renew(name, reader)
+        return _recv_exact(conn, 1)
+
+    def _renew(self, name: str, reader: str) -> None:
+        with self._lock:
+            self._leases.renew(name, reader, time.monotonic(), self.lease_s)
+
     # -- reader side ------------------------------------------------------------------------
-    def pull(self, ref: TransferRef, reader: str) -> dict[str, np.ndarray]:
-        """Fetch and verify snapshot `ref` (from any process's loopback backend). Raises
-        TransferError for an unknown snapshot, a manifest other than `ref.digest`, a short
-        transfer or a checksum mismatch."""
-        host, port, name = parse_key(ref.key)
+    def pull(self, ref: TransferRef, reader: str, cancel: threading.Event | None = None) -> dict[str, np.ndarray]:
+        """Fetch and verify snapshot `ref` (from any process's backend of this kind). Raises
+        TransferError for an unknown snapshot, a manifest other than `ref.digest`, a short,
+        failed, timed-out or cancelled (`cancel` set) transfer, or a checksum mismatch."""
+        host, port, name = parse_key(ref.key, self.scheme)
+        started = time.monotonic()
         try:
             with socket.create_connection((host, port), timeout=self.timeout_s) as sock:
                 _send_frame(sock, {"name": name, "reader": reader})
@@ -189,13 +216,11 @@ class LoopbackTransfer:
                 if manifest.digest() != ref.digest:
                     _say(sock, b"\x00")
                     raise TransferError(f"{ref.key}: manifest digest {manifest.digest()} is not {ref.digest}")
-                buf = bytearray(manifest.total_bytes)
-                view, got = memoryview(buf), 0
-                while got < len(buf):
-                    k = sock.recv_into(view[got:])
-                    if k == 0:
-                        raise TransferError(f"{ref.key}: short transfer, {got} of {len(buf)} bytes")
-                    got += k
+                try:
+                    buf = self._fetch(sock, ref, head, manifest, cancel, started)
+                except TransferError:
+                    _say(sock, b"\x00")
+                    raise
                 try:
                     verify(manifest, buf)
                 except ManifestError as exc:
@@ -205,6 +230,21 @@ class LoopbackTransfer:
         except (OSError, ConnectionError, ManifestError, KeyError, ValueError) as exc:
             raise TransferError(f"{ref.key}: {exc!r}") from exc
         return unpack(manifest, buf)
+
+    def _fetch(self, sock: socket.socket, ref: TransferRef, head: dict, manifest: Manifest,
+               cancel: threading.Event | None = None, started: float | None = None) -> bytearray:
+        """The snapshot's bytes (`manifest.total_bytes` of them, unverified). Raises
+        TransferError for a short or cancelled transfer."""
+        buf = bytearray(manifest.total_bytes)
+        view, got = memoryview(buf), 0
+        while got < len(buf):
+            if cancel is not None and cancel.is_set():
+                raise TransferError(f"{ref.key}: cancelled after {got} of {len(buf)} bytes")
+            k = sock.recv_into(view[got:])
+            if k == 0:
+                raise TransferError(f"{ref.key}: short transfer, {got} of {len(buf)} bytes")
+            got += k
+        return buf
 
     def close(self) -> None:
         """Stop serving (connections in progress end with their threads)."""
