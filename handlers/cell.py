@@ -12,7 +12,17 @@ ledger from its start, whatever its role (handlers.training.core: it answers
 optimizer state. Every cell in training, core or satellite, runs a replica
 (handlers.training.replica) that claims micro-steps from the ledger; a satellite pulls the
 core's weights of the step through the transfer layer and returns its gradient sum there.
-Each cell process has one loopback transfer backend (handlers.transfer.loopback).
+Each cell process has one transfer backend (handlers.transfer: loopback, or Mooncake when the
+recipe's `cells.transfer` says so).
+
+Weights while serving (DESIGN.md "Weight publication"): a cell in rollout follows
+`weights.published` — it pulls the newest version's snapshot, which the backend verifies
+tensor by tensor against its manifest, loads it into the engine between two decode steps
+(requests in flight continue; their version spans show the switch) and only then publishes
+`weights.loaded`. A pull that fails, is short, times out, is cancelled (a newer version
+superseded it) or does not verify yields no `weights.loaded`: the engine keeps serving the
+version it has, the error names the tensor, and the cell tries again (at most 3 times per
+version) or moves on to a newer one.
 
 Consumes `cell.switch` (its own durable `<cell>-v1`, `bus.subjects.cell_consumer`) and
 replays `weights.published`; publishes `cell.switched` with measured durations.
@@ -21,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from pathlib import Path
 
@@ -33,13 +44,14 @@ from gyre.config import fields_of
 from gyre.control.switch import SwitchAction, durations as switch_durations, plan_switch
 from gyre.learning.settings import TrainerSettings
 from gyre.learning.trainer import Trainer, TrainerConfig
-from gyre.serving.engine import Engine, EngineConfig
+from gyre.serving.engine import Engine, EngineConfig, WeightLoadError
 from gyre.serving.settings import EngineSettings
 from handlers.engines import embedded as engine_server
 from handlers.daemon import FatalError, RunContext, connected, daemon_main, run_loops
 from handlers.training.core import Core
 from handlers.training.replica import Replica
-from handlers.transfer.loopback import LoopbackTransfer
+from gyre.transfer.interface import TransferError, TransferRef
+from handlers.transfer import make_backend
 from schemas import ids
 
 log = structlog.get_logger()
@@ -69,6 +81,12 @@ class Config:
     """Engine listener port (0 = a free port)."""
     engine_token: str = dataclasses.field(default="", repr=False)
     """The bearer token the engine server demands (the run's; `handlers.engines.embedded`)."""
+    transfer: str = "loopback"
+    """The transfer backend (`cells.transfer`: loopback or mooncake)."""
+    transfer_protocol: str = "tcp"
+    """Mooncake's transport (`cells.transfer_protocol`)."""
+    transfer_cluster: bool = False
+    """Mooncake may bind every interface (`cells.transfer_cluster`)."""
 
     @property
     def core(self) -> bool:
@@ -88,7 +106,9 @@ def config_from_context(ctx: RunContext, args) -> Config:
                   model_dir=model_dir, weights_dir=ctx.run_dir / "weights",
                   engine=EngineConfig(**fields_of(r.engine, EngineSettings), model_dir=str(model_dir),
                                       max_completion_tokens=r.sampling.max_tokens, seed=r.run.seed),
-                  trainer=TrainerConfig(**fields_of(r.train, TrainerSettings), seed=r.run.seed, replica=args.cell))
+                  trainer=TrainerConfig(**fields_of(r.train, TrainerSettings), seed=r.run.seed, replica=args.cell),
+                  transfer=r.cells.transfer, transfer_protocol=r.cells.transfer_protocol,
+                  transfer_cluster=r.cells.transfer_cluster)
 
 
 class Cell:
@@ -98,7 +118,11 @@ class Cell:
         self.role = "idle"
         self.version = 0
         self.engine = Engine(cfg.engine)
-        self.transfer = LoopbackTransfer(host=cfg.host, lease_s=max(cfg.trainer.lease_s, 30.0))
+        try:
+            self.transfer = make_backend(cfg.transfer, host=cfg.host, lease_s=max(cfg.trainer.lease_s, 30.0),
+                                         protocol=cfg.transfer_protocol, cluster=cfg.transfer_cluster)
+        except RuntimeError as exc:  # MooncakeUnavailable: not installed, or not in a private namespace
+            raise FatalError(str(exc)) from None
         self.core = Core(run=cfg.run, cell=cfg.cell, bus=bus, cfg=cfg.trainer, model_dir=cfg.model_dir,
                          weights_dir=cfg.weights_dir, transfer=self.transfer) if cfg.core else None
         self.trainer: Trainer | None = None
@@ -109,6 +133,9 @@ class Cell:
         self.training_stop: asyncio.Event | None = None
         self.training_task: asyncio.Task | None = None
         self.latest_weights: schemas.WeightsPublished | None = None
+        self._load_lock = asyncio.Lock()
+        self._weights_task: asyncio.Task | None = None
+        self._pulling: tuple[schemas.WeightsPublished, threading.Event] | None = None
 
     async def start(self) -> None:
         """Start the core's ledger (the core cell), the engine server, and announce the role:
@@ -149,6 +176,10 @@ class Cell:
         return last[-1] if last else None
 
     async def stop(self) -> None:
+        if self._pulling is not None:
+            self._pulling[1].set()
+        if self._weights_task is not None:
+            self._weights_task.cancel()
         await self._stop_training()
         await self.runner.cleanup()
         self.transfer.close()
@@ -197,8 +228,11 @@ class Cell:
         elif action == "load_weights":
             weights = self.latest_weights
             if weights is not None and weights.policy_version > self.engine.version:
-                await asyncio.to_thread(self.engine.load_weights, weights.path, weights.policy_version)
-                self.version = weights.policy_version
+                if weights.key:
+                    await self._load_engine(weights)  # refused: the engine keeps what it serves
+                else:  # a core that exposes no snapshot: its checkpoint on disk
+                    await asyncio.to_thread(self.engine.load_weights, weights.path, weights.policy_version)
+                    self.version = weights.policy_version
         elif action == "start_training":
             self._start_training()
         elif action == "start_serving":
@@ -234,6 +268,54 @@ class Cell:
             self.latest_weights = event
         if self.replica is not None and self.core is None:
             self.replica.withdraw_through(event.policy_version - 1)  # that step is applied
+        if self.role == "rollout" and event is self.latest_weights and event.key:
+            pulling = self._pulling
+            if pulling is not None and pulling[0].policy_version < event.policy_version:
+                pulling[1].set()  # a newer version supersedes the pull in flight
+            if self._weights_task is None or self._weights_task.done():
+                self._weights_task = asyncio.create_task(self._follow_weights())
+
+    async def _follow_weights(self, attempts: int = 3) -> None:
+        """Load the newest published version into the serving engine (module docstring)."""
+        failed: dict[tuple[int, int], int] = {}
+        while self.role == "rollout":
+            target = self.latest_weights
+            if target is None or not target.key or target.policy_version <= self.engine.version:
+                return
+            where = (target.policy_version, target.epoch)
+            if failed.get(where, 0) >= attempts:
+                return  # given up on this version; the next one starts afresh
+            if not await self._load_engine(target):
+                failed[where] = failed.get(where, 0) + 1
+                await asyncio.sleep(0.2 * failed[where])
+
+    async def _load_engine(self, event: schemas.WeightsPublished) -> bool:
+        """Pull `event`'s snapshot (verified), load it into the engine between decode steps and
+        publish `weights.loaded`. False, with the engine untouched, when any of it fails."""
+        async with self._load_lock:
+            if event.policy_version <= self.engine.version:
+                return True
+            cancel = threading.Event()
+            self._pulling = (event, cancel)
+            started = time.perf_counter()
+            try:
+                tensors = await asyncio.to_thread(self.transfer.pull, TransferRef(event.key, event.digest),
+                                                  self.cfg.cell, cancel)
+                await asyncio.to_thread(self.engine.load_tensors, tensors, event.policy_version)
+            except (TransferError, WeightLoadError) as exc:
+                log.error("cell.weights.refused", cell=self.cfg.cell, policy_version=event.policy_version,
+                          serving=self.engine.version, error=str(exc))
+                return False
+            finally:
+                self._pulling = None
+            self.version = event.policy_version
+            await self.bus.publish(schemas.WeightsLoaded(
+                event_id=ids.loaded(self.cfg.run, self.cfg.cell, event.policy_version, event.epoch),
+                cell=self.cfg.cell, policy_version=event.policy_version, epoch=event.epoch, digest=event.digest,
+                role="rollout"))
+            log.info("cell.weights.loaded", cell=self.cfg.cell, policy_version=event.policy_version,
+                     seconds=round(time.perf_counter() - started, 4))
+            return True
 
 
 async def run(cfg: Config, stop: asyncio.Event) -> None:
