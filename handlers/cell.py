@@ -16,13 +16,9 @@ Each cell process has one transfer backend (handlers.transfer: loopback, or Moon
 recipe's `cells.transfer` says so).
 
 Weights while serving (DESIGN.md "Weight publication"): a cell in rollout follows
-`weights.published` — it pulls the newest version's snapshot, which the backend verifies
-tensor by tensor against its manifest, loads it into the engine between two decode steps
-(requests in flight continue; their version spans show the switch) and only then publishes
-`weights.loaded`. A pull that fails, is short, times out, is cancelled (a newer version
-superseded it) or does not verify yields no `weights.loaded`: the engine keeps serving the
-version it has, the error names the tensor, and the cell tries again (at most 3 times per
-version) or moves on to a newer one.
+`weights.published` through handlers.transfer.follow.EngineWeights: pull the newest
+snapshot (verified against its manifest), load it between decode steps, then publish
+`weights.loaded`; a refused pull leaves the engine on the version it serves.
 
 Consumes `cell.switch` (its own durable `<cell>-v1`, `bus.subjects.cell_consumer`) and
 replays `weights.published`; publishes `cell.switched` with measured durations.
@@ -31,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 import time
 from pathlib import Path
 
@@ -44,14 +39,14 @@ from gyre.config import fields_of
 from gyre.control.switch import SwitchAction, durations as switch_durations, plan_switch
 from gyre.learning.settings import TrainerSettings
 from gyre.learning.trainer import Trainer, TrainerConfig
-from gyre.serving.engine import Engine, EngineConfig, WeightLoadError
+from gyre.serving.engine import Engine, EngineConfig
 from gyre.serving.settings import EngineSettings
 from handlers.engines import embedded as engine_server
 from handlers.daemon import FatalError, RunContext, connected, daemon_main, run_loops
 from handlers.training.core import Core
 from handlers.training.replica import Replica
-from gyre.transfer.interface import TransferError, TransferRef
 from handlers.transfer import make_backend
+from handlers.transfer.follow import EngineWeights
 from schemas import ids
 
 log = structlog.get_logger()
@@ -116,7 +111,6 @@ class Cell:
         self.cfg = cfg
         self.bus = bus
         self.role = "idle"
-        self.version = 0
         self.engine = Engine(cfg.engine)
         try:
             self.transfer = make_backend(cfg.transfer, host=cfg.host, lease_s=max(cfg.trainer.lease_s, 30.0),
@@ -133,9 +127,8 @@ class Cell:
         self.training_stop: asyncio.Event | None = None
         self.training_task: asyncio.Task | None = None
         self.latest_weights: schemas.WeightsPublished | None = None
-        self._load_lock = asyncio.Lock()
-        self._weights_task: asyncio.Task | None = None
-        self._pulling: tuple[schemas.WeightsPublished, threading.Event] | None = None
+        self.weights = EngineWeights(run=cfg.run, cell=cfg.cell, engine=self.engine, transfer=self.transfer,
+                                     publish=bus.publish, serving=lambda: self.role == "rollout")
 
     async def start(self) -> None:
         """Start the core's ledger (the core cell), the engine server, and announce the role:
@@ -176,10 +169,7 @@ class Cell:
         return last[-1] if last else None
 
     async def stop(self) -> None:
-        if self._pulling is not None:
-            self._pulling[1].set()
-        if self._weights_task is not None:
-            self._weights_task.cancel()
+        self.weights.stop()
         await self._stop_training()
         await self.runner.cleanup()
         self.transfer.close()
@@ -189,7 +179,7 @@ class Cell:
         event_id = ids.switched(self.cfg.run, self.cfg.cell, seq) if seq >= 0 else ids.announce(self.cfg.run, self.cfg.cell)
         await self.bus.publish(schemas.CellSwitched(
             event_id=event_id, cell=self.cfg.cell, seq=event_seq, from_role=from_role, to_role=to_role,
-            durations=durations, engine_url=self.url if to_role == "rollout" else "", policy_version=self.version))
+            durations=durations, engine_url=self.url if to_role == "rollout" else "", policy_version=self.engine.version))
 
     # --- switches -------------------------------------------------------------------
     async def handle_switch(self, event: schemas.CellSwitch) -> None:
@@ -210,7 +200,7 @@ class Cell:
         self.role = plan.to_role  # only now: a switch that failed half-way is redone whole on redelivery
         durations = switch_durations(started, released, loaded, time.perf_counter())
         await self._switched(event.seq, event.from_role, event.to_role, durations)
-        log.info("cell.switched", cell=self.cfg.cell, to_role=event.to_role, policy_version=self.version, **durations)
+        log.info("cell.switched", cell=self.cfg.cell, to_role=event.to_role, policy_version=self.engine.version, **durations)
 
     async def _act(self, action: SwitchAction) -> None:
         """Run one action of a switch plan (gyre.control.switch)."""
@@ -229,10 +219,9 @@ class Cell:
             weights = self.latest_weights
             if weights is not None and weights.policy_version > self.engine.version:
                 if weights.key:
-                    await self._load_engine(weights)  # refused: the engine keeps what it serves
+                    await self.weights.load(weights)  # refused: the engine keeps what it serves
                 else:  # a core that exposes no snapshot: its checkpoint on disk
                     await asyncio.to_thread(self.engine.load_weights, weights.path, weights.policy_version)
-                    self.version = weights.policy_version
         elif action == "start_training":
             self._start_training()
         elif action == "start_serving":
@@ -268,54 +257,7 @@ class Cell:
             self.latest_weights = event
         if self.replica is not None and self.core is None:
             self.replica.withdraw_through(event.policy_version - 1)  # that step is applied
-        if self.role == "rollout" and event is self.latest_weights and event.key:
-            pulling = self._pulling
-            if pulling is not None and pulling[0].policy_version < event.policy_version:
-                pulling[1].set()  # a newer version supersedes the pull in flight
-            if self._weights_task is None or self._weights_task.done():
-                self._weights_task = asyncio.create_task(self._follow_weights())
-
-    async def _follow_weights(self, attempts: int = 3) -> None:
-        """Load the newest published version into the serving engine (module docstring)."""
-        failed: dict[tuple[int, int], int] = {}
-        while self.role == "rollout":
-            target = self.latest_weights
-            if target is None or not target.key or target.policy_version <= self.engine.version:
-                return
-            where = (target.policy_version, target.epoch)
-            if failed.get(where, 0) >= attempts:
-                return  # given up on this version; the next one starts afresh
-            if not await self._load_engine(target):
-                failed[where] = failed.get(where, 0) + 1
-                await asyncio.sleep(0.2 * failed[where])
-
-    async def _load_engine(self, event: schemas.WeightsPublished) -> bool:
-        """Pull `event`'s snapshot (verified), load it into the engine between decode steps and
-        publish `weights.loaded`. False, with the engine untouched, when any of it fails."""
-        async with self._load_lock:
-            if event.policy_version <= self.engine.version:
-                return True
-            cancel = threading.Event()
-            self._pulling = (event, cancel)
-            started = time.perf_counter()
-            try:
-                tensors = await asyncio.to_thread(self.transfer.pull, TransferRef(event.key, event.digest),
-                                                  self.cfg.cell, cancel)
-                await asyncio.to_thread(self.engine.load_tensors, tensors, event.policy_version)
-            except (TransferError, WeightLoadError) as exc:
-                log.error("cell.weights.refused", cell=self.cfg.cell, policy_version=event.policy_version,
-                          serving=self.engine.version, error=str(exc))
-                return False
-            finally:
-                self._pulling = None
-            self.version = event.policy_version
-            await self.bus.publish(schemas.WeightsLoaded(
-                event_id=ids.loaded(self.cfg.run, self.cfg.cell, event.policy_version, event.epoch),
-                cell=self.cfg.cell, policy_version=event.policy_version, epoch=event.epoch, digest=event.digest,
-                role="rollout"))
-            log.info("cell.weights.loaded", cell=self.cfg.cell, policy_version=event.policy_version,
-                     seconds=round(time.perf_counter() - started, 4))
-            return True
+        self.weights.published(event)
 
 
 async def run(cfg: Config, stop: asyncio.Event) -> None:
