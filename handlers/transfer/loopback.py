@@ -81,12 +81,14 @@ class LoopbackTransfer:
     """A process's loopback backend (module docstring).
 
     lease_s: seconds a reader's lease lasts without progress. slice_bytes: bytes per send.
-    timeout_s: connect and per-receive timeout of a pull, seconds.
+    timeout_s: connect and per-receive timeout of a pull, seconds. keepalive_s: TCP keep-alive
+    idle time of every control connection, seconds (a peer that vanished is noticed).
     """
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, lease_s: float = 30.0,
-                 slice_bytes: int = 4 << 20, timeout_s: float = 60.0) -> None:
+                 slice_bytes: int = 4 << 20, timeout_s: float = 60.0, keepalive_s: float = 10.0) -> None:
         self.lease_s = lease_s
+        self.keepalive_s = keepalive_s
         self.slice_bytes = slice_bytes
         self.timeout_s = timeout_s
         self._server = socket.create_server((host, port))
@@ -152,10 +154,18 @@ class LoopbackTransfer:
                 return  # closed
             threading.Thread(target=self._serve, args=(conn,), name="transfer-serve", daemon=True).start()
 
+    def _keepalive(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        idle = max(1, int(self.keepalive_s))
+        for opt, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", max(1, idle // 2)), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, opt):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
     def _serve(self, conn: socket.socket) -> None:
         name = reader = ""
         claimed = False
         try:
+            self._keepalive(conn)
             conn.settimeout(self.lease_s)
             req = _recv_frame(conn)
             name, reader = str(req.get("name", "")), str(req.get("reader", ""))
@@ -208,6 +218,7 @@ class LoopbackTransfer:
         started = time.monotonic()
         try:
             with socket.create_connection((host, port), timeout=self.timeout_s) as sock:
+                self._keepalive(sock)
                 _send_frame(sock, {"name": name, "reader": reader})
                 head = _recv_frame(sock)
                 if not head.get("ok"):

@@ -83,8 +83,8 @@ class MooncakeTransfer(LoopbackTransfer):
     scheme = SCHEME
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, lease_s: float = 30.0,
-                 slice_bytes: int = 64 << 20, timeout_s: float = 60.0, protocol: str = "tcp",
-                 cluster: bool = False) -> None:
+                 slice_bytes: int = 64 << 20, timeout_s: float = 60.0, keepalive_s: float = 10.0,
+                 protocol: str = "tcp", cluster: bool = False) -> None:
         why = available()
         if why is not None:
             raise MooncakeUnavailable(why)
@@ -104,7 +104,8 @@ class MooncakeTransfer(LoopbackTransfer):
         self.session = f"{host}:{self._engine.get_rpc_port()}"
         self._registered: dict[int, int] = {}
         self._reg_lock = threading.Lock()
-        super().__init__(host=host, port=port, lease_s=lease_s, slice_bytes=slice_bytes, timeout_s=timeout_s)
+        super().__init__(host=host, port=port, lease_s=lease_s, slice_bytes=slice_bytes, timeout_s=timeout_s,
+                         keepalive_s=keepalive_s)
         log.info("transfer.mooncake.started", session=self.session, control=self.url, protocol=protocol)
 
     # -- registered memory ----------------------------------------------------------------------
@@ -168,8 +169,10 @@ class MooncakeTransfer(LoopbackTransfer):
                 n = min(self.slice_bytes, total - offset)
                 rc = self._engine.transfer_sync_read(session, local + offset, remote + offset, n)
                 if rc != 0:
+                    lost = [e.name for e in manifest.entries if e.offset < offset + n and e.offset + e.nbytes > offset]
                     raise TransferError(f"{ref.key}: Mooncake read of bytes {offset}..{offset + n} of {total} from "
-                                        f"{session} failed (code {rc}): failed, timed out or short")
+                                        f"{session} failed (code {rc}: failed, timed out or short); tensors not "
+                                        f"received: {', '.join(repr(t) for t in lost[:8])}")
                 sock.sendall(PROGRESS)
             if time.monotonic() - started > self.timeout_s:
                 raise TransferError(f"{ref.key}: timed out after {total} bytes ({self.timeout_s} s)")
