@@ -9,7 +9,7 @@ driven by JSON lines on stdin, one JSON answer per line on stdout:
       of the region is registered: the rest cannot be read), `flip` (one byte of the first
       tensor flipped in place)
   {"op": "withdraw", "name"}, {"op": "exposed"} → {"names"}
-`python -m tests.transfer_peer reader KEY DIGEST DELAY_S` — a reader that pulls slowly
+`python -m tests.transfer_peer reader KEY DIGEST DELAY_S NAME` — a reader `NAME` that pulls slowly
 (DELAY_S before each 1 MiB slice: a slow network) and prints `pulled` when done.
 """
 from __future__ import annotations
@@ -107,6 +107,9 @@ def owner(lease_s: float, keepalive_s: float) -> None:
                 out = {"ok": True}
             elif op == "exposed":
                 out = {"names": t.exposed()}
+            elif op == "claims":
+                with t._lock:
+                    out = {"claims": {n: sorted(c) for n, c in t._leases.claims.items()}}
             else:
                 out = {"error": f"unknown op {op}"}
         except Exception as exc:  # noqa: BLE001 - the test reads the error
@@ -115,10 +118,10 @@ def owner(lease_s: float, keepalive_s: float) -> None:
     t.close()
 
 
-def reader(key: str, digest: str, delay_s: float) -> None:
+def reader(key: str, digest: str, delay_s: float, name: str) -> None:
     t = slow(MooncakeTransfer(slice_bytes=1 << 20), delay_s)
     print("started", flush=True)
-    t.pull(TransferRef(key, digest), "slow-reader")
+    t.pull(TransferRef(key, digest), name)
     print("pulled", flush=True)
     t.close()
 
@@ -130,4 +133,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "owner":
         owner(float(sys.argv[2]), float(sys.argv[3]))
     else:
-        reader(sys.argv[2], sys.argv[3], float(sys.argv[4]))
+        reader(sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5])
