@@ -8,6 +8,9 @@
 #    index (PyPI's Linux wheel is the CUDA build). A torch 2.13.0 already in the venv (a
 #    CUDA build put there for the `gpu` tests) is kept.
 #  - bubblewrap confines harness processes; installed from Debian when we are root.
+#  - Mooncake's transfer engine: the CPU build (PyPI mooncake-transfer-engine-non-cuda, a
+#    dependency) and Debian's libibverbs1, which it links even for TCP; the CUDA build is
+#    the `mooncake` extra for clusters (it needs libcudart).
 #  - Claude Code and Codex CLI (npm) go into ./.harnesses (world-readable, so the
 #    sandbox uid can run them), pinned to the versions docs/tasks.md names; skipped when
 #    already there at that version, or when npm is missing (their tests then skip,
@@ -35,6 +38,13 @@ apt_tool() {
 }
 apt_tool bwrap bubblewrap "harness confinement" "harnesses run under an unprivileged uid without it"
 apt_tool tmux tmux "drives Claude Code's interactive TUI in the harness tests" "the interactive Claude Code test cannot run"
+# Mooncake's transfer engine (the CPU build, mooncake-transfer-engine-non-cuda, from pyproject)
+# links libibverbs even for TCP: Debian's libibverbs1 provides it.
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "install: libibverbs1 (Mooncake's transfer engine links it)"
+  (apt-get install -y -q libibverbs1 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libibverbs1 >/dev/null 2>&1; }) \
+    || echo "install: libibverbs1 unavailable; the Mooncake tests skip (fail under CI=true) and cells use loopback" >&2
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
   PY=$(pick_python)
