@@ -5,7 +5,7 @@
     gyre tap [PATTERN] [--run-dir DIR] [--run ID | --all-runs] [--width N]
                                                   print live events of the current run
     gyre init-model DIR [--layers N ...]          write the embedded default model
-    gyre bench NAME [--json PATH]                 a benchmark of docs/BENCHMARKS.md (proxy, trajectories, hostile)
+    gyre bench NAME [--json PATH]                 a benchmark of docs/BENCHMARKS.md (proxy, trajectories, hostile, transfer)
     gyre sim [--profile NAME|all] [--random N --seed S] [--trace PATH] [--json PATH]
                                                   the scheduling modes on simulated clusters
     gyre proxy|cell|scheduler|builder|runner|evaluator --run-dir DIR   one daemon
@@ -57,6 +57,7 @@ BENCHMARKS = {
     "proxy": "handlers.bench.proxy",
     "trajectories": "handlers.bench.trajectories",
     "hostile": "handlers.bench.hostile",
+    "transfer": "handlers.bench.transfer",
 }
 """`gyre bench NAME` → the module whose `main(argv) -> int` runs it (BENCHMARKS.md)."""
 

@@ -210,12 +210,17 @@ class LoopbackTransfer:
             self._leases.renew(name, reader, time.monotonic(), self.lease_s)
 
     # -- reader side ------------------------------------------------------------------------
-    def pull(self, ref: TransferRef, reader: str, cancel: threading.Event | None = None) -> dict[str, np.ndarray]:
+    def pull(self, ref: TransferRef, reader: str, cancel: threading.Event | None = None,
+             timings: dict[str, float] | None = None) -> dict[str, np.ndarray]:
         """Fetch and verify snapshot `ref` (from any process's backend of this kind). Raises
         TransferError for an unknown snapshot, a manifest other than `ref.digest`, a short,
-        failed, timed-out or cancelled (`cancel` set) transfer, or a checksum mismatch."""
+        failed, timed-out or cancelled (`cancel` set) transfer, or a checksum mismatch.
+        `timings`, when given, receives seconds: `handshake_s` (connect, claim, manifest),
+        `fetch_s` (the bytes), `verify_s` (the checksums), and what the backend adds."""
         host, port, name = parse_key(ref.key, self.scheme)
         started = time.monotonic()
+        timings = {} if timings is None else timings
+        started_pc = time.perf_counter()
         try:
             with socket.create_connection((host, port), timeout=self.timeout_s) as sock:
                 self._keepalive(sock)
@@ -227,13 +232,18 @@ class LoopbackTransfer:
                 if manifest.digest() != ref.digest:
                     _say(sock, b"\x00")
                     raise TransferError(f"{ref.key}: manifest digest {manifest.digest()} is not {ref.digest}")
+                fetching = time.perf_counter()
+                timings["handshake_s"] = fetching - started_pc
                 try:
-                    buf = self._fetch(sock, ref, head, manifest, cancel, started)
+                    buf = self._fetch(sock, ref, head, manifest, cancel, started, timings)
                 except TransferError:
                     _say(sock, b"\x00")
                     raise
+                verifying = time.perf_counter()
+                timings["fetch_s"] = verifying - fetching
                 try:
                     verify(manifest, buf)
+                    timings["verify_s"] = time.perf_counter() - verifying
                 except ManifestError as exc:
                     _say(sock, b"\x00")
                     raise TransferError(f"{ref.key}: {exc}") from None
@@ -243,7 +253,8 @@ class LoopbackTransfer:
         return unpack(manifest, buf)
 
     def _fetch(self, sock: socket.socket, ref: TransferRef, head: dict, manifest: Manifest,
-               cancel: threading.Event | None = None, started: float | None = None) -> bytearray:
+               cancel: threading.Event | None = None, started: float | None = None,
+               timings: dict[str, float] | None = None) -> bytearray:
         """The snapshot's bytes (`manifest.total_bytes` of them, unverified). Raises
         TransferError for a short or cancelled transfer."""
         buf = bytearray(manifest.total_bytes)

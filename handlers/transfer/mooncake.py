@@ -95,6 +95,9 @@ class MooncakeTransfer(LoopbackTransfer):
                 "network namespace (`unshare -n`, lo up; handlers.transfer.mooncake.namespace_command) or set the "
                 "transfer configuration's cluster = true on a cluster that exposes it on purpose")
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, int(timeout_s))))
+        # Mooncake's TCP transport moves a request in slices of MC_TCP_SLICE_SIZE (64 KiB by
+        # default); 16 MiB slices cut its per-slice cost (docs/results.md, gyre bench transfer).
+        os.environ.setdefault("MC_TCP_SLICE_SIZE", str(16 << 20))
         from mooncake.engine import TransferEngine
 
         self._engine = TransferEngine()
@@ -149,17 +152,25 @@ class MooncakeTransfer(LoopbackTransfer):
 
     # -- reader side --------------------------------------------------------------------------------
     def _fetch(self, sock: socket.socket, ref: TransferRef, head: dict, manifest: Manifest,
-               cancel: threading.Event | None = None, started: float | None = None) -> bytearray:
+               cancel: threading.Event | None = None, started: float | None = None,
+               timings: dict[str, float] | None = None) -> bytearray:
         try:
             session, remote = str(head["session"]), int(head["address"])
         except (KeyError, TypeError, ValueError):
             raise TransferError(f"{ref.key}: the owner's answer names no Mooncake session and address") from None
         total = manifest.total_bytes
+        timings = {} if timings is None else timings
+        t0 = time.perf_counter()
         buf = bytearray(total)
+        timings["alloc_s"] = time.perf_counter() - t0
         if not total:
             return buf
         started = time.monotonic() if started is None else started
+        t0 = time.perf_counter()
         local = self._register(buf)
+        timings["register_s"] = time.perf_counter() - t0
+        timings["read_s"] = timings["progress_s"] = 0.0
+        timings["slices"] = 0
         try:
             for offset in range(0, total, self.slice_bytes):
                 if cancel is not None and cancel.is_set():
@@ -167,13 +178,18 @@ class MooncakeTransfer(LoopbackTransfer):
                 if time.monotonic() - started > self.timeout_s:
                     raise TransferError(f"{ref.key}: timed out after {offset} of {total} bytes ({self.timeout_s} s)")
                 n = min(self.slice_bytes, total - offset)
+                t0 = time.perf_counter()
                 rc = self._engine.transfer_sync_read(session, local + offset, remote + offset, n)
+                t1 = time.perf_counter()
+                timings["read_s"] += t1 - t0
+                timings["slices"] += 1
                 if rc != 0:
                     lost = [e.name for e in manifest.entries if e.offset < offset + n and e.offset + e.nbytes > offset]
                     raise TransferError(f"{ref.key}: Mooncake read of bytes {offset}..{offset + n} of {total} from "
                                         f"{session} failed (code {rc}: failed, timed out or short); tensors not "
                                         f"received: {', '.join(repr(t) for t in lost[:8])}")
                 sock.sendall(PROGRESS)
+                timings["progress_s"] += time.perf_counter() - t1
             if time.monotonic() - started > self.timeout_s:
                 raise TransferError(f"{ref.key}: timed out after {total} bytes ({self.timeout_s} s)")
             if cancel is not None and cancel.is_set():
