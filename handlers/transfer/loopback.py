@@ -211,12 +211,14 @@ class LoopbackTransfer:
 
     # -- reader side ------------------------------------------------------------------------
     def pull(self, ref: TransferRef, reader: str, cancel: threading.Event | None = None,
-             timings: dict[str, float] | None = None) -> dict[str, np.ndarray]:
+             timings: dict[str, float] | None = None, into: bytearray | None = None) -> dict[str, np.ndarray]:
         """Fetch and verify snapshot `ref` (from any process's backend of this kind). Raises
         TransferError for an unknown snapshot, a manifest other than `ref.digest`, a short,
         failed, timed-out or cancelled (`cancel` set) transfer, or a checksum mismatch.
         `timings`, when given, receives seconds: `handshake_s` (connect, claim, manifest),
-        `fetch_s` (the bytes), `verify_s` (the checksums), and what the backend adds."""
+        `fetch_s` (the bytes), `verify_s` (the checksums), and what the backend adds. `into`:
+        a receive buffer of the snapshot's size to read into (the returned arrays view it), kept
+        by a caller that pulls version after version; otherwise a new one."""
         host, port, name = parse_key(ref.key, self.scheme)
         started = time.monotonic()
         timings = {} if timings is None else timings
@@ -235,7 +237,7 @@ class LoopbackTransfer:
                 fetching = time.perf_counter()
                 timings["handshake_s"] = fetching - started_pc
                 try:
-                    buf = self._fetch(sock, ref, head, manifest, cancel, started, timings)
+                    buf = self._fetch(sock, ref, head, manifest, cancel, started, timings, into)
                 except TransferError:
                     _say(sock, b"\x00")
                     raise
@@ -254,10 +256,10 @@ class LoopbackTransfer:
 
     def _fetch(self, sock: socket.socket, ref: TransferRef, head: dict, manifest: Manifest,
                cancel: threading.Event | None = None, started: float | None = None,
-               timings: dict[str, float] | None = None) -> bytearray:
-        """The snapshot's bytes (`manifest.total_bytes` of them, unverified). Raises
-        TransferError for a short or cancelled transfer."""
-        buf = bytearray(manifest.total_bytes)
+               timings: dict[str, float] | None = None, into: bytearray | None = None) -> bytearray:
+        """The snapshot's bytes (`manifest.total_bytes` of them, unverified), in `into` when
+        it has that size. Raises TransferError for a short or cancelled transfer."""
+        buf = into if into is not None and len(into) == manifest.total_bytes else bytearray(manifest.total_bytes)
         view, got = memoryview(buf), 0
         while got < len(buf):
             if cancel is not None and cancel.is_set():

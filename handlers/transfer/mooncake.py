@@ -16,7 +16,9 @@ interface is loopback (`unshare -n`, lo up; see `namespace_command`) — unless 
 says the deployment exposes it on purpose. It also refuses where the `mooncake` package or
 `libibverbs` is missing (`available()` says why).
 
-A pull is refused (TransferError, never a partial result) when Mooncake reports a failed or
+A caller that pulls version after version may pass its receive buffer (`pull(into=...)`): it
+stays registered with the engine until `close`. A pull is refused (TransferError, never a
+partial result) when Mooncake reports a failed or
 timed-out slice (its status code is checked for every slice), when the pull runs past
 `timeout_s`, when the caller's `cancel` event is set, and when the bytes do not verify.
 """
@@ -96,8 +98,9 @@ class MooncakeTransfer(LoopbackTransfer):
                 "transfer configuration's cluster = true on a cluster that exposes it on purpose")
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, int(timeout_s))))
         # Mooncake's TCP transport moves a request in slices of MC_TCP_SLICE_SIZE (64 KiB by
-        # default); 16 MiB slices cut its per-slice cost (docs/results.md, gyre bench transfer).
-        os.environ.setdefault("MC_TCP_SLICE_SIZE", str(16 << 20))
+        # default); one slice per read of ours (64 MiB) halves its cost here (docs/results.md,
+        # gyre bench transfer).
+        os.environ.setdefault("MC_TCP_SLICE_SIZE", str(slice_bytes))
         from mooncake.engine import TransferEngine
 
         self._engine = TransferEngine()
@@ -153,7 +156,7 @@ class MooncakeTransfer(LoopbackTransfer):
     # -- reader side --------------------------------------------------------------------------------
     def _fetch(self, sock: socket.socket, ref: TransferRef, head: dict, manifest: Manifest,
                cancel: threading.Event | None = None, started: float | None = None,
-               timings: dict[str, float] | None = None) -> bytearray:
+               timings: dict[str, float] | None = None, into: bytearray | None = None) -> bytearray:
         try:
             session, remote = str(head["session"]), int(head["address"])
         except (KeyError, TypeError, ValueError):
@@ -161,13 +164,16 @@ class MooncakeTransfer(LoopbackTransfer):
         total = manifest.total_bytes
         timings = {} if timings is None else timings
         t0 = time.perf_counter()
-        buf = bytearray(total)
+        kept = into is not None and len(into) == total
+        buf = into if kept else bytearray(total)
         timings["alloc_s"] = time.perf_counter() - t0
         if not total:
             return buf
         started = time.monotonic() if started is None else started
         t0 = time.perf_counter()
-        local = self._register(buf)
+        local = self._address(buf)
+        if not (kept and local in self._registered):
+            local = self._register(buf)
         timings["register_s"] = time.perf_counter() - t0
         timings["read_s"] = timings["progress_s"] = 0.0
         timings["slices"] = 0
@@ -195,7 +201,8 @@ class MooncakeTransfer(LoopbackTransfer):
             if cancel is not None and cancel.is_set():
                 raise TransferError(f"{ref.key}: cancelled after {total} of {total} bytes")
         finally:
-            self._unregister(local)
+            if not kept:
+                self._unregister(local)
         return buf
 
     def close(self) -> None:
