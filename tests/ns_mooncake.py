@@ -300,3 +300,16 @@ async def test_idle_gap_a_transfer_after_a_gap_longer_than_the_keepalive_succeed
             within(30, reader.pull, ref, "idle")  # fails loudly, never hangs
     finally:
         peer.proc.send_signal(signal.SIGCONT)
+
+
+def test_bench_transfer_measures_the_mooncake_path_and_the_socket_copy(tmp_path):
+    """`gyre bench transfer` (small: 8 MiB, one repetition) writes BENCHMARKS.md's keys."""
+    from handlers.bench.transfer import main
+
+    out = tmp_path / "transfer.json"
+    assert main(["--mib", "8", "--reps", "1", "--json", str(out)]) == 0
+    doc = orjson.loads(out.read_bytes())
+    g = doc["weights_gb_per_s"]
+    assert g["mooncake"] > 0 and g["socket"] > 0 and doc["ratio"] == pytest.approx(g["mooncake"] / g["socket"], rel=1e-2)
+    assert doc["verify_s"] > 0 and doc["profile"]["read_s"] > 0 and doc["profile"]["slices"] >= 1
+    assert "recv_into" in doc["socket_baseline_code"] and doc["machine"]["cpus"] >= 1
