@@ -227,6 +227,12 @@ async def test_timed_out_or_cancelled_transfers_are_refused_never_success(peer, 
     follower.transfer._engine.delay_s = 0.0
     assert await follower.load(published(follower.run, ref, 1))  # the same snapshot, whole: loaded
     assert follower.engine.version == 1 and len(await follower.bus.stored_ids("weights.loaded")) == 1
+    # the refused pulls left nothing behind: the engine holds exactly the published weights
+    from safetensors.numpy import load_file
+
+    live = follower.engine.model.state_dict()
+    for name, value in load_file(f"{model_dir}/model.safetensors").items():
+        np.testing.assert_array_equal(live[name].numpy(), value + np.float32(0.01), err_msg=name)
 
 
 async def test_killed_mid_pull_a_reader_keeps_the_snapshot_until_the_others_finish_then_its_lease_ends(peer, reader):
