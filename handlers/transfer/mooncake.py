@@ -95,7 +95,7 @@ class MooncakeTransfer(LoopbackTransfer):
             raise MooncakeUnavailable(
                 f"Mooncake binds every interface and this network namespace has {names}: run it inside a private "
                 "network namespace (`unshare -n`, lo up; handlers.transfer.mooncake.namespace_command) or set the "
-                "transfer configuration's cluster = true on a cluster that exposes it on purpose")
+                "recipe's cells.transfer_cluster = true on a cluster that exposes it on purpose")
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, int(timeout_s))))
         # Mooncake's TCP transport moves a request in slices of MC_TCP_SLICE_SIZE (64 KiB by
         # default); one slice per read of ours (64 MiB) halves its cost here (docs/results.md,
