@@ -26,6 +26,7 @@ from schemas import (
     StepCompleted,
     StepFailed,
     StepSealed,
+    WeightsLoaded,
     WeightsPublished,
 )
 
@@ -103,7 +104,8 @@ STREAMS: tuple[StreamSpec, ...] = (
     # Kept until their step completes (the core's ledger replays them after a restart):
     # limits retention, never a work queue that deletes on ack.
     StreamSpec("MICROSTEPS", (MicrostepReady.NAME,)),
-    StreamSpec("STEPS", (StepSealed.NAME, StepCompleted.NAME, WeightsPublished.NAME, StepFailed.NAME)),
+    StreamSpec("STEPS", (StepSealed.NAME, StepCompleted.NAME, WeightsPublished.NAME, StepFailed.NAME,
+                          WeightsLoaded.NAME)),
     StreamSpec("LEDGER", (MicrostepGranted.NAME, MicrostepCommitted.NAME, ContributionReturned.NAME)),
     StreamSpec("CELLS", (CellSwitch.NAME, CellSwitched.NAME, RouteUpdated.NAME)),
     StreamSpec("DLQ", ("dlq.>",)),

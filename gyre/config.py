@@ -242,6 +242,15 @@ class CellsSection:
     """Cells, > 0; their ids are `ids`."""
     capacity: int = 16
     """C_e: executions one rollout cell serves at once; the scheduler dispatches no more to it, > 0."""
+    transfer: Literal["loopback", "mooncake"] = "loopback"
+    """How weight snapshots and gradient sums move between cells (DESIGN.md "Weight
+    publication"): `loopback` (a TCP socket on 127.0.0.1) or `mooncake` (Mooncake's transfer
+    engine; it binds every interface, so it runs only inside a private network namespace
+    unless `transfer_cluster` is set)."""
+    transfer_protocol: Literal["tcp", "rdma"] = "tcp"
+    """Mooncake's transport: `tcp` on CPU, `rdma` on a cluster."""
+    transfer_cluster: bool = False
+    """This is a cluster whose interfaces Mooncake may bind (outside a private namespace)."""
 
     def __post_init__(self) -> None:
         _positive(self, "count", "capacity")

@@ -12,7 +12,13 @@ ledger from its start, whatever its role (handlers.training.core: it answers
 optimizer state. Every cell in training, core or satellite, runs a replica
 (handlers.training.replica) that claims micro-steps from the ledger; a satellite pulls the
 core's weights of the step through the transfer layer and returns its gradient sum there.
-Each cell process has one loopback transfer backend (handlers.transfer.loopback).
+Each cell process has one transfer backend (handlers.transfer: loopback, or Mooncake when the
+recipe's `cells.transfer` says so).
+
+Weights while serving (DESIGN.md "Weight publication"): a cell in rollout follows
+`weights.published` through handlers.transfer.follow.EngineWeights: pull the newest
+snapshot (verified against its manifest), load it between decode steps, then publish
+`weights.loaded`; a refused pull leaves the engine on the version it serves.
 
 Consumes `cell.switch` (its own durable `<cell>-v1`, `bus.subjects.cell_consumer`) and
 replays `weights.published`; publishes `cell.switched` with measured durations.
@@ -39,7 +45,8 @@ from handlers.engines import embedded as engine_server
 from handlers.daemon import FatalError, RunContext, connected, daemon_main, run_loops
 from handlers.training.core import Core
 from handlers.training.replica import Replica
-from handlers.transfer.loopback import LoopbackTransfer
+from handlers.transfer import make_backend
+from handlers.transfer.follow import EngineWeights
 from schemas import ids
 
 log = structlog.get_logger()
@@ -69,6 +76,12 @@ class Config:
     """Engine listener port (0 = a free port)."""
     engine_token: str = dataclasses.field(default="", repr=False)
     """The bearer token the engine server demands (the run's; `handlers.engines.embedded`)."""
+    transfer: str = "loopback"
+    """The transfer backend (`cells.transfer`: loopback or mooncake)."""
+    transfer_protocol: str = "tcp"
+    """Mooncake's transport (`cells.transfer_protocol`)."""
+    transfer_cluster: bool = False
+    """Mooncake may bind every interface (`cells.transfer_cluster`)."""
 
     @property
     def core(self) -> bool:
@@ -88,7 +101,9 @@ def config_from_context(ctx: RunContext, args) -> Config:
                   model_dir=model_dir, weights_dir=ctx.run_dir / "weights",
                   engine=EngineConfig(**fields_of(r.engine, EngineSettings), model_dir=str(model_dir),
                                       max_completion_tokens=r.sampling.max_tokens, seed=r.run.seed),
-                  trainer=TrainerConfig(**fields_of(r.train, TrainerSettings), seed=r.run.seed, replica=args.cell))
+                  trainer=TrainerConfig(**fields_of(r.train, TrainerSettings), seed=r.run.seed, replica=args.cell),
+                  transfer=r.cells.transfer, transfer_protocol=r.cells.transfer_protocol,
+                  transfer_cluster=r.cells.transfer_cluster)
 
 
 class Cell:
@@ -96,9 +111,12 @@ class Cell:
         self.cfg = cfg
         self.bus = bus
         self.role = "idle"
-        self.version = 0
         self.engine = Engine(cfg.engine)
-        self.transfer = LoopbackTransfer(host=cfg.host, lease_s=max(cfg.trainer.lease_s, 30.0))
+        try:
+            self.transfer = make_backend(cfg.transfer, host=cfg.host, lease_s=max(cfg.trainer.lease_s, 30.0),
+                                         protocol=cfg.transfer_protocol, cluster=cfg.transfer_cluster)
+        except RuntimeError as exc:  # MooncakeUnavailable: not installed, or not in a private namespace
+            raise FatalError(str(exc)) from None
         self.core = Core(run=cfg.run, cell=cfg.cell, bus=bus, cfg=cfg.trainer, model_dir=cfg.model_dir,
                          weights_dir=cfg.weights_dir, transfer=self.transfer) if cfg.core else None
         self.trainer: Trainer | None = None
@@ -109,6 +127,8 @@ class Cell:
         self.training_stop: asyncio.Event | None = None
         self.training_task: asyncio.Task | None = None
         self.latest_weights: schemas.WeightsPublished | None = None
+        self.weights = EngineWeights(run=cfg.run, cell=cfg.cell, engine=self.engine, transfer=self.transfer,
+                                     publish=bus.publish, serving=lambda: self.role == "rollout")
 
     async def start(self) -> None:
         """Start the core's ledger (the core cell), the engine server, and announce the role:
@@ -149,6 +169,7 @@ class Cell:
         return last[-1] if last else None
 
     async def stop(self) -> None:
+        self.weights.stop()
         await self._stop_training()
         await self.runner.cleanup()
         self.transfer.close()
@@ -158,7 +179,7 @@ class Cell:
         event_id = ids.switched(self.cfg.run, self.cfg.cell, seq) if seq >= 0 else ids.announce(self.cfg.run, self.cfg.cell)
         await self.bus.publish(schemas.CellSwitched(
             event_id=event_id, cell=self.cfg.cell, seq=event_seq, from_role=from_role, to_role=to_role,
-            durations=durations, engine_url=self.url if to_role == "rollout" else "", policy_version=self.version))
+            durations=durations, engine_url=self.url if to_role == "rollout" else "", policy_version=self.engine.version))
 
     # --- switches -------------------------------------------------------------------
     async def handle_switch(self, event: schemas.CellSwitch) -> None:
@@ -179,7 +200,7 @@ class Cell:
         self.role = plan.to_role  # only now: a switch that failed half-way is redone whole on redelivery
         durations = switch_durations(started, released, loaded, time.perf_counter())
         await self._switched(event.seq, event.from_role, event.to_role, durations)
-        log.info("cell.switched", cell=self.cfg.cell, to_role=event.to_role, policy_version=self.version, **durations)
+        log.info("cell.switched", cell=self.cfg.cell, to_role=event.to_role, policy_version=self.engine.version, **durations)
 
     async def _act(self, action: SwitchAction) -> None:
         """Run one action of a switch plan (gyre.control.switch)."""
@@ -197,8 +218,10 @@ class Cell:
         elif action == "load_weights":
             weights = self.latest_weights
             if weights is not None and weights.policy_version > self.engine.version:
-                await asyncio.to_thread(self.engine.load_weights, weights.path, weights.policy_version)
-                self.version = weights.policy_version
+                if weights.key:
+                    await self.weights.load(weights)  # refused: the engine keeps what it serves
+                else:  # a core that exposes no snapshot: its checkpoint on disk
+                    await asyncio.to_thread(self.engine.load_weights, weights.path, weights.policy_version)
         elif action == "start_training":
             self._start_training()
         elif action == "start_serving":
@@ -234,6 +257,7 @@ class Cell:
             self.latest_weights = event
         if self.replica is not None and self.core is None:
             self.replica.withdraw_through(event.policy_version - 1)  # that step is applied
+        self.weights.published(event)
 
 
 async def run(cfg: Config, stop: asyncio.Event) -> None:

@@ -7,7 +7,7 @@
     gyre status [--run ID | --run-dir DIR] [--once]  a live view of the current run (cells, executions, rewards)
     gyre report [RUN_DIR]                         write RUN_DIR/report.html with the run's pictures
     gyre init-model DIR [--layers N ...]          write the embedded default model
-    gyre bench NAME [--json PATH]                 a benchmark of docs/BENCHMARKS.md (proxy, trajectories, hostile)
+    gyre bench NAME [--json PATH]                 a benchmark of docs/BENCHMARKS.md (proxy, trajectories, hostile, transfer)
     gyre sim [--profile NAME|all] [--random N --seed S] [--trace PATH] [--json PATH]
                                                   the scheduling modes on simulated clusters
     gyre proxy|cell|scheduler|builder|runner|evaluator --run-dir DIR   one daemon
@@ -65,6 +65,7 @@ BENCHMARKS = {
     "proxy": "handlers.bench.proxy",
     "trajectories": "handlers.bench.trajectories",
     "hostile": "handlers.bench.hostile",
+    "transfer": "handlers.bench.transfer",
 }
 """`gyre bench NAME` → the module whose `main(argv) -> int` runs it (BENCHMARKS.md)."""
 

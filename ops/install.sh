@@ -10,6 +10,9 @@
 #  - bubblewrap confines harness processes; installed from Debian when we are root, as
 #    are chromium and chromium-driver (the test extra's browser test renders `gyre report`
 #    in headless Chromium through selenium; without them it skips, or fails under CI=true).
+#  - Mooncake's transfer engine: the CPU build (PyPI mooncake-transfer-engine-non-cuda, a
+#    dependency) and Debian's libibverbs1, which it links even for TCP; the CUDA build is
+#    the `mooncake` extra for clusters (it needs libcudart).
 #  - Claude Code and Codex CLI (npm) go into ./.harnesses (world-readable, so the
 #    sandbox uid can run them), pinned to the versions docs/tasks.md names; skipped when
 #    already there at that version, or when npm is missing (their tests then skip,
@@ -39,6 +42,13 @@ apt_tool bwrap bubblewrap "harness confinement" "harnesses run under an unprivil
 apt_tool tmux tmux "drives Claude Code's interactive TUI and gyre status in the tests" "the interactive Claude Code and live gyre status tests cannot run"
 apt_tool chromium chromium "renders gyre report in the browser test" "the browser test skips"
 apt_tool chromedriver chromium-driver "drives headless Chromium in the browser test" "the browser test skips"
+# Mooncake's transfer engine (the CPU build, mooncake-transfer-engine-non-cuda, from pyproject)
+# links libibverbs even for TCP: Debian's libibverbs1 provides it.
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "install: libibverbs1 (Mooncake's transfer engine links it)"
+  (apt-get install -y -q libibverbs1 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libibverbs1 >/dev/null 2>&1; }) \
+    || echo "install: libibverbs1 unavailable; the Mooncake tests skip (fail under CI=true) and cells use loopback" >&2
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
   PY=$(pick_python)

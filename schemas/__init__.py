@@ -13,7 +13,7 @@ from schemas.execution import (
 )
 from schemas.step import (
     ClaimReply, ContributionReturned, MicrostepClaim, MicrostepCommitted, MicrostepExecution, MicrostepGranted,
-    MicrostepReady, StepCompleted, StepFailed, StepSealed, WeightsPublished,
+    MicrostepReady, StepCompleted, StepFailed, StepSealed, WeightsLoaded, WeightsPublished,
 )
 
 __all__ = [
@@ -21,6 +21,6 @@ __all__ = [
     "CallCompleted", "CallTokens", "SamplingParams",
     "CellSwitch", "CellSwitched", "Route", "RouteUpdated",
     "ExecutionDispatched", "ExecutionFinished", "ExecutionInfo", "ExecutionScored", "ExecutionStarted",
-    "MicrostepExecution", "MicrostepReady", "StepCompleted", "StepSealed", "WeightsPublished",
+    "MicrostepExecution", "MicrostepReady", "StepCompleted", "StepSealed", "WeightsLoaded", "WeightsPublished",
     "ClaimReply", "ContributionReturned", "MicrostepClaim", "MicrostepCommitted", "MicrostepGranted", "StepFailed",
 ]

@@ -86,6 +86,15 @@ def claim(run: str, replica: str, seq: int) -> str:
     return f"{run}:claim:{replica}:{seq}"
 
 
+def loaded(run: str, cell: str, version: int, epoch: int, role: str = "rollout") -> str:
+    """`cell` verified and loaded the weights of `version` published by the core of `epoch`:
+    into its engine (`rollout`), or into its trainer as a satellite (`training`, a fact of its
+    own: a cell may do both with one version, and the engine's load must not be taken for a
+    duplicate of the trainer's)."""
+    base = f"{run}:cell:{cell}:loaded:{version}:{epoch}"
+    return base if role == "rollout" else f"{base}:{role}"
+
+
 def announce(run: str, cell: str, now_s: float | None = None) -> str:
     """A cell's announcement of its role at start (a `cell.switched` with no switch behind it).
     now_s: Unix time in seconds (default now); the id holds it in whole microseconds, so a

@@ -207,6 +207,27 @@ class WeightsPublished(Event):
 
 @register
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class WeightsLoaded(Event):
+    """Cell (an engine or a satellite): it pulled the snapshot of `policy_version` (manifest
+    `digest`), verified every tensor against the manifest, and now serves (an engine) or
+    trains on (a satellite) those weights. Never published for a transfer that failed,
+    was short, timed out, was cancelled or did not verify.
+
+    role: `rollout` (an engine) or `training` (a satellite). epoch: the core's epoch that
+    published the version. verified: always true (the fact exists only after verification).
+    """
+
+    NAME: ClassVar[str] = "weights.loaded"
+    cell: str
+    policy_version: int
+    epoch: int = 0
+    digest: str = ""
+    role: str = "rollout"
+    verified: bool = True
+
+
+@register
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class StepCompleted(Event):
     """Core trainer: the optimizer step of `step` was applied (gyre.learning.metrics).
 

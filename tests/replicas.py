@@ -32,7 +32,7 @@ from schemas import ids
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 256
 FACTS = ("microstep.granted", "microstep.committed", "contribution.returned", "step.completed", "step.failed",
-         "cell.switched", "weights.published")
+         "cell.switched", "weights.published", "weights.loaded")
 
 
 def write_model(out: Path) -> Path:
@@ -71,11 +71,11 @@ def microsteps(step: int, n: int, seed: int) -> list[MicrostepData]:
     return out
 
 
-def recipe_text(model_dir: Path, **train) -> str:
+def recipe_text(model_dir: Path, transfer: str = "loopback", **train) -> str:
     settings = {**dict(lr=0.05, eps_low=0.2, eps_high=0.2, dtype="float64", lease_s=30.0, grant_budget=3,
                        device_time_s=0.0), **train}
     lines = "\n".join(f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"' for k, v in settings.items())
-    return f'[run]\nname = "replicas"\nseed = 0\n\n[model]\ndir = "{model_dir}"\n\n[train]\n{lines}\n\n[cells]\ncount = 3\n'
+    return f'[run]\nname = "replicas"\nseed = 0\n\n[model]\ndir = "{model_dir}"\n\n[train]\n{lines}\n\n[cells]\ncount = 3\ntransfer = "{transfer}"\n'
 
 
 def trainer_config(recipe_path: Path):
@@ -124,13 +124,13 @@ def check_moments(checkpoint: Path, trainer) -> None:
 class Cells:
     """Cell processes of one run and the test's bus (module docstring)."""
 
-    def __init__(self, server, run: str, tmp: Path, model_dir: Path, **train) -> None:
+    def __init__(self, server, run: str, tmp: Path, model_dir: Path, transfer: str = "loopback", **train) -> None:
         self.server = server
         self.run = run
         self.tmp = tmp
         self.model_dir = model_dir
         self.recipe = tmp / "recipe.toml"
-        self.recipe.write_text(recipe_text(model_dir, **train))
+        self.recipe.write_text(recipe_text(model_dir, transfer, **train))
         self.runs = tmp / "runs"
         self.run_dir = self.runs / run
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)

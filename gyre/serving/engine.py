@@ -33,12 +33,15 @@ import json
 import random
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import structlog
 import torch
 
+from gyre.serving.kv import KvBlocks
 from gyre.serving.settings import EngineSettings
 from gyre.serving.tokenizer import fast_decoder, stop_hit, stop_window
 from schemas.call import GREEDY_BELOW
@@ -294,6 +297,10 @@ class Engine:
         self._seeds = random.Random(cfg.seed)
         self._decode = None  # the checkpoint tokenizer's decode for stop strings (first use); False: none
         self._decode_lock = threading.Lock()
+        self.prefilled_tokens = 0
+        """Prompt ids run through the model (cached prefix ids are not), over the engine's life."""
+        self.kv_dropped = 0
+        """Imported KV blocks dropped because another policy version computed them."""
         log.info("engine.loaded", model_dir=cfg.model_dir, vocab=self.vocab_size, version=self._version)
 
     @property
@@ -355,19 +362,30 @@ class Engine:
             raise
         except Exception as e:  # unreadable file, bad header
             raise WeightLoadError(f"cannot read checkpoint {path}: {e}") from e
+        self._swap(state, version, f"checkpoint {path}")
+
+    def load_tensors(self, tensors: Mapping[str, object], version: int) -> None:
+        """Loads named tensors (numpy arrays or torch tensors: a verified snapshot pulled
+        through the transfer layer, gyre.transfer) between two decode steps and sets the
+        policy version; the same checks as `load_weights`, WeightLoadError when they fail."""
+        state = {name: torch.as_tensor(t) for name, t in tensors.items()}
+        self._swap(state, version, f"snapshot of version {version}")
+
+    def _swap(self, state: dict[str, torch.Tensor], version: int, path: str) -> None:
+        """Check `state` against the live model, then copy it in under the step lock."""
         live = self.model.state_dict()
         unknown = sorted(set(state) - set(live))
         if unknown:
-            raise WeightLoadError(f"checkpoint {path} has tensors the model lacks: {unknown[:5]}")
+            raise WeightLoadError(f"{path} has tensors the model lacks: {unknown[:5]}")
         for name, tensor in state.items():
             if tuple(tensor.shape) != tuple(live[name].shape):
                 raise WeightLoadError(
-                    f"checkpoint {path}: {name} has shape {tuple(tensor.shape)}, model has {tuple(live[name].shape)}"
+                    f"{path}: {name} has shape {tuple(tensor.shape)}, model has {tuple(live[name].shape)}"
                 )
         covered = {live[name].data_ptr() for name in state}
         missing = sorted(n for n in set(live) - set(state) if live[n].data_ptr() not in covered)
         if missing:
-            raise WeightLoadError(f"checkpoint {path} lacks tensors: {missing[:5]}")
+            raise WeightLoadError(f"{path} lacks tensors: {missing[:5]}")
         with self._step, torch.no_grad():
             for name, tensor in state.items():
                 live[name].copy_(tensor)
@@ -376,7 +394,47 @@ class Engine:
                 self._version = int(version)
                 self._epoch += 1
                 self._prefixes.clear()
-        log.info("engine.weights.loaded", path=str(path), version=int(version), previous=previous)
+        log.info("engine.weights.loaded", source=path, version=int(version), previous=previous)
+
+    def export_kv(self, execution: str, block_tokens: int = 64) -> KvBlocks | None:
+        """The prefix KV cache kept for `execution` as blocks (gyre.serving.kv) tagged with
+        the policy version that computed it; None when none is kept. The engine keeps it."""
+        with self._state:
+            entry = self._prefixes.get(execution)
+            if entry is None or entry.epoch != self._epoch:
+                return None
+            version = self._version
+            layers = [(layer.keys.numpy().copy(), layer.values.numpy().copy()) for layer in entry.cache.layers]
+            ids = tuple(entry.ids)
+        return KvBlocks(ids=ids, version=version, keys=tuple(k for k, _ in layers),
+                        values=tuple(v for _, v in layers), block_tokens=block_tokens)
+
+    def import_kv(self, execution: str, blocks: KvBlocks) -> bool:
+        """Keep `blocks` as `execution`'s prefix KV cache, so its next call prefills only the
+        ids after them. Blocks computed by another policy version than the one served are
+        dropped and counted (`kv_dropped`): the prefix is then recomputed. Returns whether
+        they were kept. Raises InvalidRequest when they do not fit the model."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        if len(blocks.keys) != len(cache.layers):
+            raise InvalidRequest(f"KV blocks of {len(blocks.keys)} layers, the model has {len(cache.layers)}")
+        with self._state:
+            if blocks.version != self._version:
+                self.kv_dropped += 1
+                log.info("engine.kv.dropped", execution=execution, blocks_version=blocks.version,
+                         version=self._version)
+                return False
+        with torch.inference_mode():
+            for layer, k, v in zip(cache.layers, blocks.keys, blocks.values):
+                layer.update(torch.from_numpy(np.ascontiguousarray(k)), torch.from_numpy(np.ascontiguousarray(v)))
+        with self._state:
+            if blocks.version != self._version:  # weights changed meanwhile
+                self.kv_dropped += 1
+                return False
+            epoch = self._epoch
+        self._put_prefix(execution, list(blocks.ids), cache, epoch)
+        return True
 
     def generate(self, req: GenerateRequest, cancel: threading.Event | None = None) -> GenerateResult:
         """Serves one call; blocks until it finishes. `cancel`, when given, aborts it like
@@ -507,6 +565,8 @@ class Engine:
                         cache = DynamicCache(config=self.model.config)
                     logits = self._forward(chunk, cache)
                     version = self._version
+                    if len(fed) < len(req.input_ids):
+                        self.prefilled_tokens += len(chunk)
                 fed.extend(chunk)
                 pending = pending[len(chunk) :]
                 if pending:

@@ -6,12 +6,13 @@ its `TransferRef` (`key`: where a reader finds it, `digest`: its manifest's dige
 `withdraw(name)` stops offering it (its buffer is freed once no reader holds a lease on
 it: gyre.transfer.leases). `pull(ref, reader)` fetches a snapshot from any process,
 checks that the manifest is the one `ref.digest` names and every tensor's checksum, and
-returns the tensors; it raises TransferError for a failed, short or corrupted transfer,
-so nothing unverified is ever returned. Blocking: async callers run it in a worker thread.
+returns the tensors; it raises TransferError for a failed, short, timed-out, cancelled
+(its `cancel` event set) or corrupted transfer, so nothing unverified is ever returned. Blocking: async callers run it in a worker thread.
 """
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -36,6 +37,6 @@ class TransferBackend(Protocol):
 
     def withdraw(self, name: str) -> None: ...
 
-    def pull(self, ref: TransferRef, reader: str) -> dict[str, np.ndarray]: ...
+    def pull(self, ref: TransferRef, reader: str, cancel: threading.Event | None = None) -> dict[str, np.ndarray]: ...
 
     def close(self) -> None: ...

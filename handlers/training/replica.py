@@ -11,7 +11,7 @@ One loop runs in every cell in training: the core's own replica and each satelli
   lock and commits the micro-step at once; a satellite keeps the ids it holds.
 - A reply under another epoch or step than the replica's accumulation voids it: the
   accumulation is dropped, and a satellite pulls that step's weights (the snapshot the reply
-  names, verified against its manifest) before it trains.
+  names, verified against its manifest) and publishes `weights.loaded` before it trains.
 - A satellite returns one contribution per step — its gradient sum exposed through the
   transfer layer and `contribution.returned` on the bus — when the ledger says nothing is left
   to claim, when it learns that a grant of its was lost (the core refuses the contribution
@@ -166,6 +166,9 @@ class Replica:
                 log.warning("replica.weights.unavailable", cell=self.cell, policy_version=reply.step, error=str(exc))
                 return False
             self._loaded = (reply.weights_key, reply.weights_digest)
+            await self.bus.publish(schemas.WeightsLoaded(
+                event_id=ids.loaded(self.run_id, self.cell, reply.step, reply.epoch, "training"), cell=self.cell,
+                policy_version=reply.step, epoch=reply.epoch, digest=reply.weights_digest, role="training"))
             log.info("replica.weights.loaded", cell=self.cell, policy_version=reply.step, epoch=reply.epoch)
         self.epoch, self.step = reply.epoch, reply.step
         self._idle_since = time.perf_counter()
