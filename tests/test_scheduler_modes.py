@@ -138,8 +138,13 @@ def test_elastic_switches_by_the_water_level_and_its_trace_replays_to_the_publis
 
 
 def check_async(lines: list[dict], streaming: bool) -> None:
-    """The split: cell0 trains, cell1 rolls out; the one switch is cell0's, when it announces itself."""
+    """The split: cell0 trains, cell1 rolls out; the one switch is cell0's, when it announces
+    itself, until the run is done and cell0 returns to serve the last version."""
     switches = actions(lines, "switch")
+    assert [(a["cell"], a["to_role"], a["reason"]) for a in switches[1:]] == [("cell0", "rollout", "run done")]
+    ending = next(taken for _, taken in blocks(lines) if any(a["action"] == "done" for a in taken))
+    assert [a["action"] for a in ending] == ["switch", "done"] and ending[0] == switches[1]
+    switches = switches[:1]
     assert [(a["cell"], a["from_role"], a["to_role"], a["reason"]) for a in switches] == [
         ("cell0", "rollout", "training", "async split")]
     # cell0 leaves rollout as soon as it announces itself, holding nothing
@@ -147,7 +152,8 @@ def check_async(lines: list[dict], streaming: bool) -> None:
     assert switches[0] in announce[1]
     assert {x[2] for a in actions(lines, "dispatch") for x in a["executions"]} == {"cell1"}
     switched = [x for x in lines if x.get("fact") == "cell.switched" and x["from_role"] != "idle"]
-    assert [(x["cell"], x["to_role"]) for x in switched] == [("cell0", "training")]
+    assert [(x["cell"], x["to_role"]) for x in switched][:1] == [("cell0", "training")]
+    assert [(x["cell"], x["to_role"]) for x in switched[1:]] in ([], [("cell0", "rollout")])  # the run-done return
     if not streaming:  # a step is opened only once sealed
         for fact, taken in blocks(lines):
             for a in taken:
@@ -187,4 +193,4 @@ def test_colocate_keeps_every_cell_in_one_role(tmp_path, nats_server, mode):
                 assert set(role.values()) == {"rollout"}, (fact, role)
     # one training phase per step (colocate_overlapped: one for both steps S = 1 lets it roll out)
     phases = 2 if mode == "colocate" else 1
-    assert directions == ["training", "rollout"] * (phases - 1) + ["training"]
+    assert directions == ["training", "rollout"] * phases  # the last return: the run is done
