@@ -29,16 +29,16 @@ from gyre.control import trace
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = ("cell0", "cell1")
 C_E = 2
-SETTINGS = ("cells.count=2", f"cells.capacity={C_E}", "tasks.group_size=2", "run.steps=2")
+SETTINGS = ("cells.count=2", f"cells.capacity={C_E}", "tasks.group_size=2")
 
 
-def gyre_run(tmp_path: Path, server, mode: str) -> tuple[Path, list[dict]]:
+def gyre_run(tmp_path: Path, server, mode: str, steps: int = 2) -> tuple[Path, list[dict]]:
     runs = tmp_path / "runs"
     env = dict(os.environ, GYRE_RUNS_DIR=str(runs), GYRE_NATS_URL=server.url, GYRE_NATS_TOKEN=server.token,
                HF_HUB_OFFLINE="1")
     run_id = f"m-{mode.replace('_', '-')}"
     argv = [sys.executable, "-m", "handlers.cli", "run", "toy", "--run-id", run_id, "--timeout", "300",
-            "--set", f"run.mode={mode}"]
+            "--set", f"run.mode={mode}", "--set", f"run.steps={steps}"]
     for s in SETTINGS:
         argv += ["--set", s]
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
@@ -47,14 +47,14 @@ def gyre_run(tmp_path: Path, server, mode: str) -> tuple[Path, list[dict]]:
                    for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 2 and summary["executions"] == 8, summary
+    assert summary["steps"] == steps and summary["executions"] == 4 * steps, summary
     lines = [json.loads(line) for line in (run_dir / "trace.jsonl").read_text().splitlines()]
     assert lines[0]["mode"] == mode and lines[0]["config"]["cells"] == list(CELLS)
     assert lines[0]["config"]["capacity"] == C_E
     # every execution of both bursts dispatched exactly once, each to a cell
     placed = [x for a in actions(lines, "dispatch") for x in a["executions"]]
-    assert sorted(x[0] for x in placed) == sorted(f"s{k}-g{g}-e{i}" for k in (0, 1) for g in (0, 1) for i in (0, 1))
-    assert actions(lines, "done") == [{"t": actions(lines, "done")[0]["t"], "action": "done", "steps": 2}]
+    assert sorted(x[0] for x in placed) == sorted(f"s{k}-g{g}-e{i}" for k in range(steps) for g in (0, 1) for i in (0, 1))
+    assert actions(lines, "done") == [{"t": actions(lines, "done")[0]["t"], "action": "done", "steps": steps}]
     return run_dir, lines
 
 
@@ -164,7 +164,11 @@ def check_async(lines: list[dict], streaming: bool) -> None:
 
 
 def test_async_keeps_its_split_and_never_switches_again(tmp_path, nats_server):
-    _, lines = gyre_run(tmp_path, nats_server, "async")
+    """Three steps: burst 2 waits for the rollout cell to load v1 (S = 1), which it does while
+    serving, without a switch; the scheduler learns it from `weights.loaded`."""
+    _, lines = gyre_run(tmp_path, nats_server, "async", steps=3)
+    loaded = [x for x in lines if x.get("fact") == "weights.loaded" and x["version"] >= 1]
+    assert loaded and loaded[0]["engine"] == "cell1", loaded
     check_async(lines, streaming=True)
 
 
