@@ -135,7 +135,7 @@ CONSUMERS: tuple[ConsumerSpec, ...] = (
     ConsumerSpec("builder-calls-v1", "CALLS", (CallCompleted.NAME,)),
     ConsumerSpec("evaluator-v1", "EXECUTIONS", (ExecutionFinished.NAME,), ack_wait_s=120.0, max_ack_pending=8),
     ConsumerSpec("scheduler-v1", "EXECUTIONS", (ExecutionStarted.NAME, ExecutionFinished.NAME, ExecutionScored.NAME)),
-    ConsumerSpec("scheduler-steps-v1", "STEPS", (StepSealed.NAME, StepCompleted.NAME)),
+    ConsumerSpec("scheduler-steps-v2", "STEPS", (StepSealed.NAME, StepCompleted.NAME, WeightsLoaded.NAME)),
     ConsumerSpec("scheduler-cells-v1", "CELLS", (CellSwitched.NAME,)),
     ConsumerSpec("scheduler-microsteps-v1", "MICROSTEPS", (MicrostepReady.NAME,)),
     ConsumerSpec("scheduler-ledger-v1", "LEDGER", (MicrostepGranted.NAME, MicrostepCommitted.NAME)),

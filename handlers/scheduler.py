@@ -6,8 +6,9 @@ module only translates:
 
 - facts in: `execution.started` / `finished` / `scored`, `microstep.ready`, `step.sealed`,
   `microstep.granted` / `committed`, `step.completed`, `cell.switched` (a cell in rollout
-  also reports the version its engine loaded: a `weights.loaded` fact before it), and the
-  scheduler's clock every `clock_s`; each fact carries `t`, seconds on the scheduler's
+  also reports the version its engine loaded: a `weights.loaded` fact before it),
+  `weights.loaded` of an engine (a serving cell follows `weights.published`: the staleness
+  gate opens without a switch), and the scheduler's clock every `clock_s`; each fact carries `t`, seconds on the scheduler's
   monotonic clock;
 - actions out: `Dispatch` → `route.updated` (reason `dispatch`) and one
   `execution.dispatched` per execution with its target cell (the runner launches what it
@@ -113,6 +114,8 @@ def facts_of(event, t: float) -> list[F.Fact]:
         return [F.MicrostepCommitted(t=t, step=event.step, microstep=event.microstep, replica=event.replica)]
     if isinstance(event, schemas.StepCompleted):
         return [F.StepCompleted(t=t, step=event.step)]
+    if isinstance(event, schemas.WeightsLoaded):  # an engine that follows weights.published while serving
+        return [F.VersionLoaded(t=t, engine=event.cell, version=event.policy_version)] if event.role == "rollout" else []
     if isinstance(event, schemas.CellSwitched):
         switched = F.CellSwitched(t=t, cell=event.cell, from_role=event.from_role, to_role=event.to_role,
                                   durations=dict(event.durations))
@@ -322,7 +325,7 @@ async def run(cfg: Config, stop: asyncio.Event) -> None:
             async with sched.lock:
                 await sched.act(last, counted=True)  # a previous scheduler may have died before publishing them
             await run_loops(bus.consume("scheduler-v1", sched.handle, stop=stop),
-                            bus.consume("scheduler-steps-v1", sched.handle, stop=stop),
+                            bus.consume("scheduler-steps-v2", sched.handle, stop=stop),
                             bus.consume("scheduler-cells-v1", sched.handle, stop=stop),
                             bus.consume("scheduler-microsteps-v1", sched.handle, stop=stop),
                             bus.consume("scheduler-ledger-v1", sched.handle, stop=stop),

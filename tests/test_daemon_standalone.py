@@ -27,7 +27,7 @@ async def _consumer_exists(server, stream: str, durable: str) -> bool:
 
 @pytest.mark.parametrize("daemon,stream,durable,level", [
     ("builder", "CALLS", "builder-calls-v1", None),
-    ("scheduler", "STEPS", "scheduler-steps-v1", None),
+    ("scheduler", "STEPS", "scheduler-steps-v2", None),
     ("builder", "CALLS", "builder-calls-v1", "warning"),
 ])
 async def test_daemon_runs_against_existing_nats_and_stops_on_sigterm(nats_server, run_id, tmp_path, daemon, stream,

@@ -29,16 +29,16 @@ from gyre.control import trace
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = ("cell0", "cell1")
 C_E = 2
-SETTINGS = ("cells.count=2", f"cells.capacity={C_E}", "tasks.group_size=2", "run.steps=2")
+SETTINGS = ("cells.count=2", f"cells.capacity={C_E}", "tasks.group_size=2")
 
 
-def gyre_run(tmp_path: Path, server, mode: str) -> tuple[Path, list[dict]]:
+def gyre_run(tmp_path: Path, server, mode: str, steps: int = 2) -> tuple[Path, list[dict]]:
     runs = tmp_path / "runs"
     env = dict(os.environ, GYRE_RUNS_DIR=str(runs), GYRE_NATS_URL=server.url, GYRE_NATS_TOKEN=server.token,
                HF_HUB_OFFLINE="1")
     run_id = f"m-{mode.replace('_', '-')}"
     argv = [sys.executable, "-m", "handlers.cli", "run", "toy", "--run-id", run_id, "--timeout", "300",
-            "--set", f"run.mode={mode}"]
+            "--set", f"run.mode={mode}", "--set", f"run.steps={steps}"]
     for s in SETTINGS:
         argv += ["--set", s]
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
@@ -47,14 +47,14 @@ def gyre_run(tmp_path: Path, server, mode: str) -> tuple[Path, list[dict]]:
                    for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 2 and summary["executions"] == 8, summary
+    assert summary["steps"] == steps and summary["executions"] == 4 * steps, summary
     lines = [json.loads(line) for line in (run_dir / "trace.jsonl").read_text().splitlines()]
     assert lines[0]["mode"] == mode and lines[0]["config"]["cells"] == list(CELLS)
     assert lines[0]["config"]["capacity"] == C_E
     # every execution of both bursts dispatched exactly once, each to a cell
     placed = [x for a in actions(lines, "dispatch") for x in a["executions"]]
-    assert sorted(x[0] for x in placed) == sorted(f"s{k}-g{g}-e{i}" for k in (0, 1) for g in (0, 1) for i in (0, 1))
-    assert actions(lines, "done") == [{"t": actions(lines, "done")[0]["t"], "action": "done", "steps": 2}]
+    assert sorted(x[0] for x in placed) == sorted(f"s{k}-g{g}-e{i}" for k in range(steps) for g in (0, 1) for i in (0, 1))
+    assert actions(lines, "done") == [{"t": actions(lines, "done")[0]["t"], "action": "done", "steps": steps}]
     return run_dir, lines
 
 
@@ -138,8 +138,13 @@ def test_elastic_switches_by_the_water_level_and_its_trace_replays_to_the_publis
 
 
 def check_async(lines: list[dict], streaming: bool) -> None:
-    """The split: cell0 trains, cell1 rolls out; the one switch is cell0's, when it announces itself."""
+    """The split: cell0 trains, cell1 rolls out; the one switch is cell0's, when it announces
+    itself, until the run is done and cell0 returns to serve the last version."""
     switches = actions(lines, "switch")
+    assert [(a["cell"], a["to_role"], a["reason"]) for a in switches[1:]] == [("cell0", "rollout", "run done")]
+    ending = next(taken for _, taken in blocks(lines) if any(a["action"] == "done" for a in taken))
+    assert [a["action"] for a in ending] == ["switch", "done"] and ending[0] == switches[1]
+    switches = switches[:1]
     assert [(a["cell"], a["from_role"], a["to_role"], a["reason"]) for a in switches] == [
         ("cell0", "rollout", "training", "async split")]
     # cell0 leaves rollout as soon as it announces itself, holding nothing
@@ -147,7 +152,8 @@ def check_async(lines: list[dict], streaming: bool) -> None:
     assert switches[0] in announce[1]
     assert {x[2] for a in actions(lines, "dispatch") for x in a["executions"]} == {"cell1"}
     switched = [x for x in lines if x.get("fact") == "cell.switched" and x["from_role"] != "idle"]
-    assert [(x["cell"], x["to_role"]) for x in switched] == [("cell0", "training")]
+    assert [(x["cell"], x["to_role"]) for x in switched][:1] == [("cell0", "training")]
+    assert [(x["cell"], x["to_role"]) for x in switched[1:]] in ([], [("cell0", "rollout")])  # the run-done return
     if not streaming:  # a step is opened only once sealed
         for fact, taken in blocks(lines):
             for a in taken:
@@ -158,7 +164,11 @@ def check_async(lines: list[dict], streaming: bool) -> None:
 
 
 def test_async_keeps_its_split_and_never_switches_again(tmp_path, nats_server):
-    _, lines = gyre_run(tmp_path, nats_server, "async")
+    """Three steps: burst 2 waits for the rollout cell to load v1 (S = 1), which it does while
+    serving, without a switch; the scheduler learns it from `weights.loaded`."""
+    _, lines = gyre_run(tmp_path, nats_server, "async", steps=3)
+    loaded = [x for x in lines if x.get("fact") == "weights.loaded" and x["version"] >= 1]
+    assert loaded and loaded[0]["engine"] == "cell1", loaded
     check_async(lines, streaming=True)
 
 
@@ -187,4 +197,4 @@ def test_colocate_keeps_every_cell_in_one_role(tmp_path, nats_server, mode):
                 assert set(role.values()) == {"rollout"}, (fact, role)
     # one training phase per step (colocate_overlapped: one for both steps S = 1 lets it roll out)
     phases = 2 if mode == "colocate" else 1
-    assert directions == ["training", "rollout"] * (phases - 1) + ["training"]
+    assert directions == ["training", "rollout"] * phases  # the last return: the run is done

@@ -171,8 +171,12 @@ class Policy:
         if self.finished_done:
             return []
         if self.completed >= self.cfg.steps:
+            # every cell ends serving the last version: a harness that talks to the proxy after
+            # the last step (an evaluation, a long-lived deployment) still finds an engine
             self.finished_done = True
-            return [Done(steps=self.cfg.steps)]
+            training = [c for c in self.cfg.cells if self.target.get(c, self.role[c]) == "training"]
+            back = self.switch(training, "rollout", "run done") if training else []
+            return [*back, Done(steps=self.cfg.steps)]
         return self.decide()
 
     def _on_dispatched(self, fact: ExecutionDispatched) -> None:
