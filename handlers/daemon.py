@@ -359,7 +359,8 @@ def daemon_main(name: str, description: str,
                 argv: list[str] | None = None, extra_args: Callable[[argparse.ArgumentParser], None] | None = None,
                 ) -> int:
     """The one main() of every daemon: parse args, build its Config, serve its Prometheus
-    `/metrics` (`handlers.metrics.serve`), run until stopped.
+    `/metrics` (`handlers.metrics.serve`), run until stopped, then remove its metrics
+    service discovery file (`handlers.metrics.forget`).
 
     make_config(ctx, args) builds the daemon's frozen Config from the run context;
     run(cfg, stop) is the daemon's `async def run`.
@@ -421,5 +422,7 @@ def daemon_main(name: str, description: str,
     except Exception as exc:  # noqa: BLE001 - last line of defence: log, exit non-zero
         log.error("daemon.crashed", error=repr(exc), traceback=traceback.format_exc())
         return 1
+    finally:  # nothing serves the URL once this process ends: scrapers must stop asking it
+        metrics.forget(ctx.run_dir, getattr(args, "cell", None) or name, os.getpid())
     log.info("daemon.stopped")
     return 0

@@ -7,7 +7,9 @@ Contract:
   `<daemon>.prom`) and scrapers find it. The file is a Prometheus file-based service
   discovery list, `[{"targets": ["host:port"], "labels": {"daemon", "run", "url", "pid"}}]`,
   so `ops/prometheus.yml` scrapes every daemon of every run from `runs/*/metrics/*.json`. `daemon_main` calls it once per
-  daemon; nothing else needs to.
+  daemon; nothing else needs to. `forget(run_dir, daemon)` removes the file as the daemon
+  stops (`daemon_main` does; `gyre run` removes what a killed daemon left), so scrapers stop
+  asking a dead port; the run's last counters stay in `<daemon>.prom`.
 - Counters are fed by what the daemon itself publishes (`bus.client.PUBLISH_OBSERVERS`,
   events the bus stored for the first time only, so a re-sent event is never counted
   twice): the daemon that owns an event owns its metric — the proxy calls and tokens
@@ -117,6 +119,18 @@ def serve(daemon: str, run_dir: Path, host: str = "127.0.0.1", port: int = 0, ru
         "daemon": daemon, "run": run or Path(run_dir).name, "url": url, "pid": str(os.getpid())}}]))
     os.replace(tmp, path)  # readers poll for it: never half-written
     return url
+
+
+def forget(run_dir: Path, daemon: str, pid: int | None = None) -> None:
+    """Remove `daemon`'s service discovery file: it stopped, nothing serves its URL now. With
+    `pid`, only a file this process wrote (a restarted daemon's newer file stays)."""
+    path = url_file(run_dir, daemon)
+    try:
+        if pid is not None and orjson.loads(path.read_bytes())[0]["labels"]["pid"] != str(pid):
+            return
+        path.unlink()
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError, IndexError):
+        pass
 
 
 def recorded_urls(run_dir: Path) -> dict[str, str]:

@@ -28,13 +28,14 @@ PERCENTILES = (50, 90, 99)
 
 def read_records(run_dir: Path) -> tuple[dict, list[dict], dict]:
     """(summary.json, metrics.jsonl lines, config.json) of a run; {} / [] for what is absent.
-    Raises FileNotFoundError when `run_dir` is no run directory (neither file there)."""
+    Raises FileNotFoundError when `run_dir` is no run directory (neither file there),
+    UnreadableRecord naming the file when summary.json or config.json holds no JSON object."""
     run_dir = Path(run_dir)
     summary_path, metrics_path = run_dir / "summary.json", run_dir / "metrics.jsonl"
     if not summary_path.exists() and not metrics_path.exists():
         raise FileNotFoundError(f"{run_dir} holds no summary.json or metrics.jsonl: is it a run directory "
                                 "(runs/<id>, written by `gyre run`)?")
-    summary = orjson.loads(summary_path.read_bytes()) if summary_path.exists() else {}
+    summary = _object(summary_path) if summary_path.exists() else {}
     lines = []
     if metrics_path.exists():
         for raw in metrics_path.read_bytes().splitlines():
@@ -43,8 +44,23 @@ def read_records(run_dir: Path) -> tuple[dict, list[dict], dict]:
             except orjson.JSONDecodeError:
                 continue  # a line cut by a crash
     config_path = run_dir / "config.json"
-    config = orjson.loads(config_path.read_bytes()) if config_path.exists() else {}
+    config = _object(config_path) if config_path.exists() else {}
     return summary, lines, config
+
+
+class UnreadableRecord(ValueError):
+    """A run's JSON record that holds no JSON object (cut short, or not what `gyre run` writes)."""
+
+
+def _object(path: Path) -> dict:
+    """The JSON object in `path`. Raises UnreadableRecord naming the file when it holds none."""
+    try:
+        value = orjson.loads(path.read_bytes())
+    except orjson.JSONDecodeError as exc:
+        raise UnreadableRecord(f"{path} is not JSON (cut short?): {exc}") from None
+    if not isinstance(value, dict):
+        raise UnreadableRecord(f"{path} holds a JSON {type(value).__name__}, not the object `gyre run` writes")
+    return value
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -239,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(a.run_dir) if a.run_dir else runs_root() / "latest"
     try:
         path = render(run_dir)
-    except (FileNotFoundError, NotADirectoryError, orjson.JSONDecodeError) as exc:
+    except (FileNotFoundError, NotADirectoryError, UnreadableRecord) as exc:
         print(f"gyre report: {exc}", file=sys.stderr)
         return 2
     print(f"gyre: report written to {path}")

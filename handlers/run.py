@@ -454,6 +454,8 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
             from handlers.metrics import scrape_all
             await asyncio.to_thread(scrape_all, run_dir)
         sup.stop()
+        for path in (run_dir / "metrics").glob("*.json"):  # a killed daemon's: its port serves nothing now
+            path.unlink(missing_ok=True)
         if bus is not None:
             await bus.close()
         progress.close()

@@ -11,7 +11,9 @@ doing, executions queued/running/finished/scored per step, calls/s and tokens/s,
 mean per step, the last switches with their durations, micro-steps claimed and committed
 per replica, and each daemon's metrics URL (`<run dir>/metrics/`). The view is drawn with
 rich; `--once` prints one snapshot, once the history stored at start is read, and exits.
-Exit status: 0, 1 when the bus cannot be reached, 2 for a run that cannot be found.
+Exit status: 0, 1 when the bus cannot be reached, 2 for a run that cannot be found (on a
+deployment's NATS, `--once` for a run of which no event is stored: the message names the
+runs stored there; the live view says on screen that none of its events was seen yet).
 """
 from __future__ import annotations
 
@@ -73,6 +75,7 @@ class RunView:
         self.calls_total = 0
         self.cell_calls: collections.Counter[str] = collections.Counter()
         self.last_t = 0.0
+        self.unseen = ""  # said on screen until the run's first event arrives
 
     async def on_event(self, event: schemas.Event) -> None:
         self.fold(event)
@@ -192,10 +195,12 @@ def render(view: RunView, metrics_urls: dict[str, str] | None = None):
 
     step = view.step
     head = Text(f"gyre status — run {view.run}   ", style="bold")
-    head.append("step -" if step is None else f"step {step} ({view.phase(step)})   ")
+    head.append("step -   " if step is None else f"step {step} ({view.phase(step)})   ")
     head.append(f"water level {view.water_level} vs C_R − C_e {view.spare}   ")
     calls_s, tokens_s = view.rates()
     head.append(f"calls {view.calls_total}, {calls_s:.2f} calls/s, {tokens_s:.1f} tokens/s")
+    if view.unseen and not view.last_t:
+        head.append(f"\n{view.unseen}", style="yellow")
     if view.failed is not None:
         head.append(f"\nstep {view.failed.step} FAILED: {view.failed.reason}", style="red")
     cells = Table(title="cells", title_justify="left")
@@ -251,6 +256,36 @@ def _locate(args) -> tuple[str, str | None, str, dict | None, Path | None]:
         run_dir if run_dir.is_dir() else None
 
 
+async def stored_events(bus: Bus, run: str) -> int:
+    """How many events of `run` the server stores in the streams `gyre status` reads (0 for a
+    run it never heard of)."""
+    import nats.js.errors
+
+    from bus import subjects
+    total = 0
+    for spec in {subjects.stream_for(n) for n in NAMES}:
+        try:
+            total += (await bus.js.stream_info(spec.stream_name(run))).state.messages
+        except nats.js.errors.NotFoundError:
+            continue
+    return total
+
+
+async def runs_on(bus: Bus) -> list[str]:
+    """The run ids whose streams the server holds."""
+    from bus import subjects
+    found = set()
+    for info in await bus.js.streams_info():
+        for subj in info.config.subjects or ():
+            if subj.startswith(subjects.PREFIX + ".") and not subj.startswith(subjects.PREFIX + ".*"):
+                found.add(subjects.run_of(subj))
+    return sorted(found)
+
+
+class UnknownRun(Exception):
+    """`--once` for a run of which the server stores no event."""
+
+
 def _view_for(run: str, run_dir: Path | None) -> RunView:
     c_e, cells = 1, ()
     if run_dir is not None and (run_dir / "config.json").exists():
@@ -273,6 +308,15 @@ async def _status(url: str, token: str | None, run: str, owner: dict | None, run
     view = _view_for(run, run_dir)
     bus = await Bus.connect(url, token=token, run=run, name="gyre-status", stop=stop,
                             config=BusConfig(connect_timeout_s=5.0))
+    if owner is None and await stored_events(bus, run) == 0:  # a deployment's NATS: is the run there at all?
+        if once:
+            runs = await runs_on(bus)
+            await bus.close()
+            raise UnknownRun(f"no event of run {run!r} is stored on {url}; "
+                             + (f"the runs there: {', '.join(runs[:20])}{' …' if len(runs) > 20 else ''}" if runs
+                                else "it holds no run"))
+        view.unseen = (f"no event of run {run!r} seen yet on {url}: is the run id right? "
+                       "(`gyre status --once --run ID` names the runs there)")
     caught_up = asyncio.Event()
     follower = asyncio.create_task(bus.replay(NAMES, view.on_event, stop=stop, caught_up=caught_up))
     watcher = None
@@ -334,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         print(f"gyre status: {exc}", file=sys.stderr)
         return 1
+    except UnknownRun as exc:
+        print(f"gyre status: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         pass
     return 0

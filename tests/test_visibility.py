@@ -2,11 +2,13 @@
 
 One real `gyre run toy` (every daemon a process, a private nats-server) is watched while it
 runs — each daemon's /metrics scraped as soon as its URL is recorded, `gyre status --once`
-once executions are scored, the live `gyre status` in tmux — and its directory is checked
-after it ends against the run's own records (summary.json, metrics.jsonl).
+once executions are scored and again while step 0 trains, the scheduler's water level while
+executions run, the live `gyre status` in tmux — and its directory is checked after it ends
+against the run's own records (summary.json, metrics.jsonl, trace.jsonl).
 """
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -65,6 +67,50 @@ def _total(samples: dict, name: str, **labels) -> float:
                if n == name and all(dict(ls).get(k) == val for k, val in labels.items()))
 
 
+def _trace(run_dir: Path) -> list[dict]:
+    """The scheduler's trace.jsonl (a line being written is left out)."""
+    path = run_dir / "trace.jsonl"
+    out = []
+    for x in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(x))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def _water_levels(trace: list[dict]) -> list[int]:
+    """w(t) after each trace line: executions dispatched minus finished."""
+    out, w = [], 0
+    for x in trace:
+        if x.get("action") == "dispatch":
+            w += len(x["executions"])
+        elif x.get("fact") == "execution.finished":
+            w -= 1
+        out.append(w)
+    return out
+
+
+def _sd_files_found_by_documented_config(runs: Path, env: dict, where: Path) -> dict:
+    """Run docs/metrics.md's line that writes a scrape config for GYRE_RUNS_DIR (into
+    `where`), and resolve each `files` glob as Prometheus does: relative to the config
+    file's directory. Returns {"found": paths, "shipped": the shipped config's globs}."""
+    import yaml
+
+    line = next(x for x in (ROOT / "docs" / "metrics.md").read_text().splitlines() if x.startswith("sed "))
+    where.mkdir()
+    config = where / "gyre-prometheus.yml"
+    subprocess.run(["bash", "-c", line.replace("/tmp/gyre-prometheus.yml", str(config))], cwd=ROOT,
+                   env=dict(env, GYRE_RUNS_DIR=str(runs)), check=True)
+
+    def globs(path: Path) -> list[str]:
+        cfg = yaml.safe_load(path.read_text())
+        return [os.path.join(path.parent, f) for job in cfg["scrape_configs"] for sd in job["file_sd_configs"]
+                for f in sd["files"]]
+    found = sorted({p for g in globs(config) for p in glob.glob(g)})
+    return {"found": found, "shipped": globs(ROOT / "ops" / "prometheus.yml")}
+
+
 @pytest.fixture(scope="module")
 def toy_run(tmp_path_factory):
     runs = tmp_path_factory.mktemp("runs")
@@ -83,12 +129,29 @@ def toy_run(tmp_path_factory):
         seen["urls"] = urls
         seen["before"] = {d: scrape(u) for d, u in urls.items()}  # before the first step ends
         seen["before_lines"] = _lines(run_dir)
+        seen["sd"] = _sd_files_found_by_documented_config(runs, env, runs / "prometheus")
+        # the scheduler's water level while step 0's executions run, bracketed by its trace
+        _wait("step 0's dispatch", lambda: any(x.get("action") == "dispatch" for x in _trace(run_dir)),
+              180, proc, out)
+        time.sleep(0.5)
+        trace_before = _trace(run_dir)
+        seen["water"] = _total(_samples(scrape(urls["scheduler"])), "gyre_water_level")
+        seen["water_levels"] = _water_levels(_trace(run_dir))[len(trace_before) - 1:]
         _wait("a scored execution", lambda: any(x["kind"] == "execution.scored" for x in _lines(run_dir)),
               240, proc, out)
         once = subprocess.run(_gyre("status", "--once"), cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=60)
         seen["once"] = once
         seen["once_lines"] = _lines(run_dir)
+        # a second snapshot while step 0 trains: its executions all scored, cell0 granted micro-steps
+        _wait("step 0 training", lambda: len([x for x in _trace(run_dir) if x.get("fact") == "microstep.granted"])
+              and sum(1 for x in _lines(run_dir) if x["kind"] == "execution.scored"
+                      and x["execution"].startswith("s0-")) == 8, 240, proc, out)
+        seen["training_before"] = (_lines(run_dir), _trace(run_dir))
+        seen["training"] = subprocess.run(_gyre("status", "--once"), cwd=ROOT, env=env, capture_output=True,
+                                          text=True, timeout=60)
+        time.sleep(0.5)  # what the status read is in the run's records by now
+        seen["training_after"] = (_lines(run_dir), _trace(run_dir))
         if shutil.which("tmux") and proc.poll() is None:
             session = f"gyre-status-{os.getpid()}"
             cmd = " ".join(_gyre("status", "--run-dir", str(run_dir), "--refresh", "0.5"))
@@ -133,6 +196,62 @@ def test_status_once_shows_step_cells_executions_rewards(toy_run):
     assert re.search(r"^\s+proxy\s+http://127\.0\.0\.1:\d+/metrics$", text, re.M), text
 
 
+def _cells_row(text: str, cell: str) -> list[str]:
+    row = next(x for x in text.splitlines() if re.match(rf"│ {cell}\s+│", x))
+    return [c.strip() for c in row.strip().strip("│").split("│")]
+
+
+def test_status_once_while_training_counts_calls_rewards_and_microsteps(toy_run):
+    """A snapshot while step 0 trains (cell0 its only cell, so no call completes meanwhile),
+    against the run's records read just before and just after it."""
+    once = toy_run["training"]
+    assert once.returncode == 0, once.stderr
+    text = once.stdout
+    (lines0, trace0), (lines1, trace1) = toy_run["training_before"], toy_run["training_after"]
+    calls = lambda lines: sum(1 for x in lines if x["kind"] == "call.completed")  # noqa: E731
+    shown = int(re.search(r"calls (\d+), [0-9.]+ calls/s", text)[1])
+    assert calls(lines0) <= shown <= calls(lines1) and shown > 0, (shown, calls(lines0), calls(lines1))
+    # step 0: all 8 finished and scored, and the mean of their rewards (the summary's too)
+    rewards = [x["reward"] for x in lines1 if x["kind"] == "execution.scored" and x["execution"].startswith("s0-")
+               and x["outcome"] != "excluded"]
+    mean = sum(rewards) / len(rewards)
+    summary = json.loads((toy_run["run_dir"] / "summary.json").read_text())
+    assert mean == pytest.approx(summary["rewards_per_step"][0])
+    assert re.search(rf"│\s+0 │\s+8 │\s+0 │\s+0 │\s+8 │\s+8 │\s+{mean:.3f} │", text), (mean, text)
+    # micro-steps: the core's own grants and commits count (the scheduler's trace holds them too)
+    of = lambda trace, fact: sum(1 for x in trace if x.get("fact") == fact and x.get("replica") == "cell0")  # noqa
+    _cell, _role, _version, _doing, claimed, committed = _cells_row(text, "cell0")
+    assert 1 <= of(trace0, "microstep.granted") <= int(claimed) <= of(trace1, "microstep.granted"), (claimed, text)
+    assert of(trace0, "microstep.committed") <= int(committed) <= of(trace1, "microstep.committed"), text
+
+
+def test_status_names_a_run_the_deployment_nats_never_saw(nats_server, tmp_path):
+    import asyncio
+
+    from bus import Bus
+
+    async def known() -> None:
+        bus = await Bus.connect(nats_server.url, token=nats_server.token, run="known1", name="test-status")
+        await bus.ensure_streams()
+        await bus.close()
+    asyncio.run(known())
+    env = dict(os.environ, GYRE_NATS_URL=nats_server.url, GYRE_NATS_TOKEN=nats_server.token or "",
+               GYRE_RUNS_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    t0 = time.monotonic()
+    once = subprocess.run(_gyre("status", "--once", "--run", "nosuch"), cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert once.returncode == 2 and time.monotonic() - t0 < 12, (once.returncode, once.stderr)
+    assert once.stdout == "" and len(once.stderr.strip().splitlines()) == 1, once.stderr
+    assert "'nosuch'" in once.stderr and "runs there: known1" in once.stderr, once.stderr
+    live = subprocess.Popen(_gyre("status", "--run", "nosuch", "--refresh", "0.2"), cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(5)
+    live.terminate()
+    out, err = live.communicate(timeout=30)
+    assert "no event of run 'nosuch' seen yet" in out, out + err
+    assert re.search(r"step - +water level 0", out), out  # no step started yet
+
+
 def test_status_live_view_in_tmux(toy_run):
     if "screen" not in toy_run:
         pytest.skip("tmux not installed (ops/install.sh installs it when run as root)")
@@ -174,8 +293,21 @@ def test_every_daemon_metrics_parse_and_counters_match_the_run_records(toy_run):
     assert _total(after["runner"], "gyre_calls_total") == 0 and _total(after["proxy"], "gyre_steps_completed_total") == 0
     assert _total(after["cell0"], "gyre_cell_role", cell="cell0") == 1  # one role at a time
     assert ("gyre_water_level", ()) in after["scheduler"]
+    # while step 0's executions ran: the w(t) of the scheduler's trace at the scrape
+    assert toy_run["water"] in toy_run["water_levels"] and min(toy_run["water_levels"]) > 0, \
+        (toy_run["water"], toy_run["water_levels"])
+    # the daemons are gone: no service discovery file is left for Prometheus to scrape
+    assert sorted(p.name for p in (run_dir / "metrics").glob("*.json")) == []
     for d in DAEMONS:  # every daemon times its publishes
         assert _total(after[d], "gyre_bus_publish_seconds_count") > 0, d
+
+
+def test_prometheus_config_finds_a_live_runs_daemons(toy_run):
+    """Prometheus joins a relative file_sd path onto the config file's directory."""
+    run_dir = toy_run["run_dir"]
+    assert [os.path.normpath(g) for g in toy_run["sd"]["shipped"]] == [str(ROOT / "runs" / "*" / "metrics" / "*.json")]
+    found = {Path(p).resolve() for p in toy_run["sd"]["found"]}
+    assert {(run_dir / "metrics" / f"{d}.json").resolve() for d in DAEMONS} <= found, found
 
 
 def test_tensorboard_scalars_equal_metrics_jsonl(toy_run):
@@ -250,6 +382,16 @@ def test_report_says_what_a_run_did_not_record(tmp_path):
     for name in ("reward", "loss", "kl_clip", "timeline", "staleness", "latency", "tokens_per_s"):
         assert f'id="missing-{name}"' in html and f'id="plot-{name}"' not in html
     assert main([str(tmp_path / "nope")]) == 2
+
+
+@pytest.mark.parametrize("content", ['{"run": "r", "steps"', '[1, 2]'])
+def test_report_names_a_summary_it_cannot_read(tmp_path, capsys, content):
+    from handlers.report import main
+
+    (tmp_path / "summary.json").write_text(content)
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and str(tmp_path / "summary.json") in err, err
 
 
 def _chromium() -> tuple[str, str] | None:
