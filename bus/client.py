@@ -544,6 +544,14 @@ class Bus:
         """`bus.history.stored_ids` on this bus: ids and headers of the stored events of `name`."""
         return await history.stored_ids(self, name, stop=stop, batch=batch)
 
+    async def stored_count(self, names: Iterable[str]) -> int:
+        """`bus.history.stored_count` on this bus: events of `names` stored for this run."""
+        return await history.stored_count(self, names)
+
+    async def runs_on_server(self) -> list[str]:
+        """`bus.history.runs_on_server`: the run ids whose streams the server holds."""
+        return await history.runs_on_server(self)
+
     async def tap(self, pattern: str | None, callback: Callable[[str, bytes], Awaitable[Any]]) -> Tap:
         """`bus.history.tap` on this bus: `await callback(subject, data)` for every message on `pattern`."""
         return await history.tap(self, pattern, callback)

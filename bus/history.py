@@ -16,6 +16,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
 
 import nats.errors
+import nats.js.errors
 import structlog
 from nats.js import api
 
@@ -200,3 +201,25 @@ async def _drop_ephemeral(bus: Bus, sub: Any, stream: str, consumer: str) -> Non
         await bus.js.delete_consumer(stream, consumer)
     except Exception:  # noqa: BLE001 - ephemeral: the server removes it anyway
         pass
+
+
+async def stored_count(bus: Bus, names: Iterable[str]) -> int:
+    """How many events the streams of `names` hold for the bus's run (0 for a run the server
+    never heard of: its streams do not exist)."""
+    total = 0
+    for spec in {subjects.stream_for(n) for n in names}:
+        try:
+            total += (await bus.js.stream_info(spec.stream_name(bus.run))).state.messages
+        except nats.js.errors.NotFoundError:
+            continue
+    return total
+
+
+async def runs_on_server(bus: Bus) -> list[str]:
+    """The run ids whose streams the server holds."""
+    found = set()
+    for info in await bus.js.streams_info():
+        for subj in info.config.subjects or ():
+            if subj.startswith(subjects.PREFIX + ".") and not subj.startswith(subjects.PREFIX + ".*"):
+                found.add(subjects.run_of(subj))
+    return sorted(found)

@@ -256,32 +256,6 @@ def _locate(args) -> tuple[str, str | None, str, dict | None, Path | None]:
         run_dir if run_dir.is_dir() else None
 
 
-async def stored_events(bus: Bus, run: str) -> int:
-    """How many events of `run` the server stores in the streams `gyre status` reads (0 for a
-    run it never heard of)."""
-    import nats.js.errors
-
-    from bus import subjects
-    total = 0
-    for spec in {subjects.stream_for(n) for n in NAMES}:
-        try:
-            total += (await bus.js.stream_info(spec.stream_name(run))).state.messages
-        except nats.js.errors.NotFoundError:
-            continue
-    return total
-
-
-async def runs_on(bus: Bus) -> list[str]:
-    """The run ids whose streams the server holds."""
-    from bus import subjects
-    found = set()
-    for info in await bus.js.streams_info():
-        for subj in info.config.subjects or ():
-            if subj.startswith(subjects.PREFIX + ".") and not subj.startswith(subjects.PREFIX + ".*"):
-                found.add(subjects.run_of(subj))
-    return sorted(found)
-
-
 class UnknownRun(Exception):
     """`--once` for a run of which the server stores no event."""
 
@@ -308,9 +282,9 @@ async def _status(url: str, token: str | None, run: str, owner: dict | None, run
     view = _view_for(run, run_dir)
     bus = await Bus.connect(url, token=token, run=run, name="gyre-status", stop=stop,
                             config=BusConfig(connect_timeout_s=5.0))
-    if owner is None and await stored_events(bus, run) == 0:  # a deployment's NATS: is the run there at all?
+    if owner is None and await bus.stored_count(NAMES) == 0:  # a deployment's NATS: is the run there at all?
         if once:
-            runs = await runs_on(bus)
+            runs = await bus.runs_on_server()
             await bus.close()
             raise UnknownRun(f"no event of run {run!r} is stored on {url}; "
                              + (f"the runs there: {', '.join(runs[:20])}{' …' if len(runs) > 20 else ''}" if runs

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import glob
 import json
-import math
 import os
 import re
 import shutil
