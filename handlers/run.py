@@ -381,6 +381,12 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
         m = recipe.model
         init_model(run_dir / "model", ModelSpec(layers=m.layers, hidden=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
                                                 head_dim=m.hidden // m.heads, intermediate=3 * m.hidden, seed=m.seed))
+        if m.warm_start:
+            from gyre.learning.warm_start import warm_start
+
+            print(f"gyre: warm start of the model on {m.warm_start!r} ({m.warm_start_steps} supervised steps)", flush=True)
+            stats = warm_start(run_dir / "model", m.warm_start, m.warm_start_steps, seed=m.seed)
+            print(f"gyre: warm start done in {stats['seconds']} s: success rate ≈ {stats['success']:.3f}", flush=True)
     env = dict(os.environ, GYRE_KEY_SECRET=key_secret, GYRE_ENGINE_TOKEN=engine_token,
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_DISABLE_PROGRESS_BARS="1",  # daemon logs are JSON lines: no tqdm bars in them

@@ -17,7 +17,7 @@ class TrainerSettings:
     """How one optimizer step updates the policy, and how replicas share a step."""
 
     lr: float = 1e-3
-    """AdamW learning rate, > 0."""
+    """AdamW learning rate, >= 0 (0 = a control run: the policy never changes)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay, >= 0 (0 = none)."""
     grad_clip: float = 1.0
@@ -42,8 +42,8 @@ class TrainerSettings:
 
     def __post_init__(self) -> None:
         name = type(self).__name__
-        if not self.lr > 0:  # NaN too: it compares false both ways
-            raise ValueError(f"{name}.lr must be > 0, got {self.lr}")
+        if not self.lr >= 0:  # NaN too: it compares false both ways
+            raise ValueError(f"{name}.lr must be >= 0, got {self.lr}")
         if self.weight_decay < 0:
             raise ValueError(f"{name}.weight_decay must be >= 0, got {self.weight_decay}")
         if not self.grad_clip > 0:
