@@ -188,6 +188,7 @@ def _print_summary(s: dict) -> None:
     print(f"tokens trained   {s['tokens_trained']}")
     print(f"zero-var groups  {s['zero_variance_groups']}")
     print(f"grad norm        {[round(g, 5) for g in s['grad_norm_per_step']]}")
+    _print_curve(s)
     print(f"policy version   {s['policy_version']}")
     print(f"wall             {s['wall_s']} s")
     failed = {k: v for k, v in s["executions_by_status"].items() if k != "ok"}
@@ -216,6 +217,18 @@ def _print_summary(s: dict) -> None:
         print("note             every group had zero reward variance, so GSPO had nothing to push: a random\n"
               "                 policy scores alike on every execution of a task. `gyre run toy` grades\n"
               "                 properties of a single answer, so rewards differ and a step has a gradient.")
+
+
+def _print_curve(s: dict) -> None:
+    """The reward curve, one line per step with its gradient norm (a bar of 40 = reward 1)."""
+    grads = s["grad_norm_per_step"]
+    if len(s["rewards_per_step"]) < 2:
+        return
+    print("reward curve     step  reward  grad norm")
+    for k, r in enumerate(s["rewards_per_step"]):
+        g = f"{grads[k]:9.4f}" if k < len(grads) else "        -"
+        bar = "" if r is None else "#" * round(40 * max(0.0, min(1.0, r)))
+        print(f"                 {k:4d}  {'   -  ' if r is None else f'{r:6.3f}'}  {g}  {bar}")
 
 
 class Supervisor:
@@ -424,6 +437,8 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
     (run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     _print_summary(summary)
     print(f"gyre: summary written to {run_dir / 'summary.json'}")
+    print(f"gyre: the run's outputs are in {run_dir}: summary.json, metrics.jsonl (every execution and step), "
+          "weights/v<k>/ (the policy after each step), logs/")
     return outcome
 
 
