@@ -54,11 +54,15 @@ def _batch_logp(model, rows: list[tuple[list[int], list[int]]]) -> torch.Tensor:
         ids[i, : len(p) + len(t)] = torch.tensor(p + t)
         attn[i, : len(p) + len(t)] = 1
     hidden = model.model(input_ids=ids, attention_mask=attn).last_hidden_state  # (B, W, H)
-    out = []
-    for i, (p, t) in enumerate(rows):
-        logits = model.lm_head(hidden[i, len(p) - 1: len(p) - 1 + len(t)]).float()  # (len t, V)
-        out.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(t)[:, None]).mean())
-    return torch.stack(out)
+    rows_idx = torch.tensor([i for i, (p, t) in enumerate(rows) for _ in t])  # (N,) row of each target
+    cols_idx = torch.tensor([len(p) - 1 + j for p, t in rows for j in range(len(t))])  # (N,) its position − 1
+    targets = torch.tensor([x for _, t in rows for x in t])  # (N,)
+    # one output-layer matmul for every target: its gradient into the (tied) embedding is
+    # one dense (V, H) tensor per step, not one per row
+    logp = torch.log_softmax(model.lm_head(hidden[rows_idx, cols_idx]).float(), -1)  # (N, V)
+    picked = logp.gather(1, targets[:, None])[:, 0]  # (N,)
+    counts = torch.tensor([len(t) for _, t in rows], dtype=picked.dtype)
+    return torch.zeros(len(rows), dtype=picked.dtype).index_add(0, rows_idx, picked) / counts
 
 
 @torch.no_grad()
