@@ -8,7 +8,7 @@ answer's ids and `<|im_end|>`. It exists so that an RL demo starts from a policy
 success rate is neither 0 (no group has reward variance, GSPO has nothing to push) nor
 near 1 (nothing left to learn): on `majority` with the default model, 90 steps give
 5%–50% (`success` in the returned stats, the mean probability of sampling the right
-answer on held-out instances).
+answer, `<|im_end|>` included, on instances drawn apart from the training pairs).
 
 Deterministic: the pairs come from `gyre.env.<family>.examples(steps * batch, seed)`,
 batches in order, torch's RNG untouched (nothing is sampled), one CPU thread, so the
@@ -67,15 +67,16 @@ def _batch_logp(model, rows: list[tuple[list[int], list[int]]]) -> torch.Tensor:
 
 @torch.no_grad()
 def success_rate(model, tok, family: str = "majority", n: int = 200, seed: int = 1) -> float:
-    """Mean probability, at temperature 1, that the model's first answer token is the right
-    answer's first token, over n instances of `family` drawn with `seed` (the warm start
-    uses seed 0's stream): an estimate of the success rate a run starts from."""
+    """Mean probability, at temperature 1, of sampling exactly the right answer (its ids,
+    then `<|im_end|>`), over n instances of `family` drawn from the tasks' stream with
+    `seed`: an estimate of the success rate a run starts from."""
     fam = _family(family)
     total = 0.0
-    for problem, answer in fam.examples(n, seed):
-        prompt, target = _encode(tok, fam.SYSTEM_PROMPT, problem, answer)
-        logits = model(input_ids=torch.tensor([prompt]), logits_to_keep=1).logits[0, -1].float()
-        total += float(torch.softmax(logits, -1)[target[0]])
+    for rec in fam.records(n, seed):
+        answer = rec["expected"][fam.ANSWER_FILE]
+        prompt, target = _encode(tok, fam.SYSTEM_PROMPT, rec["problem_statement"], answer)
+        logits = model(input_ids=torch.tensor([prompt + target[:-1]])).logits[0, len(prompt) - 1:].float()
+        total += float(torch.log_softmax(logits, -1).gather(1, torch.tensor(target)[:, None]).sum().exp())
     return total / n
 
 
