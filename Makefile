@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml ops/install.sh
 	touch $@
 
 demo: install
-	$(VENV)/bin/gyre run quickstart
+	$(VENV)/bin/gyre run learning
 
 test: install
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)

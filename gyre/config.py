@@ -156,9 +156,20 @@ class ModelSection:
     """Key/value heads of the default model (grouped-query attention), > 0."""
     seed: int = 0
     """torch seed of the default model's weight initialisation."""
+    warm_start: str = ""
+    """Task family (gyre.learning.warm_start.FAMILIES) of a supervised warm start of the
+    default model, '' = none (the random initialisation)."""
+    warm_start_steps: int = 90
+    """Steps of that warm start (32 pairs each), >= 0."""
 
     def __post_init__(self) -> None:
         _positive(self, "layers", "hidden", "heads", "kv_heads")
+        if self.warm_start:
+            from gyre.learning.warm_start import FAMILIES
+            if self.warm_start not in FAMILIES:
+                raise RecipeError(f"model.warm_start {self.warm_start!r} is not a task family; known: {list(FAMILIES)}")
+        if self.warm_start_steps < 0:
+            raise RecipeError(f"model.warm_start_steps must be >= 0, got {self.warm_start_steps}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

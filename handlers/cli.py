@@ -6,8 +6,9 @@
                                                   print live events of the current run
     gyre status [--run ID | --run-dir DIR] [--once]  a live view of the current run (cells, executions, rewards)
     gyre report [RUN_DIR]                         write RUN_DIR/report.html with the run's pictures
-    gyre init-model DIR [--layers N ...]          write the embedded default model
-    gyre bench NAME [--json PATH]                 a benchmark of docs/BENCHMARKS.md (proxy, trajectories, hostile, transfer)
+    gyre init-model DIR [--layers N ...] [--warm-start majority]
+                                                  write the embedded default model (optionally warm-started)
+    gyre bench NAME [--json PATH]                 a benchmark of docs/BENCHMARKS.md (proxy, trajectories, hostile, transfer, learning)
     gyre sim [--profile NAME|all] [--random N --seed S] [--trace PATH] [--json PATH]
                                                   the scheduling modes on simulated clusters
     gyre proxy|cell|scheduler|builder|runner|evaluator --run-dir DIR   one daemon
@@ -66,6 +67,7 @@ BENCHMARKS = {
     "trajectories": "handlers.bench.trajectories",
     "hostile": "handlers.bench.hostile",
     "transfer": "handlers.bench.transfer",
+    "learning": "handlers.bench.learning",
 }
 """`gyre bench NAME` → the module whose `main(argv) -> int` runs it (BENCHMARKS.md)."""
 
@@ -100,6 +102,9 @@ def _init_model(argv: list[str]) -> int:
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     p.add_argument("--kv-heads", type=int, default=2, help="key/value heads, grouped-query attention (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    p.add_argument("--warm-start", default="", metavar="FAMILY",
+                   help="then a short supervised warm start on a task family gyre generates (majority)")
+    p.add_argument("--warm-start-steps", type=int, default=90, help="steps of that warm start (default 90)")
     a = p.parse_args(argv)
     from pathlib import Path
 
@@ -113,7 +118,17 @@ def _init_model(argv: list[str]) -> int:
     except ValueError as exc:
         p.error(re.sub(r"\b(?:ModelSpec\.)?(layers|hidden|heads|kv_heads|seed)\b",
                        lambda m: "--" + m[1].replace("_", "-"), str(exc)))
+    from gyre.learning.warm_start import FAMILIES, warm_start
+
+    if a.warm_start and a.warm_start not in FAMILIES:
+        p.error(f"--warm-start {a.warm_start!r} is not a task family; known: {', '.join(FAMILIES)}")
+    if a.warm_start_steps < 0:
+        p.error("--warm-start-steps must be >= 0")
     path = init_model(a.dir, spec)
+    if a.warm_start:
+        stats = warm_start(path, a.warm_start, a.warm_start_steps, seed=a.seed)
+        print(f"warm start on {a.warm_start!r}: {a.warm_start_steps} steps in {stats['seconds']} s, "
+              f"success rate ≈ {stats['success']:.3f}")
     print(f"wrote {path}")
     return 0
 

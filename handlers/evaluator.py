@@ -8,7 +8,9 @@ Consumes `execution.finished` (durable `evaluator-v1`) and publishes `execution.
 - otherwise (`ok`, `timeout`: partial credit) the workspace is copied to
   `<run_dir>/eval/<execution>/a<attempt>/`, the hidden tests are written into the copy
   and run confined like a harness (gyre.env.sandbox) with the task's `test_timeout_s`;
-  reward = passed / total (gyre.env.tasks.grade). An infrastructure failure (`GradeError`,
+  reward = passed / total (gyre.env.tasks.grade). A task with an exact answer and no
+  hidden tests (`Task.expected`) is graded in this process instead, by reading the
+  workspace's answer files without following links (gyre.env.tasks.grade_expected). An infrastructure failure (`GradeError`,
   a sandbox that cannot start) is retried after `retry_delay_s`, up to `retries` more
   attempts; then the execution is `excluded` with the last reason. Never a reward of 0
   for an evaluator crash.
@@ -32,7 +34,8 @@ import schemas
 from bus import Bus, Retry
 from gyre.env.harness import python_installation
 from gyre.env.sandbox import SandboxConfig, base_env, confine, own_tree, resolve_mode
-from gyre.env.tasks import Grade, GradeError, Task, grade, load_tasks, prepare_grading, task_index
+from gyre.env.tasks import (Grade, GradeError, Task, grade, grade_expected, load_tasks, prepare_grading,
+                            task_index)
 from handlers.daemon import FatalError, RunContext, connected, daemon_main
 from handlers.runner import wait_or_kill
 from schemas import ids
@@ -192,6 +195,13 @@ class Evaluator:
         if scratch.exists():
             shutil.rmtree(scratch)  # left by an attempt cut short (restart)
         started = time.monotonic()
+        if task.expected and not task.test_files:
+            result = await asyncio.to_thread(grade_expected, task, Path(event.workspace))
+            elog.info("evaluator.graded", reward=result.reward, passed=result.passed, total=result.total,
+                      note=result.note, duration_s=round(time.monotonic() - started, 3))
+            await self._publish(scored_event(self.cfg.run, info, outcome="reward", attempt=failures, grade_=result),
+                                elog)
+            return
         try:
             result = await grade_workspace(task, Path(event.workspace), scratch, sandbox=self.cfg.sandbox,
                                            python=self.cfg.python, per_test_timeout_s=self.cfg.per_test_timeout_s,

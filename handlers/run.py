@@ -229,6 +229,7 @@ def _print_summary(s: dict) -> None:
     print(f"tokens trained   {s['tokens_trained']}")
     print(f"zero-var groups  {s['zero_variance_groups']}")
     print(f"grad norm        {[round(g, 5) for g in s['grad_norm_per_step']]}")
+    _print_curve(s)
     print(f"policy version   {s['policy_version']}")
     print(f"wall             {s['wall_s']} s")
     failed = {k: v for k, v in s["executions_by_status"].items() if k != "ok"}
@@ -257,6 +258,18 @@ def _print_summary(s: dict) -> None:
         print("note             every group had zero reward variance, so GSPO had nothing to push: a random\n"
               "                 policy scores alike on every execution of a task. `gyre run toy` grades\n"
               "                 properties of a single answer, so rewards differ and a step has a gradient.")
+
+
+def _print_curve(s: dict) -> None:
+    """The reward curve, one line per step with its gradient norm (a bar of 40 = reward 1)."""
+    grads = s["grad_norm_per_step"]
+    if len(s["rewards_per_step"]) < 2:
+        return
+    print("reward curve     step  reward  grad norm")
+    for k, r in enumerate(s["rewards_per_step"]):
+        g = f"{grads[k]:9.4f}" if k < len(grads) else "        -"
+        bar = "" if r is None else "#" * round(40 * max(0.0, min(1.0, r)))
+        print(f"                 {k:4d}  {'   -  ' if r is None else f'{r:6.3f}'}  {g}  {bar}")
 
 
 class Supervisor:
@@ -422,6 +435,12 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
         m = recipe.model
         init_model(run_dir / "model", ModelSpec(layers=m.layers, hidden=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
                                                 head_dim=m.hidden // m.heads, intermediate=3 * m.hidden, seed=m.seed))
+        if m.warm_start:
+            from gyre.learning.warm_start import warm_start
+
+            print(f"gyre: warm start of the model on {m.warm_start!r} ({m.warm_start_steps} supervised steps)", flush=True)
+            stats = warm_start(run_dir / "model", m.warm_start, m.warm_start_steps, seed=m.seed)
+            print(f"gyre: warm start done in {stats['seconds']} s: success rate ≈ {stats['success']:.3f}", flush=True)
     env = dict(os.environ, GYRE_KEY_SECRET=key_secret, GYRE_ENGINE_TOKEN=engine_token,
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_DISABLE_PROGRESS_BARS="1",  # daemon logs are JSON lines: no tqdm bars in them
@@ -465,6 +484,8 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
     (run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     _print_summary(summary)
     print(f"gyre: summary written to {run_dir / 'summary.json'}")
+    print(f"gyre: the run's outputs are in {run_dir}: summary.json, metrics.jsonl (every execution and step), "
+          "weights/v<k>/ (the policy after each step), logs/")
     try:
         from handlers.report import write_report
         report = write_report(run_dir)

@@ -1899,3 +1899,22 @@ async def test_a_call_completed_goes_to_the_bus_at_once_and_a_cancelled_one_is_s
     assert [orjson.loads(line)["event"]["seq"] for line in spill.read_bytes().splitlines() if line] == [3]
     stored = sorted(await bus.stored_ids("call.completed"))
     assert stored == sorted(ids.call(run_id, "exb", s) for s in range(3))
+
+
+async def test_seeded_proxy_sends_each_call_its_own_seed(stack):
+    """A run's proxy samples call `<e>:<seq>` with call_seed(run seed, e, seq): the same on a
+    retried attempt, independent of what else runs, different across calls and executions."""
+    from gyre.serving.seeds import call_seed
+
+    engine = await stack.engine(["ok"] * 4)
+    await stack.proxy(engine=engine, seed=7)
+    engine.fail_next(1, 503)  # the first attempt is refused: its retry carries the same seed
+    for execution in ("sa", "sb"):
+        client = stack.client(execution)
+        await client.chat.completions.create(model="m", messages=[SYSTEM, TASK])
+        await client.chat.completions.create(model="m", messages=[SYSTEM, {"role": "user", "content": "again"}])
+    seeds = [(r["gyre_execution"], r["sampling_params"]["seed"]) for r in engine.requests]
+    expected = [("sa", call_seed(7, "sa", 0))] * 2 + [("sa", call_seed(7, "sa", 1)), ("sb", call_seed(7, "sb", 0)),
+                                                      ("sb", call_seed(7, "sb", 1))]
+    assert seeds == expected
+    assert len({s for _, s in expected}) == 4 and all(0 <= s < 2**63 for _, s in expected)

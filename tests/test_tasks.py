@@ -256,3 +256,48 @@ def test_toy_rewards_vary_for_random_answers(tmp_path):
                     pass
             rewards.add(passed / len(tests))
         assert len(rewards) >= 3, (task.instance_id, rewards)
+
+
+def test_expected_answer_is_graded_without_running_anything(tmp_path):
+    from gyre.env.tasks import EXPECTED_MAX_BYTES, TaskError, grade_expected, parse_task
+
+    task = parse_task({"instance_id": "m-1", "problem_statement": "Which digit?", "expected": {"answer.txt": "7"}})
+    assert task.test_files == {} and task.expected == {"answer.txt": "7"}
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    assert grade_expected(task, ws).reward == 0.0  # no answer file
+    (ws / "answer.txt").write_text(" 7\n")
+    g = grade_expected(task, ws)
+    assert (g.reward, g.passed, g.total, g.note) == (1.0, 1, 1, "expected")
+    (ws / "answer.txt").write_text("77")
+    assert grade_expected(task, ws).reward == 0.0
+    # a link is never followed, however right its target
+    (tmp_path / "secret").write_text("7")
+    (ws / "answer.txt").unlink()
+    (ws / "answer.txt").symlink_to(tmp_path / "secret")
+    assert grade_expected(task, ws).reward == 0.0
+    (ws / "answer.txt").unlink()
+    (ws / "answer.txt").write_text("7" + " " * EXPECTED_MAX_BYTES)
+    assert grade_expected(task, ws).reward == 0.0
+    with pytest.raises(TaskError, match="test_files"):
+        parse_task({"instance_id": "m-2", "problem_statement": "x"})
+
+
+def test_majority_tasks_are_the_generators_and_differ_in_answer():
+    import collections
+
+    from gyre.env import majority
+
+    tasks = load_tasks("majority")
+    assert [t.instance_id for t in tasks] == [r["instance_id"] for r in majority.records()]
+    assert [t.expected for t in tasks] == [r["expected"] for r in majority.records()]
+    counts = collections.Counter(t.expected["answer.txt"] for t in tasks)
+    assert set(counts) == set("0123456789") and max(counts.values()) / len(tasks) < 0.15  # no constant wins
+    for t in tasks[:50]:
+        digits = t.problem_statement.split(":")[1].strip(" ?").split()
+        assert collections.Counter(digits).most_common(1)[0] == (t.expected["answer.txt"], majority.MAJORITY)
+    # the warm start's pairs come from another stream than the tasks
+    assert not {p for p, _ in majority.examples(200)} & {t.problem_statement for t in tasks}
+    from gyre.env.harness import HARNESS_DIR
+
+    assert repr(majority.SYSTEM_PROMPT) in (HARNESS_DIR / "toy_harness.py").read_text().replace('"', "'")

@@ -6,8 +6,14 @@ close to SWE-bench / NL2Repo records, see docs/tasks.md):
     instance_id        str, required. Unique in the file; letters, digits, `_ . -`.
     problem_statement  str, required. The spec given to the agent (the harness's task).
     files              {path: content}, starting files seeded into the workspace.
-    test_files         {path: content}, required, ≥ 1. Hidden pytest files; never shown
-                       to the agent, written into a copy of the workspace at grading.
+    test_files         {path: content}, required, ≥ 1, unless `expected` is given. Hidden
+                       pytest files; never shown to the agent, written into a copy of the
+                       workspace at grading.
+    expected           {path: content}, optional. An exact answer: each file must hold
+                       this text (surrounding whitespace ignored); graded in the evaluator's
+                       process without running anything (`grade_expected`), reward = the
+                       fraction of files that match. With `test_files` as well, the
+                       hidden tests decide and `expected` is not used.
     test_command       str, default `python -m pytest -q -p no:cacheprovider`; the
                        evaluator appends its own options and the hidden test paths.
     timeout_s          float > 0, default 600. Suggested wall-clock limit of one execution.
@@ -37,6 +43,7 @@ import re
 import os
 import shlex
 import shutil
+import stat
 import xml.etree.ElementTree as ET
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Mapping
@@ -77,6 +84,7 @@ class Task:
     difficulty: str = "easy"
     tags: tuple[str, ...] = ()
     solution: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    expected: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def expected_tests(self) -> int:
@@ -148,9 +156,11 @@ def parse_task(obj: Any, *, source: str = "", line: int | None = None) -> Task:
 
     if not isinstance(obj, dict):
         raise err(None, f"a task record must be a JSON object, got {type(obj).__name__}")
-    for name in ("instance_id", "problem_statement", "test_files"):
+    for name in ("instance_id", "problem_statement"):
         if name not in obj:
             raise err(name, "missing required field")
+    if "test_files" not in obj and not obj.get("expected"):
+        raise err("test_files", "missing required field (or give `expected`)")
     iid = obj["instance_id"]
     if not isinstance(iid, str) or not _ID_RE.match(iid):
         raise err("instance_id", f"must be 1-128 characters of letters, digits, '_', '.', '-' (got {iid!r})")
@@ -158,10 +168,11 @@ def parse_task(obj: Any, *, source: str = "", line: int | None = None) -> Task:
     if not isinstance(ps, str) or not ps.strip():
         raise err("problem_statement", "must be a non-empty string")
     files = _file_map(obj.get("files", {}), "files", err)
-    tests = _file_map(obj["test_files"], "test_files", err)
+    tests = _file_map(obj.get("test_files", {}), "test_files", err)
     solution = _file_map(obj.get("solution", {}), "solution", err)
-    if not tests:
-        raise err("test_files", "needs at least one hidden test file")
+    expected = _file_map(obj.get("expected", {}), "expected", err)
+    if not tests and not expected:
+        raise err("test_files", "needs at least one hidden test file (or `expected`)")
     for path, src in tests.items():
         if not path.endswith(".py"):
             raise err("test_files", f"{path!r} is not a .py file")
@@ -190,7 +201,7 @@ def parse_task(obj: Any, *, source: str = "", line: int | None = None) -> Task:
         raise err("tags", "must be a list of strings")
     return Task(instance_id=iid, problem_statement=ps, files=files, test_files=tests, test_command=command,
                 timeout_s=timeout_s, test_timeout_s=test_timeout_s, difficulty=difficulty, tags=tuple(tags),
-                solution=solution)
+                solution=solution, expected=expected)
 
 
 def _file_map(value: Any, field: str, err) -> dict[str, str]:
@@ -350,6 +361,53 @@ class Grade:
     passed: int
     total: int
     note: str = "junit"
+
+
+EXPECTED_MAX_BYTES = 65536
+"""Largest answer file `grade_expected` reads; a longer one does not match."""
+
+
+def grade_expected(task: Task, workspace: Path) -> Grade:
+    """Reward of a task with an exact answer (`Task.expected`): the fraction of its files
+    whose text, stripped of surrounding whitespace, equals the expected text stripped.
+
+    A file that is missing, not a regular file, reached through a symbolic link (never
+    followed: the agent may have linked anything), undecodable as UTF-8 or longer than
+    EXPECTED_MAX_BYTES does not match. Runs nothing; raises GradeError when the task has
+    no `expected` files."""
+    if not task.expected:
+        raise GradeError(f"task {task.instance_id} has no expected answer")
+    root = Path(workspace)
+    matched = 0
+    for rel, want in task.expected.items():
+        got = _read_plain(root, rel)
+        matched += got is not None and got.strip() == want.strip()
+    total = len(task.expected)
+    return Grade(reward=matched / total, passed=matched, total=total, note="expected")
+
+
+def _read_plain(root: Path, rel: str) -> str | None:
+    """The UTF-8 text of `root/rel` when every component is a plain directory or file
+    (no link), at most EXPECTED_MAX_BYTES long; else None."""
+    here = root
+    for part in rel.split("/"):
+        here = here / part
+        if here.is_symlink():
+            return None
+    try:
+        fd = os.open(here, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+            return None
+        data = fh.read(EXPECTED_MAX_BYTES + 1)
+    if len(data) > EXPECTED_MAX_BYTES:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def pytest_argv(task: Task, *, ini_path: Path, junit_path: Path) -> list[str]:

@@ -17,9 +17,13 @@ class TrainerSettings:
     """How one optimizer step updates the policy, and how replicas share a step."""
 
     lr: float = 1e-3
-    """AdamW learning rate, > 0."""
+    """AdamW learning rate, >= 0 (0 = a control run: the policy never changes)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay, >= 0 (0 = none)."""
+    adam_eps: float = 1e-8
+    """AdamW denominator epsilon, > 0. A coordinate whose gradient is far below it moves by
+    far less than the learning rate (on a large vocabulary, the output rows of tokens the
+    policy never samples)."""
     grad_clip: float = 1.0
     """Largest global L2 norm of the |E|-scaled gradient; a larger one is scaled down to it. > 0."""
     eps_low: float = 3e-4
@@ -42,10 +46,12 @@ class TrainerSettings:
 
     def __post_init__(self) -> None:
         name = type(self).__name__
-        if not self.lr > 0:  # NaN too: it compares false both ways
-            raise ValueError(f"{name}.lr must be > 0, got {self.lr}")
+        if not self.lr >= 0:  # NaN too: it compares false both ways
+            raise ValueError(f"{name}.lr must be >= 0, got {self.lr}")
         if self.weight_decay < 0:
             raise ValueError(f"{name}.weight_decay must be >= 0, got {self.weight_decay}")
+        if not self.adam_eps > 0:
+            raise ValueError(f"{name}.adam_eps must be > 0, got {self.adam_eps}")
         if not self.grad_clip > 0:
             raise ValueError(f"{name}.grad_clip must be > 0, got {self.grad_clip}")
         if self.dtype not in ("float32", "float64"):

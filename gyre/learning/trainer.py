@@ -77,8 +77,6 @@ class TrainerConfig(TrainerSettings):
 
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW moment coefficients, each in [0, 1)."""
-    adam_eps: float = 1e-8
-    """AdamW denominator epsilon."""
     behaviour_logprobs: Literal["proxy", "recompute"] = "proxy"
     """π_old of the GSPO ratio: `proxy` = the log-probs the proxy recorded; `recompute` = the
     trainer's own log-probs under the step's (fixed) weights."""

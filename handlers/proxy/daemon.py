@@ -104,6 +104,9 @@ class Config(ProxySection):
     top_p: float = 1.0
     top_k: int = -1
     """Default sampling when the request has none; top_k -1 = off."""
+    seed: int | None = None
+    """The run's seed: each call is sampled with `gyre.serving.seeds.call_seed(seed, execution,
+    seq)`, so its tokens do not depend on arrival order; None = the engine draws seeds."""
     max_completion_tokens: int = 4096
     """Cap on a call's completion tokens, and the value when the request sets none."""
     max_calls: int = 0
@@ -316,7 +319,7 @@ def config_from_context(ctx: Any, args: Any) -> Config:
                   nats_url=ctx.nats_url, nats_token=ctx.nats_token, engine_url=args.engine_url or "",
                   engine_token=ctx.engine_token,
                   temperature=r.sampling.temperature, top_p=r.sampling.top_p, top_k=r.sampling.top_k,
-                  max_completion_tokens=r.sampling.max_tokens, max_calls=r.harness.max_calls,
+                  seed=r.run.seed, max_completion_tokens=r.sampling.max_tokens, max_calls=r.harness.max_calls,
                   context_tokens=0 if args.engine_url else r.engine.max_context_tokens,
                   url_file=str(ctx.run_dir / "proxy.json"), spill_file=str(ctx.run_dir / "proxy-unpublished.jsonl"),
                   **dataclasses.asdict(r.proxy))

@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 import structlog
 
+from gyre.serving.seeds import call_seed
 from handlers.engines.client import EngineClient, EngineRequestError, EngineUnavailable
 from handlers.proxy.api import ApiError, context_exceeded, unique_hex
 from schemas.call import SamplingParams
@@ -257,11 +258,14 @@ def generate_bound_s(sp: SamplingParams) -> float:
     return GENERATE_GRACE_S + min(sp.max_tokens, 2**31) / MIN_DECODE_TOKENS_PER_S
 
 
-def engine_sampling(sp: SamplingParams) -> dict:
-    """SGLang `sampling_params` for recorded SamplingParams."""
+def engine_sampling(sp: SamplingParams, seed: int | None = None) -> dict:
+    """SGLang `sampling_params` for recorded SamplingParams; seed: the call's sampling seed
+    (`gyre.serving.seeds.call_seed`), None = the engine draws one."""
     out = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "max_new_tokens": sp.max_tokens}
     if sp.stop:
         out["stop"] = list(sp.stop)
+    if seed is not None:
+        out["seed"] = seed
     return out
 
 
@@ -387,13 +391,18 @@ class Dispatcher:
     `retry_timeout_s` seconds. session: the process's engine `aiohttp.ClientSession`.
     engine_token: the bearer token sent to every engine ('' = none); an engine that
     refuses it (401, 403) fails the call with a 502 `engine_unauthorized`.
+    seed: the run's seed; a call `<execution>:<seq>` is sampled with
+    `gyre.serving.seeds.call_seed(seed, execution, seq)` on every attempt (None: no seed sent).
     spawn: runs a background coroutine (the upstream aborts) the caller drains at shutdown.
     """
 
     def __init__(self, router: Router, session: Any, *, concurrency: int, retry_timeout_s: float,
                  retry_backoff_s: float, retry_backoff_max_s: float, spawn: Callable[[Awaitable[Any]], None],
-                 vocab_size: int = 2**31, engine_token: str = ""):
+                 vocab_size: int = 2**31, engine_token: str = "", seed: int | None = None):
         self.router = router
+        self.seed = seed
+        """The run's seed: each call is sampled with `call_seed(seed, execution, seq)`; None =
+        the engine draws the seeds (then samples depend on arrival order)."""
         self.engine_token = engine_token
         self.vocab_size = vocab_size
         self.session = session
@@ -466,6 +475,8 @@ class Dispatcher:
         avoid: set[str] = set()
         tries = aborts = timeouts = errors = 0
         ctx = {"execution": execution, "call": call_id}  # log context
+        params = engine_sampling(sampling, None if self.seed is None else
+                                 call_seed(self.seed, execution, int(call_id.rpartition(":")[2])))
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -489,7 +500,7 @@ class Dispatcher:
             try:
                 async with slots:  # a full engine queues the call (its requests end within `bound`)
                     t_engine = time.monotonic()
-                    result = await race(client.generate(prompt_ids, engine_sampling(sampling), rid,
+                    result = await race(client.generate(prompt_ids, params, rid,
                                                          execution=execution, timeout_s=bound), attempt)
             except EngineUnavailable as exc:
                 attempt.client = None

@@ -159,7 +159,8 @@ class ProxyState(Outbox):
         self.engines = Dispatcher(self.router, session, concurrency=cfg.concurrency,
                                   retry_timeout_s=cfg.retry_timeout_s, retry_backoff_s=cfg.retry_backoff_s,
                                   retry_backoff_max_s=cfg.retry_backoff_max_s, spawn=self.spawn,
-                                  vocab_size=vocab_size(cfg.model_dir), engine_token=cfg.engine_token)
+                                  vocab_size=vocab_size(cfg.model_dir), engine_token=cfg.engine_token,
+                                  seed=cfg.seed)
         self._branch_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.calls: set[asyncio.Task] = set()
         """The handler tasks of the model calls being served (`finish_calls`)."""
