@@ -66,7 +66,8 @@ def test_fields_of_takes_the_settings_a_component_declares(ctx):
 
     assert fields_of(ctx.recipe.train, TrainerSettings) == {"lr": 0.5, "weight_decay": 0.1, "grad_clip": 2.0,
                                                              "eps_low": 0.2, "eps_high": 0.1, "dtype": "float32",
-                                                             "lease_s": 30.0, "grant_budget": 3, "device_time_s": 0.0}
+                                                             "lease_s": 30.0, "grant_budget": 3, "device_time_s": 0.0,
+                                                             "adam_eps": 1e-8}
 
 
 def test_the_trainer_and_the_recipe_check_one_rule():
