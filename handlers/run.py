@@ -523,6 +523,13 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as exc:
         print(f"gyre run: {exc}", file=sys.stderr)
         return 2
+    if recipe.cells.transfer == "mooncake":  # say it before anything starts, not in a cell's log
+        from handlers.transfer.mooncake import refusal
+
+        why = refusal(recipe.cells.transfer_cluster)
+        if why is not None:
+            print(f"gyre run: cells.transfer = mooncake: {why}", file=sys.stderr)
+            return 2
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     run = a.run_id or f"{recipe.run.name}-{stamp}-{secrets.token_hex(2)}"
     try:

@@ -202,7 +202,7 @@ async def test_no_bytes_or_truncated_bytes_moved_are_refused(peer, follower, mod
     assert peer.ask(op="sabotage", name="weights-v1-e0", how=how) == {"ok": True}
     error = await _refused(follower, ref)
     if how == "zeros":  # the bytes read were not the snapshot's: the first tensor's checksum fails
-        assert "checksum" in error and "tensor 'lm_head.weight'" in error or "tensor 'model." in error, error
+        assert "checksum" in error and ("tensor 'lm_head.weight'" in error or "tensor 'model." in error), error
     else:
         assert "tensors not received" in error and "'model." in error, error
 

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
     (["--set", "run.steps=1.5"], "run.steps"),
     (["--set", "tasks.set=nope"], "tasks.set"),
     (["--set", "nosuch.key=1"], "nosuch"),
+    (["--set", "cells.transfer=mooncake"], "cells.transfer = mooncake"),  # outside a private network namespace
 ])
 def test_run_rejects_bad_input_before_starting(tmp_path, args, needle):
     env = dict(os.environ, GYRE_RUNS_DIR=str(tmp_path / "runs"))

@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gyre bench transfer", description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
     p.add_argument("--mib", type=int, default=256, help="snapshot size in MiB (default 256)")
-    p.add_argument("--reps", type=int, default=5, help="repetitions, interleaved (default 5: this machine is noisy)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions, interleaved (default 3, as BENCHMARKS.md fixes)")
     a = p.parse_args(argv)
     from handlers.transfer.mooncake import MooncakeUnavailable, available, namespace_command, private_namespace
 

@@ -64,6 +64,20 @@ def available() -> str | None:
     return None
 
 
+def refusal(cluster: bool) -> str | None:
+    """Why this process may not start Mooncake (not importable; outside a private network
+    namespace on a machine not configured as a cluster), or None."""
+    why = available()
+    if why is not None:
+        return why
+    if not cluster and not private_namespace():
+        names = [name for _, name in socket.if_nameindex()]
+        return (f"Mooncake binds every interface and this network namespace has {names}: run it inside a private "
+                "network namespace (`unshare -n`, lo up; handlers.transfer.mooncake.namespace_command) or set the "
+                "recipe's cells.transfer_cluster = true on a cluster that exposes it on purpose")
+    return None
+
+
 def namespace_command(argv: list[str]) -> list[str]:
     """`argv` run in a fresh private network namespace whose loopback is up (needs root or
     user namespaces, and `unshare` and `ip`). Raises MooncakeUnavailable where it cannot."""
@@ -87,15 +101,9 @@ class MooncakeTransfer(LoopbackTransfer):
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, lease_s: float = 30.0,
                  slice_bytes: int = 64 << 20, timeout_s: float = 60.0, keepalive_s: float = 10.0,
                  protocol: str = "tcp", cluster: bool = False) -> None:
-        why = available()
+        why = refusal(cluster)
         if why is not None:
             raise MooncakeUnavailable(why)
-        if not cluster and not private_namespace():
-            names = [name for _, name in socket.if_nameindex()]
-            raise MooncakeUnavailable(
-                f"Mooncake binds every interface and this network namespace has {names}: run it inside a private "
-                "network namespace (`unshare -n`, lo up; handlers.transfer.mooncake.namespace_command) or set the "
-                "recipe's cells.transfer_cluster = true on a cluster that exposes it on purpose")
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, int(timeout_s))))
         # Mooncake's TCP transport moves a request in slices of MC_TCP_SLICE_SIZE (64 KiB by
         # default); one slice per read of ours (64 MiB) halves its cost here (docs/results.md,
