@@ -36,6 +36,19 @@ def runs_root() -> Path:
     return Path(os.environ.get("GYRE_RUNS_DIR", "runs")).resolve()
 
 
+def live_run(run_dir: str | None, run: str | None, ended_hint: str = "") -> tuple[dict, Path]:
+    """(nats.json, the run directory resolved) of `run_dir`, or of runs/`run` (default
+    runs/latest), whose `gyre run` is still alive. Resolved once: a new run repoints
+    runs/latest. RuntimeError saying how the run ended (and `ended_hint`) otherwise."""
+    from handlers.daemon import ended_run_message, read_nats_info, run_owner_alive
+
+    path = (Path(run_dir) if run_dir else runs_root() / (run or "latest")).resolve()
+    info = read_nats_info(path)
+    if not run_owner_alive(info):
+        raise RuntimeError(ended_run_message(path, info) + ended_hint.format(run_dir=path))
+    return info, path
+
+
 def _parse_overrides(items: list[str]) -> dict:
     out = {}
     for item in items:

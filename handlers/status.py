@@ -28,9 +28,8 @@ from pathlib import Path
 
 import schemas
 from bus import Bus, BusConfig, ConnectError
-from handlers.daemon import (ended_run_message, install_signals, read_nats_info, run_owner_alive,
-                             stop_when_run_ends)
-from handlers.run import runs_root
+from handlers.daemon import install_signals, run_owner_alive, stop_when_run_ends
+from handlers.run import live_run, runs_root
 
 RATE_WINDOW_S = 30.0
 """calls/s and tokens/s are over the last this many seconds of the run's events."""
@@ -244,10 +243,7 @@ def render(view: RunView, metrics_urls: dict[str, str] | None = None):
 def _locate(args) -> tuple[str, str | None, str, dict | None, Path | None]:
     """(url, token, run, the owning `gyre run`'s identity or None, run directory or None)."""
     if args.run_dir or not os.environ.get("GYRE_NATS_URL"):
-        run_dir = (Path(args.run_dir) if args.run_dir else runs_root() / (args.run or "latest")).resolve()
-        info = read_nats_info(run_dir)
-        if not run_owner_alive(info):
-            raise RuntimeError(ended_run_message(run_dir, info) + f"; `gyre report {run_dir}` draws it")
+        info, run_dir = live_run(args.run_dir, args.run, "; `gyre report {run_dir}` draws it")
         return info["url"], info.get("token"), info["run"], info, run_dir
     if not args.run:
         raise RuntimeError("GYRE_NATS_URL is set: name the run with --run ID")

@@ -19,9 +19,8 @@ import orjson
 
 from bus import Bus, BusConfig, ConnectError
 from bus.subjects import PREFIX, name_of, run_of
-from handlers.daemon import (ended_run_message, install_signals, read_nats_info, run_owner_alive,
-                             stop_when_run_ends)
-from handlers.run import runs_root
+from handlers.daemon import ended_run_message, install_signals, run_owner_alive, stop_when_run_ends
+from handlers.run import live_run
 
 _ARRAYS = ("prompt_ids", "completion_ids", "logprobs")
 _FIRST = ("execution", "task", "step", "call", "status", "finish_reason", "role", "reward", "cell")
@@ -64,11 +63,7 @@ def _locate(args) -> tuple[str, str | None, str | None, dict | None, Path | None
     """(url, token, run, the owning `gyre run`'s identity from nats.json or None, its run
     directory resolved or None) of the run to tap."""
     if args.run_dir or not os.environ.get("GYRE_NATS_URL"):
-        # Resolved once: a new run repoints runs/latest.
-        run_dir = (Path(args.run_dir) if args.run_dir else runs_root() / (args.run or "latest")).resolve()
-        info = read_nats_info(run_dir)
-        if not run_owner_alive(info):
-            raise RuntimeError(ended_run_message(run_dir, info))
+        info, run_dir = live_run(args.run_dir, args.run)
         return info["url"], info.get("token"), None if args.all_runs else (args.run or info["run"]), info, run_dir
     if not (args.run or args.all_runs or args.pattern.startswith(PREFIX + ".")):  # no "current" run there
         raise RuntimeError("GYRE_NATS_URL is set: name the run to tap with --run ID (or --all-runs)")
