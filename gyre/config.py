@@ -159,7 +159,7 @@ class ModelSection:
     warm_start: str = ""
     """Task family (gyre.learning.warm_start.FAMILIES) of a supervised warm start of the
     default model, '' = none (the random initialisation)."""
-    warm_start_steps: int = 90
+    warm_start_steps: int = 200
     """Steps of that warm start (32 pairs each), >= 0."""
 
     def __post_init__(self) -> None:

@@ -104,7 +104,7 @@ def _init_model(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--warm-start", default="", metavar="FAMILY",
                    help="then a short supervised warm start on a task family gyre generates (majority)")
-    p.add_argument("--warm-start-steps", type=int, default=90, help="steps of that warm start (default 90)")
+    p.add_argument("--warm-start-steps", type=int, default=200, help="steps of that warm start (default 200)")
     a = p.parse_args(argv)
     from pathlib import Path
 

@@ -24,6 +24,13 @@ from pathlib import Path
 
 import torch
 
+STEPS = 200
+"""Warm-start steps by default (the learning recipe's `model.warm_start_steps`)."""
+SMOOTHING = 0.6
+"""Label smoothing of the warm start: the loss weights the answer's log-prob 1 − SMOOTHING
+and the mean log-prob over the whole vocabulary SMOOTHING, so the policy learns which digit
+answers a row but keeps much of its probability on tokens that are no digit (module
+docstring: what that leaves GSPO to learn)."""
 FAMILIES = ("majority",)
 """Task families with a warm start: modules of `gyre.env` with `SYSTEM_PROMPT`, `examples`."""
 
@@ -44,9 +51,12 @@ def _encode(tok, system: str, problem: str, answer: str | None) -> tuple[list[in
     return prompt, target
 
 
-def _batch_logp(model, rows: list[tuple[list[int], list[int]]]) -> torch.Tensor:
-    """(B,) mean log-prob of each row's target given its prompt; the output layer runs only
-    at the target positions (on a 151,936-token vocabulary that is most of the cost)."""
+def _batch_logp(model, rows: list[tuple[list[int], list[int]]], smoothing: float = 0.0) -> torch.Tensor:
+    """(B,) mean log-prob of each row's target given its prompt; with `smoothing` ε, label
+    smoothing toward the uniform distribution at the answer's own tokens: (1 − ε) × that mean
+    + ε × the mean over the answer's tokens of the mean log-prob over the vocabulary. The
+    output layer runs only at the target positions (on a 151,936-token vocabulary that is
+    most of the cost)."""
     width = max(len(p) + len(t) for p, t in rows)
     ids = torch.zeros((len(rows), width), dtype=torch.long)
     attn = torch.zeros((len(rows), width), dtype=torch.long)
@@ -62,7 +72,14 @@ def _batch_logp(model, rows: list[tuple[list[int], list[int]]]) -> torch.Tensor:
     logp = torch.log_softmax(model.lm_head(hidden[rows_idx, cols_idx]).float(), -1)  # (N, V)
     picked = logp.gather(1, targets[:, None])[:, 0]  # (N,)
     counts = torch.tensor([len(t) for _, t in rows], dtype=picked.dtype)
-    return torch.zeros(len(rows), dtype=picked.dtype).index_add(0, rows_idx, picked) / counts
+    mean = torch.zeros(len(rows), dtype=picked.dtype).index_add(0, rows_idx, picked) / counts
+    if not smoothing:
+        return mean
+    from gyre.serving.tokenizer import IM_END
+
+    answer = targets != IM_END  # the answer's own tokens; the end of the message is not smoothed
+    uniform = torch.zeros(len(rows), dtype=picked.dtype).index_add(0, rows_idx[answer], logp.mean(-1)[answer])
+    return (1 - smoothing) * mean + smoothing * uniform / (counts - 1).clamp(min=1)
 
 
 @torch.no_grad()
@@ -80,8 +97,8 @@ def success_rate(model, tok, family: str = "majority", n: int = 200, seed: int =
     return total / n
 
 
-def warm_start(model_dir: str | Path, family: str = "majority", steps: int = 90, *, lr: float = 1e-2,
-               batch: int = 32, seed: int = 0) -> dict:
+def warm_start(model_dir: str | Path, family: str = "majority", steps: int = STEPS, *, lr: float = 1e-2,
+               batch: int = 32, smoothing: float = SMOOTHING, seed: int = 0) -> dict:
     """Train the checkpoint in `model_dir` in place (module docstring); returns the stats
     written to `warm_start.json`. Raises ValueError on an unknown family or steps < 0."""
     from gyre.serving.model import load_model, load_tokenizer, weights_readable_as_config
@@ -101,7 +118,7 @@ def warm_start(model_dir: str | Path, family: str = "majority", steps: int = 90,
         model.train()
         losses = []
         for k in range(steps):
-            loss = -_batch_logp(model, rows[k * batch: (k + 1) * batch]).mean()  # () float32
+            loss = -_batch_logp(model, rows[k * batch: (k + 1) * batch], smoothing).mean()  # () float32
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -112,7 +129,8 @@ def warm_start(model_dir: str | Path, family: str = "majority", steps: int = 90,
         weights_readable_as_config(out)
     finally:
         torch.set_num_threads(threads)
-    stats = {"family": family, "steps": steps, "lr": lr, "batch": batch, "seed": seed, "loss": losses,
+    stats = {"family": family, "steps": steps, "lr": lr, "batch": batch, "smoothing": smoothing, "seed": seed,
+             "loss": losses,
              "success": round(success, 4), "seconds": round(time.monotonic() - t0, 1)}
     (out / "warm_start.json").write_text(json.dumps(stats, indent=1) + "\n")
     return stats
