@@ -12,8 +12,9 @@ vocabulary). What it learns fastest is its output distribution (that an answer i
 then `<|im_end|>`); what depends on the prompt comes slower. When most of the prompt is
 the answer digit, the attention average at the answer position already carries it and the
 tied output layer can read it back, so the dependence on the prompt forms within a few
-dozen updates: a supervised warm start (`gyre.learning.warm_start`) of ~90 small steps
-brings the success rate into 5%–50%, and GSPO takes it from there.
+hundred updates. A label-smoothed supervised warm start (`gyre.learning.warm_start`) leaves
+the policy knowing the answer but often answering with no digit (success 5%–50%), and
+GSPO takes it from there.
 
 Pure and seeded: `records(n, seed)` (the bundled `majority.jsonl` is `records(N_TASKS, 0)`,
 `python -m gyre.env.majority` prints it), `examples(n, seed)` (warm-start pairs from a

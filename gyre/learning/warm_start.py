@@ -6,9 +6,9 @@ the prompts rendered with the checkpoint's chat template exactly as the toy harn
 call reaches the policy (system + user message, generation prompt), the targets the
 answer's ids and `<|im_end|>`. It exists so that an RL demo starts from a policy whose
 success rate is neither 0 (no group has reward variance, GSPO has nothing to push) nor
-near 1 (nothing left to learn): on `majority` with the default model, 90 steps give
-5%–50% (`success` in the returned stats, the mean probability of sampling the right
-answer, `<|im_end|>` included, on instances drawn apart from the training pairs).
+near 1 (nothing left to learn): on `majority` with the default model, `STEPS` steps with
+the answer label-smoothed by `SMOOTHING` give ~0.15 (`success` in the returned stats, the
+mean probability of sampling the right answer, `<|im_end|>` included, on instances drawn apart from the training pairs).
 
 Deterministic: the pairs come from `gyre.env.<family>.examples(steps * batch, seed)`,
 batches in order, torch's RNG untouched (nothing is sampled), one CPU thread, so the
