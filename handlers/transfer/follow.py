@@ -129,6 +129,8 @@ class EngineWeights:
         for waited in (self._task, self._loading):
             if waited is not None:
                 await asyncio.wait([waited])
+                if not waited.cancelled():
+                    waited.exception()  # retrieved: a failed load was logged by the follower, or is moot
 
     async def restore(self, latest: schemas.WeightsPublished | None, initial: tuple[str, int]) -> None:
         """Load the newest published version `latest` into a released engine (module
