@@ -47,6 +47,8 @@ CELL_ROLE = Gauge("gyre_cell_role", "1 for the role a cell holds now, 0 for the 
                   ["cell", "role"])
 SWITCH = Histogram("gyre_switch_seconds", "A cell's switch, by direction and phase (cell.switched durations)",
                    ["direction", "phase"], buckets=_LATENCY_BUCKETS)
+SWITCH_BYTES = Counter("gyre_switch_bytes", "Bytes a cell's switches freed (tensor storage of the role left) and "
+                       "pulled (weight snapshots, KV blocks), by direction (cell.switched bytes)", ["direction", "kind"])
 STEP_TIME = Histogram("gyre_step_seconds", "A step, first claimed micro-step to published weights "
                       "(step.completed duration_s)", buckets=_STEP_BUCKETS)
 STEPS = Counter("gyre_steps_completed", "Optimizer steps applied (step.completed)")
@@ -96,6 +98,9 @@ def observe(name: str, event: schemas.Event | None, seconds: float, stored: bool
         for key, value in event.durations.items():
             if isinstance(value, (int, float)):
                 SWITCH.labels(direction, key.removesuffix("_s")).observe(float(value))
+        for key, value in event.bytes.items():
+            if (key == "freed" or key.startswith("pulled_")) and isinstance(value, int) and value > 0:
+                SWITCH_BYTES.labels(direction, key).inc(value)
 
 
 def url_file(run_dir: Path, daemon: str) -> Path:

@@ -39,6 +39,12 @@ class CellSwitched(Event):
     durations: measured phase durations in seconds (e.g. `release_s`, `load_s`, `total_s`).
     engine_url: base URL of the cell's engine when its role is `rollout`, else ''.
     policy_version: version of the weights the cell holds now.
+    bytes: what the switch freed and moved, in bytes (DESIGN.md "Cells and engines"; empty in
+      events of cells that did not measure): `live_before` and `live_after`, the process's live
+      tensor storage (gyre.serving.storage) before the switch and after it; `freed`, the
+      storage the release phase freed (the state of the role left); `pulled_weights`, the
+      weight snapshot bytes pulled through the transfer layer (a satellite's step weights, a
+      returning engine's version); `pulled_kv`, the KV block bytes pulled for moved executions.
     """
 
     NAME: ClassVar[str] = "cell.switched"
@@ -49,6 +55,7 @@ class CellSwitched(Event):
     durations: dict
     engine_url: str = ""
     policy_version: int = 0
+    bytes: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

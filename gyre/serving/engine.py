@@ -20,6 +20,10 @@ Contract (DESIGN.md "Cells and engines"):
   bounded by executions and tokens); the next call with the same execution prefills
   only the ids after the longest common prefix. A weight update or `flush_cache()`
   drops every cached prefix, since it was computed with other weights.
+- `release()` frees the live weights and every prefix KV cache (a cell leaving rollout,
+  DESIGN.md "Cells and engines") and aborts the requests in flight; until the next
+  `load_weights` / `load_tensors` (which always loads, whatever the version) `generate`
+  raises EngineReleased.
 
 Never imports aiohttp or nats; `handlers/engines/embedded.py` puts it behind SGLang's
 native HTTP API.
@@ -29,7 +33,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
-import json
 import random
 import threading
 import time
@@ -42,9 +45,11 @@ import structlog
 import torch
 
 from gyre.serving.kv import KvBlocks
+from gyre.serving.model import checkpoint_files
+from gyre.serving.sampling import nucleus_mask, sample_token  # noqa: F401 - nucleus_mask: re-exported
 from gyre.serving.settings import EngineSettings
+from gyre.serving.storage import Layout, alloc_parameters, free_parameters
 from gyre.serving.tokenizer import fast_decoder, stop_hit, stop_window
-from schemas.call import GREEDY_BELOW
 
 log = structlog.get_logger(__name__)
 
@@ -70,6 +75,10 @@ class PromptTooLong(InvalidRequest):
 
 class WeightLoadError(EngineError):
     """A checkpoint could not be read or does not fit the live model (names, shapes)."""
+
+
+class EngineReleased(EngineError):
+    """The engine's weights are released (its cell left rollout); load a version first."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,47 +189,6 @@ class GenerateResult:
     queue_s: float
 
 
-def sample_token(logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
-    """Draws the next id from `logits: (V,) float32`.
-
-    Returns (id, behaviour log-prob) where the log-prob is log_softmax(logits / T)[id],
-    i.e. before top-k/top-p truncation; for T below `schemas.call.GREEDY_BELOW` (0 among
-    them) the id is argmax and the log-prob is under T = 1, as SGLang does. Truncation:
-    keep the k most likely ids, renormalise, then keep the smallest prefix (by descending
-    probability) whose mass reaches top_p (always >= 1 id).
-    """
-    if sp.temperature < GREEDY_BELOW:  # greedy, as SGLang samples T below it
-        token = int(torch.argmax(logits))
-        return token, float(torch.log_softmax(logits, dim=-1)[token])
-    logp = torch.log_softmax(logits / sp.temperature, dim=-1)  # (V,)
-    probs = logp.exp()
-    vocab = probs.shape[-1]
-    k = sp.top_k if 0 < sp.top_k < vocab else vocab
-    if k == vocab and sp.top_p >= 1.0:
-        token = int(torch.multinomial(probs, 1, generator=generator))
-    else:
-        if k < vocab:
-            top, idx = torch.topk(probs, k)  # sorted descending
-        else:
-            top, idx = torch.sort(probs, descending=True)
-        kept = top * nucleus_mask(top, sp.top_p)
-        token = int(idx[int(torch.multinomial(kept, 1, generator=generator))])
-    return token, float(logp[token])
-
-
-def nucleus_mask(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """(N,) bool: which of `sorted_probs` (descending, any positive scale) top-p keeps.
-
-    An id is kept when the renormalised mass strictly before it is < top_p (Holtzman et
-    al. 2020, nucleus sampling); the most likely id is always kept.
-    """
-    p = sorted_probs / sorted_probs.sum()
-    before = torch.cumsum(p, dim=-1) - p
-    keep = before < top_p
-    keep[0] = True
-    return keep
-
-
 class _FifoLock:
     """A lock granted in arrival order, so waiting requests take decode steps in turn."""
 
@@ -263,19 +231,6 @@ def _lcp(a: list[int], b: tuple[int, ...]) -> int:
     return i
 
 
-def _checkpoint_files(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / s for s in shards]
-    single = path / "model.safetensors"
-    if single.exists():
-        return [single]
-    raise WeightLoadError(f"no model.safetensors or model.safetensors.index.json in {path}")
-
-
 class Engine:
     """A HF causal LM served token-in, token-out; see the module docstring for the contract."""
 
@@ -297,6 +252,8 @@ class Engine:
         self._seeds = random.Random(cfg.seed)
         self._decode = None  # the checkpoint tokenizer's decode for stop strings (first use); False: none
         self._decode_lock = threading.Lock()
+        self._released: Layout | None = None  # the freed parameters' layout while released
+        self._weights = threading.Lock()  # one weight change at a time: a load or a release
         self.prefilled_tokens = 0
         """Prompt ids run through the model (cached prefix ids are not), over the engine's life."""
         self.kv_dropped = 0
@@ -312,6 +269,25 @@ class Engine:
     def version(self) -> int:
         """Alias of `weight_version`."""
         return self._version
+
+    @property
+    def released(self) -> bool:
+        """Whether the weights are freed (`release`) and not loaded again."""
+        return self._released is not None
+
+    def release(self, drain_s: float = 10.0) -> None:
+        """Free the live weights and every prefix KV cache; abort the requests in flight and
+        wait up to `drain_s` for them to leave (module docstring). Idempotent."""
+        self.abort_all()
+        with self._weights, self._step, self._state:
+            self._prefixes.clear()
+            self._epoch += 1  # KV a request in flight computed is never kept
+            if self._released is None:
+                self._released = free_parameters(self.model)
+        deadline = time.monotonic() + drain_s
+        while self.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        log.info("engine.released", version=self._version)
 
     def in_flight(self) -> dict[str, int]:
         """rid -> completion tokens generated so far, for every request being served."""
@@ -356,10 +332,8 @@ class Engine:
         path = Path(path)
         try:
             state: dict[str, torch.Tensor] = {}
-            for f in _checkpoint_files(path):
+            for f in checkpoint_files(path):
                 state.update(load_file(str(f)))
-        except WeightLoadError:
-            raise
         except Exception as e:  # unreadable file, bad header
             raise WeightLoadError(f"cannot read checkpoint {path}: {e}") from e
         self._swap(state, version, f"checkpoint {path}")
@@ -372,7 +346,36 @@ class Engine:
         self._swap(state, version, f"snapshot of version {version}")
 
     def _swap(self, state: dict[str, torch.Tensor], version: int, path: str) -> None:
-        """Check `state` against the live model, then copy it in under the step lock."""
+        """Check `state` against the live model, then copy it in under the step lock (a
+        released model gets storage again first, and loses it again when `state` does not fit)."""
+        with self._weights:
+            released = self._released
+            if released is not None:
+                with self._step:
+                    alloc_parameters(self.model, released)
+            try:
+                self._check(state, path)
+            except WeightLoadError:
+                if released is not None:
+                    with self._step:
+                        free_parameters(self.model)
+                raise
+            live = self.model.state_dict()
+            with self._step, torch.no_grad():
+                for name, tensor in state.items():
+                    live[name].copy_(tensor)
+                with self._state:
+                    previous = self._version
+                    self._version = int(version)
+                    self._epoch += 1
+                    self._prefixes.clear()
+                    self._released = None
+        log.info("engine.weights.loaded", source=path, version=int(version), previous=previous,
+                 restored=released is not None)
+
+    def _check(self, state: dict[str, torch.Tensor], path: str) -> None:
+        """WeightLoadError unless `state` names only live tensors, with their shapes, and
+        every live tensor (tied ones count as covered by their twin)."""
         live = self.model.state_dict()
         unknown = sorted(set(state) - set(live))
         if unknown:
@@ -386,15 +389,6 @@ class Engine:
         missing = sorted(n for n in set(live) - set(state) if live[n].data_ptr() not in covered)
         if missing:
             raise WeightLoadError(f"{path} lacks tensors: {missing[:5]}")
-        with self._step, torch.no_grad():
-            for name, tensor in state.items():
-                live[name].copy_(tensor)
-            with self._state:
-                previous = self._version
-                self._version = int(version)
-                self._epoch += 1
-                self._prefixes.clear()
-        log.info("engine.weights.loaded", source=path, version=int(version), previous=previous)
 
     def export_kv(self, execution: str, block_tokens: int = 64) -> KvBlocks | None:
         """The prefix KV cache kept for `execution` as blocks (gyre.serving.kv) tagged with
@@ -420,6 +414,8 @@ class Engine:
         if len(blocks.keys) != len(cache.layers):
             raise InvalidRequest(f"KV blocks of {len(blocks.keys)} layers, the model has {len(cache.layers)}")
         with self._state:
+            if self._released is not None:
+                return False
             if blocks.version != self._version:
                 self.kv_dropped += 1
                 log.info("engine.kv.dropped", execution=execution, blocks_version=blocks.version,
@@ -442,9 +438,12 @@ class Engine:
 
         Raises InvalidRequest (empty prompt, id outside [0, vocab), duplicate rid in
         flight), PromptTooLong (P > max_context_tokens) and NoTokenizer (stop strings, and
-        no tokenizer in model_dir).
+        no tokenizer in model_dir), EngineReleased (`release` freed the weights).
         """
         t0 = time.monotonic()
+        if self._released is not None:
+            raise EngineReleased("this engine's weights are released (its cell left rollout); it serves again "
+                                 "once a policy version is loaded")
         self._validate(req)
         flight = _Flight(cancel=cancel or threading.Event())
         with self._state:
@@ -554,7 +553,7 @@ class Engine:
                 with self._step:
                     if queue_s is None:
                         queue_s = time.monotonic() - t0
-                    if flight.cancel.is_set():
+                    if flight.cancel.is_set() or self._released is not None:
                         finish = "abort"
                         break
                     if not fed:

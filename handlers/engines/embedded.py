@@ -18,7 +18,11 @@ Routes (bodies are JSON; errors are `{"error": {"message", "type"}}`):
   -> `{"success", "message"}` (400 with success false when the checkpoint does not fit).
 
 `set_serving(app, False)` makes a cell leaving rollout answer 503 on /generate and
-/health; requests already in flight finish (the cell aborts them if it must).
+/health; requests already in flight finish (the cell aborts them if it must). A released
+engine (`Engine.release`) answers /generate with 503 as well.
+
+`EmbeddedHost` is the embedded engine behind this server as a cell holds it
+(gyre.serving.host.EngineHost); `engine` is the `Engine` itself.
 
 Authentication (SGLang's `--api-key` convention, so one client serves both): every route
 but `/health*` demands `Authorization: Bearer <token>`, the run's engine token, and
@@ -38,7 +42,9 @@ import orjson
 import structlog
 from aiohttp import web
 
-from gyre.serving.engine import Engine, EngineError, GenerateRequest, InvalidRequest, SamplingParams, WeightLoadError
+from gyre.serving.engine import (
+    Engine, EngineError, EngineReleased, GenerateRequest, InvalidRequest, SamplingParams, WeightLoadError,
+)
 from gyre.serving.tokenizer import parse_stop
 
 log = structlog.get_logger(__name__)
@@ -174,6 +180,8 @@ async def generate(request: web.Request) -> web.Response:
         raise
     except InvalidRequest as e:
         return _error(400, str(e), type(e).__name__)
+    except EngineReleased as e:
+        return _error(503, str(e), "unavailable")
     except EngineError as e:
         return _error(500, str(e), type(e).__name__)
     return _json(render_generate(res, return_logprob))
@@ -315,3 +323,58 @@ async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0, *,
     url = f"http://{bound_host}:{bound_port}"
     log.info("engine.server.started", url=url, model_dir=engine.cfg.model_dir)
     return app, runner, url
+
+
+class EmbeddedHost:
+    """The embedded engine and its server, as a cell holds them (gyre.serving.host.EngineHost).
+    api_key: the run's engine token the server demands."""
+
+    def __init__(self, engine: Engine, *, api_key: str) -> None:
+        self.engine = engine
+        self.api_key = api_key
+        self.url = ""
+        self._app: web.Application | None = None
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self._app, self._runner, self.url = await serve(self.engine, host=host, port=port, api_key=self.api_key)
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def set_serving(self, on: bool) -> None:
+        assert self._app is not None, "start() the host first"
+        set_serving(self._app, on)
+
+    @property
+    def serving(self) -> bool:
+        return self._app is not None and is_serving(self._app)
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    @property
+    def released(self) -> bool:
+        return self.engine.released
+
+    def release(self) -> None:
+        self.engine.release()
+
+    def load_tensors(self, tensors, version: int) -> None:
+        self.engine.load_tensors(tensors, version)
+
+    def load_weights(self, path, version: int) -> None:
+        self.engine.load_weights(path, version)
+
+    def export_kv(self, execution: str, block_tokens: int = 64):
+        return self.engine.export_kv(execution, block_tokens)
+
+    def import_kv(self, execution: str, blocks) -> bool:
+        return self.engine.import_kv(execution, blocks)
+
+    def counters(self) -> dict[str, int]:
+        return {"prefilled_tokens": self.engine.prefilled_tokens, "kv_dropped": self.engine.kv_dropped}
