@@ -20,8 +20,13 @@ Weights while serving (DESIGN.md "Weight publication"): a cell in rollout follow
 snapshot (verified against its manifest), load it between decode steps, then publish
 `weights.loaded`; a refused pull leaves the engine on the version it serves.
 
+KV blocks (DESIGN.md "Elastic scheduling"): a cell leaving rollout hands the prefix KV of the
+executions its switch moved to their new cells, and a serving cell takes the blocks offered to
+it (handlers.transfer.kv_move.KvMoves; `kv.offered`, `kv.pulled`).
+
 Consumes `cell.switch` (its own durable `<cell>-v1`, `bus.subjects.cell_consumer`) and
-replays `weights.published`; publishes `cell.switched` with measured durations.
+replays `weights.published`, `kv.offered` and `kv.pulled`; publishes `cell.switched` with
+measured durations and bytes.
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ from handlers.training.core import Core
 from handlers.training.replica import Replica
 from handlers.transfer import make_backend
 from handlers.transfer.follow import EngineWeights
+from handlers.transfer.kv_move import KvMoves
 from schemas import ids
 
 log = structlog.get_logger()
@@ -129,6 +135,11 @@ class Cell:
         self.latest_weights: schemas.WeightsPublished | None = None
         self.weights = EngineWeights(run=cfg.run, cell=cfg.cell, engine=self.engine, transfer=self.transfer,
                                      publish=bus.publish, serving=lambda: self.role == "rollout")
+        self.kv = KvMoves(run=cfg.run, cell=cfg.cell, engine=self.engine, transfer=self.transfer,
+                          publish=bus.publish, serving=lambda: self.role == "rollout")
+        self.switching: schemas.CellSwitch | None = None
+        """The switch being done (its `moved` executions' KV blocks go to their new cells)."""
+        self.switch_bytes: dict = {}
 
     async def start(self) -> None:
         """Start the core's ledger (the core cell), the engine server, and announce the role:
@@ -138,6 +149,7 @@ class Cell:
             await self.core.start()
         self.app, self.runner, self.url = await engine_server.serve(self.engine, host=self.cfg.host, port=self.cfg.port,
                                                                     api_key=self.cfg.engine_token)
+        engine_server.set_kv_hold(self.app, self.kv.hold)
         self.role = "rollout"
         started = time.perf_counter()
         if await self._last_asked() == "training":
@@ -174,12 +186,13 @@ class Cell:
         await self.runner.cleanup()
         self.transfer.close()
 
-    async def _switched(self, seq: int, from_role: str, to_role: str, durations: dict) -> None:
+    async def _switched(self, seq: int, from_role: str, to_role: str, durations: dict, nbytes: dict | None = None) -> None:
         event_seq = seq if seq >= 0 else 0
         event_id = ids.switched(self.cfg.run, self.cfg.cell, seq) if seq >= 0 else ids.announce(self.cfg.run, self.cfg.cell)
         await self.bus.publish(schemas.CellSwitched(
             event_id=event_id, cell=self.cfg.cell, seq=event_seq, from_role=from_role, to_role=to_role,
-            durations=durations, engine_url=self.url if to_role == "rollout" else "", policy_version=self.engine.version))
+            durations=durations, engine_url=self.url if to_role == "rollout" else "", policy_version=self.engine.version,
+            bytes=nbytes or {}))
 
     # --- switches -------------------------------------------------------------------
     async def handle_switch(self, event: schemas.CellSwitch) -> None:
@@ -188,6 +201,7 @@ class Cell:
         if event.to_role == self.role:
             return  # redelivered: already there
         plan = plan_switch(self.role, event.to_role, core=self.cfg.core)
+        self.switching, self.switch_bytes = event, {}
         started = time.perf_counter()
         for action in plan.release:
             await self._act(action)
@@ -199,13 +213,17 @@ class Cell:
             await self._act(action)
         self.role = plan.to_role  # only now: a switch that failed half-way is redone whole on redelivery
         durations = switch_durations(started, released, loaded, time.perf_counter())
-        await self._switched(event.seq, event.from_role, event.to_role, durations)
-        log.info("cell.switched", cell=self.cfg.cell, to_role=event.to_role, policy_version=self.engine.version, **durations)
+        await self._switched(event.seq, event.from_role, event.to_role, durations, self.switch_bytes)
+        log.info("cell.switched", cell=self.cfg.cell, to_role=event.to_role, policy_version=self.engine.version,
+                 bytes=self.switch_bytes, **durations)
 
     async def _act(self, action: SwitchAction) -> None:
         """Run one action of a switch plan (gyre.control.switch)."""
         if action == "stop_serving":
             engine_server.set_serving(self.app, False)
+        elif action == "move_kv":
+            if self.switching is not None:
+                self.switch_bytes["pulled_kv"] = await self.kv.offer(self.switching)
         elif action == "flush_cache":
             await asyncio.to_thread(self.engine.flush_cache)
         elif action == "stop_training":
@@ -268,6 +286,8 @@ async def run(cfg: Config, stop: asyncio.Event) -> None:
         try:
             await run_loops(bus.consume(cell_consumer(cfg.cell), cell.handle_switch, stop=stop),
                             bus.replay([schemas.WeightsPublished.NAME], cell.handle_weights, stop=stop),
+                            bus.replay([schemas.KvOffered.NAME, schemas.KvPulled.NAME], cell.kv.handle, stop=stop,
+                                       caught_up=cell.kv.caught_up),
                             *(cell.core.loops(stop) if cell.core is not None else ()))
         finally:
             await cell.stop()

@@ -10,13 +10,13 @@ from gyre.control.switch import SwitchAction, SwitchPlan, durations, plan_switch
 
 def test_rollout_to_training_on_the_core_cell():
     assert plan_switch("rollout", "training", core=True) == SwitchPlan(
-        "rollout", "training", release=("stop_serving", "flush_cache"), load=("load_trainer",),
+        "rollout", "training", release=("stop_serving", "move_kv", "flush_cache"), load=("load_trainer",),
         resume=("start_training",))
 
 
 def test_rollout_to_training_on_a_satellite_builds_a_trainer_and_claims():
     assert plan_switch("rollout", "training", core=False) == SwitchPlan(
-        "rollout", "training", release=("stop_serving", "flush_cache"), load=("load_trainer",),
+        "rollout", "training", release=("stop_serving", "move_kv", "flush_cache"), load=("load_trainer",),
         resume=("start_training",))
 
 

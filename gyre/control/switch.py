@@ -13,7 +13,8 @@ The engine's weights stay loaded in every role, and its HTTP server stays bound 
 answers 503 while the cell does not serve).
 
 A switch from role A to role B (`plan_switch`) runs three phases, in order:
-- release: stop what A does (rollout: stop serving, then drop the KV caches; training:
+- release: stop what A does (rollout: stop serving, hand the prefix KV of the executions the
+  scheduler moved to their new cells, then drop the KV caches; training:
   stop claiming micro-steps, then, on a satellite, free its trainer);
 - load: bring in what B needs (training: the trainer, when the cell has none yet;
   rollout: the newest published weights, when newer than the engine's);
@@ -29,7 +30,7 @@ from typing import Literal
 
 from schemas.cell import CellRole
 
-SwitchAction = Literal["stop_serving", "flush_cache", "stop_training", "release_trainer", "load_trainer",
+SwitchAction = Literal["stop_serving", "move_kv", "flush_cache", "stop_training", "release_trainer", "load_trainer",
                        "load_weights", "start_training", "start_serving"]
 """One thing a cell does during a switch; see the module docstring for each."""
 
@@ -52,7 +53,7 @@ def plan_switch(from_role: CellRole, to_role: CellRole, *, core: bool) -> Switch
         return SwitchPlan(from_role, to_role, (), (), ())
     release: tuple[SwitchAction, ...] = ()
     if from_role == "rollout":
-        release = ("stop_serving", "flush_cache")
+        release = ("stop_serving", "move_kv", "flush_cache")
     elif from_role == "training":
         release = ("stop_training",) if core else ("stop_training", "release_trainer")
     load: tuple[SwitchAction, ...] = ()
