@@ -12,7 +12,8 @@ taking requests):
 2. exports the prefix KV of every execution in `CellSwitch.moved` that goes to another
    cell (`Engine.export_kv`), exposes each as a snapshot through the transfer backend
    (`gyre.serving.kv.to_snapshot`: pinned until withdrawn) and publishes `kv.offered`,
-   each block naming its destination;
+   each block naming its destination (an offer without blocks too: it tells the new cells
+   that nothing comes);
 3. waits until every destination answered with `kv.pulled`, or `confirm_s` passed, then
    withdraws the snapshots (freed once no reader holds a lease, gyre.transfer.leases).
    It returns the bytes the destinations pulled and verified (`cell.switched`'s
@@ -25,10 +26,14 @@ engine), and publishes `kv.pulled` with the bytes pulled and the tokens kept.
 
 The moved execution's next request (`hold`, the engine server's hook for `gyre_kv_from`):
 the proxy names the old cell and the `route.updated` that moved the execution on its first
-request at the new cell (handlers.proxy.router); the request waits until that cell's offer
-for that route has arrived and the execution's block is imported, or is not in the offer
-(none kept, or it went elsewhere), or `hold_s` passed. So the import lands before the
-request's prefill, whichever of the two reaches the new cell first.
+request at the new cell (handlers.proxy.router); the request waits until the execution's
+block offered for that route is imported here, or the named cell's offer for that route
+came without it, or `hold_s` passed. So the import lands before the request's prefill,
+whichever of the two reaches the new cell first. An offer for that route from another cell
+that lacks the block also ends the wait: the proxy named a cell that did not switch (it
+served the execution elsewhere than the scheduler placed it). In a switch of several cells
+at once (one route for all) that can end a wait before the named cell offered: the request
+then recomputes its prefix, as it does when the block is dropped.
 """
 from __future__ import annotations
 
@@ -76,8 +81,8 @@ class KvMoves:
         self.block_tokens = block_tokens
         self.caught_up = asyncio.Event()
         """Set by the replay once the stored events are read: only later ones are acted on."""
-        self.offers: collections.OrderedDict[tuple[str, int], schemas.KvOffered] = collections.OrderedDict()
-        """(old cell, route seq) → its latest offer (any destination)."""
+        self.offers: collections.OrderedDict[int, dict[str, schemas.KvOffered]] = collections.OrderedDict()
+        """route seq → old cell → its latest offer for that route (any destination)."""
         self.imports: dict[tuple[str, str], asyncio.Event] = {}
         """(offer id, execution) → set once the block offered to this cell is done with."""
         self._mine: dict[str, tuple[set[str], dict[str, int], asyncio.Event]] = {}
@@ -96,9 +101,10 @@ class KvMoves:
         while self.engine.in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         blocks, names = [], []
-        for route in switch.moved:
-            if not route.cell or route.cell == self.cell:
-                continue  # paused: its KV is dropped with the cache
+        moved = [r for r in switch.moved if r.cell and r.cell != self.cell]  # paused: dropped with the cache
+        if not moved:
+            return 0
+        for route in moved:
             kv = await asyncio.to_thread(self.engine.export_kv, route.execution, self.block_tokens)
             if kv is None:
                 continue
@@ -109,14 +115,14 @@ class KvMoves:
             blocks.append(schemas.KvBlock(execution=route.execution, to_cell=route.cell, key=ref.key,
                                           digest=ref.digest, tokens=len(kv.ids),
                                           bytes=sum(a.nbytes for a in arrays.values()), policy_version=kv.version))
-        if not blocks:
-            return 0
         offer = schemas.KvOffered(event_id=ids.kv_offered(self.run, self.cell, switch.seq, tuple(names)),
                                   cell=self.cell, seq=switch.seq, route_seq=switch.route_seq, blocks=tuple(blocks))
         pulled: dict[str, int] = {}
         answered = asyncio.Event()
         self._mine[offer.event_id] = ({b.execution for b in blocks}, pulled, answered)
         started = time.perf_counter()
+        if not blocks:
+            answered.set()
         try:
             await self.publish(offer)
             await asyncio.wait_for(answered.wait(), self.confirm_s)
@@ -144,12 +150,12 @@ class KvMoves:
                 if set(pulled) >= expected:
                     answered.set()
         elif isinstance(event, schemas.KvOffered):
-            self.offers[(event.cell, event.route_seq)] = event
-            self.offers.move_to_end((event.cell, event.route_seq))
+            self.offers.setdefault(event.route_seq, {})[event.cell] = event
+            self.offers.move_to_end(event.route_seq)
             while len(self.offers) > KEPT_OFFERS:
-                _, old = self.offers.popitem(last=False)
-                for block in old.blocks:
-                    self.imports.pop((old.event_id, block.execution), None)
+                for old in self.offers.popitem(last=False)[1].values():
+                    for block in old.blocks:
+                        self.imports.pop((old.event_id, block.execution), None)
             mine = [b for b in event.blocks if b.to_cell == self.cell]
             for block in mine:
                 self.imports[(event.event_id, block.execution)] = asyncio.Event()
@@ -200,15 +206,17 @@ class KvMoves:
         deadline = started + self.hold_s
         outcome = "timeout"
         while time.monotonic() < deadline:
-            offer = self.offers.get((cell, route))
-            if offer is not None:
-                done = self.imports.get((offer.event_id, execution))
-                outcome = "imported" if done is not None else "none"
-                if done is not None:
-                    try:
-                        await asyncio.wait_for(done.wait(), deadline - time.monotonic())
-                    except asyncio.TimeoutError:
-                        outcome = "timeout"
+            offers = self.offers.get(route, {})
+            done = next((d for o in offers.values() if (d := self.imports.get((o.event_id, execution)))), None)
+            if done is not None:
+                try:
+                    await asyncio.wait_for(done.wait(), deadline - time.monotonic())
+                    outcome = "imported"
+                except asyncio.TimeoutError:
+                    pass
+                break
+            if offers:  # the named cell's offer, or another's: nothing comes (module docstring)
+                outcome = "none"
                 break
             changed = self._changed
             try:
