@@ -186,7 +186,8 @@ class Cell:
         await self.runner.cleanup()
         self.transfer.close()
 
-    async def _switched(self, seq: int, from_role: str, to_role: str, durations: dict, nbytes: dict | None = None) -> None:
+    async def _switched(self, seq: int, from_role: str, to_role: str, durations: dict,
+                        nbytes: dict | None = None) -> None:
         event_seq = seq if seq >= 0 else 0
         event_id = ids.switched(self.cfg.run, self.cfg.cell, seq) if seq >= 0 else ids.announce(self.cfg.run, self.cfg.cell)
         await self.bus.publish(schemas.CellSwitched(

@@ -35,7 +35,7 @@ async def until(predicate, what: str, timeout_s: float = 10.0) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-async def test_a_moved_execution_call_in_flight_is_cut_at_its_cell_and_answered_at_the_new_one(stack, bus, run_id):
+async def test_a_moved_call_in_flight_is_cut_at_its_cell_and_answered_at_the_new_one(stack, bus, run_id):  # noqa: F811
     source = await stack.engine(["from the old cell"], delay_s=30.0)
     dest = await stack.engine(["from the new cell"])
     await stack.proxy()
