@@ -186,6 +186,9 @@ class KvMoves:
                     error = "not pulled: this cell does not serve"
             except (TransferError, KvFormatError, InvalidRequest) as exc:
                 error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - blocks that do not fit the model: still answer the old cell
+                log.exception("cell.kv.import_failed", cell=self.cell, execution=block.execution)
+                error, tokens = f"{type(exc).__name__}: {exc}", 0
             finally:
                 done = self.imports.get((offer.event_id, block.execution))
                 if done is not None:
