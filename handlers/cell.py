@@ -24,10 +24,18 @@ The engine is held through the engine-host interface (gyre.serving.host.EngineHo
 made by handlers.engines.hosts from the recipe's `engine.kind`). A switch frees the state of
 the role left (the engine's weights and KV caches; a satellite's trainer; the core's trainer,
 offloaded to disk) and reports on `cell.switched` the process's live tensor storage before and
-after it, the storage its release freed and the snapshot bytes it pulled (`bytes`).
+after it, the storage its release freed, the snapshot bytes it pulled and the KV bytes its
+moved executions' new cells pulled (`bytes`).
+
+KV blocks (DESIGN.md "Elastic scheduling"): a cell leaving rollout hands the prefix KV of the
+executions its switch moved to their new cells before it releases its engine, and a serving
+cell takes the blocks offered to it (handlers.transfer.kv_move.KvMoves; `kv.offered`,
+`kv.pulled`), holding a moved execution's first request until they are imported (the host's
+`set_kv_hold`).
 
 Consumes `cell.switch` (its own durable `<cell>-v1`, `bus.subjects.cell_consumer`) and
-replays `weights.published`; publishes `cell.switched` with measured durations.
+replays `weights.published`, `kv.offered` and `kv.pulled`; publishes `cell.switched` with
+measured durations and bytes.
 """
 from __future__ import annotations
 
@@ -54,6 +62,7 @@ from handlers.training.core import Core
 from handlers.training.replica import Replica
 from handlers.transfer import make_backend
 from handlers.transfer.follow import EngineWeights
+from handlers.transfer.kv_move import KvMoves
 from schemas import ids
 
 log = structlog.get_logger()
@@ -137,13 +146,20 @@ class Cell:
         """A satellite's own trainer while it trains (the core's lives in `core`)."""
         self.replica: Replica | None = None
         self.url = ""
-        self._pulled = 0  # snapshot bytes pulled during the switch under way
+        self._pulled = {"pulled_weights": 0, "pulled_kv": 0}  # bytes pulled during the switch under way
         self.training_stop: asyncio.Event | None = None
         self.training_task: asyncio.Task | None = None
         self.latest_weights: schemas.WeightsPublished | None = None
         self.weights = EngineWeights(run=cfg.run, cell=cfg.cell, engine=self.engine, transfer=self.transfer,
-                                     publish=bus.publish,
-                                     serving=lambda: self.engine.serving and not self.engine.released)
+                                     publish=bus.publish, serving=self._serves)
+        self.kv = KvMoves(run=cfg.run, cell=cfg.cell, engine=self.engine, transfer=self.transfer,
+                          publish=bus.publish, serving=self._serves)
+        self.switching: schemas.CellSwitch | None = None
+        """The switch being done (its `moved` executions' KV blocks go to their new cells)."""
+
+    def _serves(self) -> bool:
+        """Whether the engine serves now: it takes new weights and KV blocks only then."""
+        return self.engine.serving and not self.engine.released
 
     async def start(self) -> None:
         """Start the core's ledger (the core cell), the engine server, and announce the role:
@@ -152,6 +168,7 @@ class Cell:
         if self.core is not None:
             await self.core.start()
         self.url = await self.engine.start(self.cfg.host, self.cfg.port)
+        self.engine.set_kv_hold(self.kv.hold)
         self.role = "rollout"
         started = time.perf_counter()
         if await self._last_asked() == "training":
@@ -207,7 +224,7 @@ class Cell:
             return  # redelivered: already there
         plan = plan_switch(self.role, event.to_role, core=self.cfg.core)
         live_before = await asyncio.to_thread(live_tensor_bytes)
-        self._pulled = 0
+        self.switching, self._pulled = event, {"pulled_weights": 0, "pulled_kv": 0}
         started = time.perf_counter()
         for action in plan.release:
             await self._act(action)
@@ -220,9 +237,10 @@ class Cell:
         for action in plan.resume:
             await self._act(action)
         self.role = plan.to_role  # only now: a switch that failed half-way is redone whole on redelivery
+        self.switching = None
         durations = switch_durations(started + measuring, released + measuring, loaded, time.perf_counter())
         measured = {"live_before": live_before, "freed": live_before - live_released,
-                    "live_after": await asyncio.to_thread(live_tensor_bytes), "pulled_weights": self._pulled}
+                    "live_after": await asyncio.to_thread(live_tensor_bytes), **self._pulled}
         await self._switched(event.seq, event.from_role, event.to_role, durations, measured)
         log.info("cell.switched", cell=self.cfg.cell, to_role=event.to_role, policy_version=self.engine.version,
                  **durations, **measured)
@@ -231,6 +249,9 @@ class Cell:
         """Run one action of a switch plan (gyre.control.switch)."""
         if action == "stop_serving":
             self.engine.set_serving(False)
+        elif action == "move_kv":  # before the release, which frees the KV it hands over
+            if self.switching is not None:  # a restarted cell going back to training moves none
+                self._pulled["pulled_kv"] += await self.kv.offer(self.switching)
         elif action == "release_engine":
             await self.weights.halt()  # no load lands in the engine after its release
             await asyncio.to_thread(self.engine.release)
@@ -246,11 +267,11 @@ class Cell:
             if self.trainer is None:
                 self.trainer = await asyncio.to_thread(Trainer, str(self.cfg.model_dir), self.cfg.trainer)
             self._new_replica(self.trainer)
-            self._pulled += await self.replica.join()
+            self._pulled["pulled_weights"] += await self.replica.join()
         elif action == "restore_engine":
             before = self.weights.pulled_bytes
             await self.weights.restore(self.latest_weights, (str(self.cfg.model_dir), self.cfg.engine.initial_version))
-            self._pulled += self.weights.pulled_bytes - before
+            self._pulled["pulled_weights"] += self.weights.pulled_bytes - before
         elif action == "start_training":
             self._start_training()
         elif action == "start_serving":
@@ -308,6 +329,8 @@ async def run(cfg: Config, stop: asyncio.Event) -> None:
         try:
             await run_loops(bus.consume(cell_consumer(cfg.cell), cell.handle_switch, stop=stop),
                             bus.replay([schemas.WeightsPublished.NAME], cell.handle_weights, stop=stop),
+                            bus.replay([schemas.KvOffered.NAME, schemas.KvPulled.NAME], cell.kv.handle, stop=stop,
+                                       caught_up=cell.kv.caught_up),
                             *(cell.core.loops(stop) if cell.core is not None else ()))
         finally:
             await cell.stop()

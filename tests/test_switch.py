@@ -10,13 +10,13 @@ from gyre.control.switch import SwitchAction, SwitchPlan, durations, plan_switch
 
 def test_rollout_to_training_on_the_core_cell_frees_the_engine_and_restores_the_trainer():
     assert plan_switch("rollout", "training", core=True) == SwitchPlan(
-        "rollout", "training", release=("stop_serving", "release_engine"), load=("restore_trainer",),
+        "rollout", "training", release=("stop_serving", "move_kv", "release_engine"), load=("restore_trainer",),
         resume=("start_training",))
 
 
 def test_rollout_to_training_on_a_satellite_frees_the_engine_builds_a_trainer_and_claims():
     assert plan_switch("rollout", "training", core=False) == SwitchPlan(
-        "rollout", "training", release=("stop_serving", "release_engine"), load=("load_trainer",),
+        "rollout", "training", release=("stop_serving", "move_kv", "release_engine"), load=("load_trainer",),
         resume=("start_training",))
 
 

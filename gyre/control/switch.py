@@ -13,9 +13,11 @@ A cell is one long-lived process; a switch changes what it holds, never the proc
 
 A switch from role A to role B (`plan_switch`) runs three phases, in order:
 - release: stop what A does and free what A holds. Leaving rollout: `stop_serving` (new
-  requests get 503), then `release_engine` (calls in flight are aborted, the weights and
-  every KV cache freed). Leaving training: `stop_training` (a satellite returns its
-  contribution), then `offload_trainer` (the core: state to disk, trainer freed) or
+  requests get 503), then `move_kv` (the prefix KV of the executions the scheduler moved is
+  handed to their new cells: offered, pulled, freed once confirmed; before the release,
+  which frees every KV cache), then `release_engine` (calls in flight are aborted, the
+  weights and every KV cache freed). Leaving training: `stop_training` (a satellite returns
+  its contribution), then `offload_trainer` (the core: state to disk, trainer freed) or
   `release_trainer` (a satellite: its trainer freed);
 - load: bring in what B needs. Training: `restore_trainer` (the core: from disk, optimizer
   state included) or `load_trainer` (a satellite: a trainer, and the weights of the step in
@@ -23,7 +25,8 @@ A switch from role A to role B (`plan_switch`) runs three phases, in order:
   version, loaded into the released engine whatever its version, before any request);
 - resume: start B's work (`start_training`: take micro-steps; `start_serving`: serve).
 The cell reports the measured `durations` of a switch in `cell.switched`, and its `bytes`:
-the tensor storage freed by the release and the snapshot bytes pulled.
+the tensor storage freed by the release, the snapshot bytes pulled and the KV bytes the
+destinations pulled.
 
 Pure: no torch, no asyncio; the cell (handlers/cell.py) executes the plan's actions.
 """
@@ -34,8 +37,9 @@ from typing import Literal
 
 from schemas.cell import CellRole
 
-SwitchAction = Literal["stop_serving", "release_engine", "stop_training", "offload_trainer", "release_trainer",
-                       "restore_trainer", "load_trainer", "restore_engine", "start_training", "start_serving"]
+SwitchAction = Literal["stop_serving", "move_kv", "release_engine", "stop_training", "offload_trainer",
+                       "release_trainer", "restore_trainer", "load_trainer", "restore_engine", "start_training",
+                       "start_serving"]
 """One thing a cell does during a switch; see the module docstring for each."""
 
 
@@ -57,7 +61,7 @@ def plan_switch(from_role: CellRole, to_role: CellRole, *, core: bool) -> Switch
         return SwitchPlan(from_role, to_role, (), (), ())
     release: tuple[SwitchAction, ...] = ()
     if from_role == "rollout":
-        release = ("stop_serving", "release_engine")
+        release = ("stop_serving", "move_kv", "release_engine")
     elif from_role == "training":
         release = ("stop_training", "offload_trainer" if core else "release_trainer")
     load: tuple[SwitchAction, ...] = ()

@@ -20,10 +20,11 @@ Contract (DESIGN.md "Cells and engines"):
   bounded by executions and tokens); the next call with the same execution prefills
   only the ids after the longest common prefix. A weight update or `flush_cache()`
   drops every cached prefix, since it was computed with other weights.
-- `release()` frees the live weights and every prefix KV cache (a cell leaving rollout,
-  DESIGN.md "Cells and engines") and aborts the requests in flight; until the next
-  `load_weights` / `load_tensors` (which always loads, whatever the version) `generate`
-  raises EngineReleased.
+- `drain()` aborts the requests in flight and waits for them to end (their prefix KV kept,
+  so a cell leaving rollout can hand it over); `release()` drains, then frees the live
+  weights and every prefix KV cache (a cell leaving rollout, DESIGN.md "Cells and
+  engines"); until the next `load_weights` / `load_tensors` (which always loads, whatever
+  the version) `generate` raises EngineReleased.
 
 Never imports aiohttp or nats; `handlers/engines/embedded.py` puts it behind SGLang's
 native HTTP API.
@@ -174,6 +175,8 @@ class GenerateResult:
     weight_version: the engine's policy version when the call finished.
     cached_tokens: prompt ids served from the execution's prefix KV cache (not prefilled).
     e2e_latency_s / queue_s: seconds from entry to result / waiting for the first forward.
+    prefilled_tokens: prompt ids this call ran through the model (fewer than prompt_tokens −
+      cached_tokens when it was aborted during its prefill).
     """
 
     rid: str
@@ -187,6 +190,7 @@ class GenerateResult:
     weight_version: int
     e2e_latency_s: float
     queue_s: float
+    prefilled_tokens: int = 0
 
 
 class _FifoLock:
@@ -258,6 +262,8 @@ class Engine:
         """Prompt ids run through the model (cached prefix ids are not), over the engine's life."""
         self.kv_dropped = 0
         """Imported KV blocks dropped because another policy version computed them."""
+        self.kv_imported_tokens = 0
+        """Positions of imported KV blocks kept (`import_kv`), over the engine's life."""
         log.info("engine.loaded", model_dir=cfg.model_dir, vocab=self.vocab_size, version=self._version)
 
     @property
@@ -276,18 +282,32 @@ class Engine:
         return self._released is not None
 
     def release(self, drain_s: float = 10.0) -> None:
-        """Free the live weights and every prefix KV cache; abort the requests in flight and
-        wait up to `drain_s` for them to leave (module docstring). Idempotent."""
-        self.abort_all()
+        """Abort the requests in flight and wait up to `drain_s` for them to leave (`drain`),
+        then free the live weights and every prefix KV cache (module docstring). Idempotent."""
+        self.drain(drain_s)
         with self._weights, self._step, self._state:
             self._prefixes.clear()
-            self._epoch += 1  # KV a request in flight computed is never kept
+            self._epoch += 1  # KV a request still in flight computed is never kept
             if self._released is None:
                 self._released = free_parameters(self.model)
-        deadline = time.monotonic() + drain_s
+        log.info("engine.released", version=self._version)
+
+    def drain(self, timeout_s: float = 10.0) -> bool:
+        """Abort every request in flight and wait up to `timeout_s` for them to end; each
+        keeps its execution's prefix KV as a finished call does. Returns whether none is left."""
+        self.abort_all()
+        deadline = time.monotonic() + timeout_s
         while self.in_flight() and time.monotonic() < deadline:
             time.sleep(0.01)
-        log.info("engine.released", version=self._version)
+        return not self.in_flight()
+
+    def counters(self) -> dict[str, int]:
+        """The engine's counters over its life: `prefill_tokens` (prompt ids run through the
+        model), `kv_imported_tokens` (positions of imported KV blocks kept), `kv_dropped`
+        (imported blocks dropped: another policy version computed them)."""
+        with self._state:
+            return {"prefill_tokens": self.prefilled_tokens, "kv_imported_tokens": self.kv_imported_tokens,
+                    "kv_dropped": self.kv_dropped}
 
     def in_flight(self) -> dict[str, int]:
         """rid -> completion tokens generated so far, for every request being served."""
@@ -405,9 +425,10 @@ class Engine:
 
     def import_kv(self, execution: str, blocks: KvBlocks) -> bool:
         """Keep `blocks` as `execution`'s prefix KV cache, so its next call prefills only the
-        ids after them. Blocks computed by another policy version than the one served are
-        dropped and counted (`kv_dropped`): the prefix is then recomputed. Returns whether
-        they were kept. Raises InvalidRequest when they do not fit the model."""
+        ids after them (counted in `kv_imported_tokens`). Blocks computed by another policy
+        version than the one served are dropped and counted (`kv_dropped`): the prefix is then
+        recomputed. Returns whether they were kept. Raises InvalidRequest when they do not fit
+        the model."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
@@ -429,7 +450,10 @@ class Engine:
                 self.kv_dropped += 1
                 return False
             epoch = self._epoch
-        self._put_prefix(execution, list(blocks.ids), cache, epoch)
+        if not self._put_prefix(execution, list(blocks.ids), cache, epoch):
+            return False
+        with self._state:
+            self.kv_imported_tokens += len(blocks.ids)
         return True
 
     def generate(self, req: GenerateRequest, cancel: threading.Event | None = None) -> GenerateResult:
@@ -483,18 +507,21 @@ class Engine:
             entry.cache.crop(-(len(entry.ids) - reuse))  # negative = drop that many from the end
         return entry.cache, reuse, epoch
 
-    def _put_prefix(self, execution: str, ids: list[int], cache: object, epoch: int) -> None:
+    def _put_prefix(self, execution: str, ids: list[int], cache: object, epoch: int) -> bool:
+        """Keep `cache` as the execution's prefix; False when it is not kept (no room, or
+        computed under other weights)."""
         if self.cfg.kv_cache_executions == 0 or len(ids) > self.cfg.kv_cache_tokens:
-            return
+            return False
         with self._state:
             if epoch != self._epoch:  # weights changed during the call: the KV is mixed
-                return
+                return False
             self._prefixes.pop(execution, None)
             self._prefixes[execution] = _Prefix(ids=ids, cache=cache, epoch=epoch)
             total = sum(len(p.ids) for p in self._prefixes.values())
             while len(self._prefixes) > self.cfg.kv_cache_executions or total > self.cfg.kv_cache_tokens:
                 _, evicted = self._prefixes.popitem(last=False)
                 total -= len(evicted.ids)
+        return True
 
     def _forward(self, ids: list[int], cache: object) -> torch.Tensor:
         """Runs `ids` through the model appending to `cache`; returns last logits (V,) float32."""
@@ -545,6 +572,7 @@ class Engine:
         fed = list(req.input_ids[:cached])  # ids whose KV `cache` holds
         pending = list(req.input_ids[cached:])  # ids of the next forward
         mixed = False  # True once the KV spans a weight update: then it is never kept
+        prefilled = 0
         with torch.inference_mode():
             while len(out) < budget:
                 # long prompts go in chunks, each its own turn of the step lock, so other
@@ -566,6 +594,7 @@ class Engine:
                     version = self._version
                     if len(fed) < len(req.input_ids):
                         self.prefilled_tokens += len(chunk)
+                        prefilled += len(chunk)
                 fed.extend(chunk)
                 pending = pending[len(chunk) :]
                 if pending:
@@ -601,6 +630,7 @@ class Engine:
             weight_version=self._version,
             e2e_latency_s=time.monotonic() - t0,
             queue_s=queue_s or 0.0,
+            prefilled_tokens=prefilled,
         )
         bound.info(
             "engine.call.finished",

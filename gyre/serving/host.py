@@ -12,6 +12,9 @@ Contract:
 - `set_serving(on)`: whether `/generate` and `/health` answer (off: 503, so the proxy waits
   or reroutes); `serving` reads it.
 - `version`: the policy version of the weights served (the last loaded while released).
+- `drain(timeout_s)`: abort the calls in flight and wait up to `timeout_s` for them to end,
+  each execution's prefix KV kept (a cell leaving rollout, before it hands that KV over);
+  returns whether none is left.
 - `release()` frees the engine's state, its weights and every prefix KV cache (DESIGN.md
   "Cells and engines": a cell leaving rollout), aborting the calls in flight; `released`
   says so; until a load, no call is served.
@@ -21,14 +24,21 @@ Contract:
   `gyre.serving.engine.WeightLoadError` when the weights do not fit, leaving the engine as it was.
 - `export_kv(execution)` / `import_kv(execution, blocks)`: an execution's prefix KV cache as
   `gyre.serving.kv.KvBlocks` (None / False for an engine that keeps none).
-- `counters()`: monotonic counts a test or a metric reads (`prefilled_tokens`: prompt ids
-  run through the model; `kv_dropped`: imported KV blocks of another version dropped).
-The blocking methods (`release`, the loads, the KV ones) are thread-safe; callers run them in
-worker threads.
+- `set_kv_hold(hold)`: after `start`, `await hold(execution, cell, route)` runs before a
+  request that names where its execution's KV blocks come from (`gyre_kv_from`, the proxy's
+  hint for a moved execution) and returns once they are imported or will not come (the
+  cell's handlers.transfer.kv_move.KvMoves.hold). An engine that keeps no KV ignores the
+  hook and the hint.
+- `counters()`: monotonic counts over the engine's life, which a test or a metric reads
+  (also on the server's `GET /get_model_info`): `prefill_tokens` (prompt ids run through the
+  model; a cached or imported prefix is not), `kv_imported_tokens` (positions of imported KV
+  blocks kept), `kv_dropped` (imported blocks of another policy version dropped).
+The blocking methods (`drain`, `release`, the loads, the KV ones) are thread-safe; callers run
+them in worker threads.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -54,6 +64,8 @@ class EngineHost(Protocol):
     @property
     def released(self) -> bool: ...
 
+    def drain(self, timeout_s: float = 10.0) -> bool: ...
+
     def release(self) -> None: ...
 
     def load_tensors(self, tensors: Mapping[str, object], version: int) -> None: ...
@@ -63,5 +75,7 @@ class EngineHost(Protocol):
     def export_kv(self, execution: str, block_tokens: int = 64) -> KvBlocks | None: ...
 
     def import_kv(self, execution: str, blocks: KvBlocks) -> bool: ...
+
+    def set_kv_hold(self, hold: Callable[[str, str, int], Awaitable[None]]) -> None: ...
 
     def counters(self) -> dict[str, int]: ...

@@ -3,7 +3,7 @@
 Routes (bodies are JSON; errors are `{"error": {"message", "type"}}`):
 - `POST /generate` `{"input_ids": [int], "sampling_params": {"temperature", "top_p",
   "top_k", "max_new_tokens", "stop_token_ids", "stop", "seed", "ignore_eos"}, "return_logprob",
-  "rid", "stream": false, "gyre_execution"}` -> `{"text": "", "output_ids", "meta_info":
+  "rid", "stream": false, "gyre_execution", "gyre_kv_from": {"cell", "route"}}` -> `{"text": "", "output_ids", "meta_info":
   {"id", "finish_reason": {"type": "stop", "matched": id or stop string} | {"type": "length", "length":
   n} | {"type": "abort"}, "prompt_tokens", "completion_tokens", "cached_tokens",
   "output_token_logprobs": [[logprob, id, null], ...] (when return_logprob),
@@ -11,8 +11,13 @@ Routes (bodies are JSON; errors are `{"error": {"message", "type"}}`):
   "e2e_latency": seconds, "queue_time": seconds}}`. 400 on a malformed request, 500 when
   the engine cannot serve it (stop strings and no tokenizer in its checkpoint), 503 while
   not serving. Generation runs in a thread pool; when the client goes away the request is
-  aborted in the engine.
-- `GET /health` 200 while serving, 503 otherwise. `GET /get_model_info`,
+  aborted in the engine. `gyre_kv_from` (the proxy's, for the first request of an execution
+  the scheduler moved here from `cell` by route.updated `route`): the request waits, before
+  it reaches the engine, until the hook `set_kv_hold` installed says the execution's KV
+  blocks from that cell are imported or will not come (a bound of its own); without a hook
+  it is ignored.
+- `GET /health` 200 while serving, 503 otherwise. `GET /get_model_info` (with the engine's
+  `counters`: `prefill_tokens`, `kv_imported_tokens`, `kv_dropped`, `Engine.counters`),
   `GET /get_weight_version`, `POST /abort_request {"rid", "abort_all"}`,
   `POST /flush_cache`, `POST /update_weights_from_disk {"model_path", "weight_version"}`
   -> `{"success", "message"}` (400 with success false when the checkpoint does not fit).
@@ -46,6 +51,7 @@ from gyre.serving.engine import (
     Engine, EngineError, EngineReleased, GenerateRequest, InvalidRequest, SamplingParams, WeightLoadError,
 )
 from gyre.serving.tokenizer import parse_stop
+from handlers.metrics import ENGINE_PREFILL
 
 log = structlog.get_logger(__name__)
 
@@ -53,6 +59,7 @@ ENGINE = web.AppKey("engine", Engine)
 SERVING = web.AppKey("serving", dict)
 POOL = web.AppKey("pool", concurrent.futures.ThreadPoolExecutor)
 API_KEY = web.AppKey("api_key", bytes)
+KV_HOLD = web.AppKey("kv_hold", dict)
 OPEN_PREFIX = "/health"
 """Routes answered without the token (liveness probes), as SGLang exempts them."""
 
@@ -75,6 +82,23 @@ def set_serving(app: web.Application, serving: bool) -> None:
 
 def is_serving(app: web.Application) -> bool:
     return app[SERVING]["on"]
+
+
+def set_kv_hold(app: web.Application, hold) -> None:
+    """`await hold(execution, cell, route)` runs before a request that names the cell its
+    execution's KV blocks come from (`gyre_kv_from`); it returns once they are imported or
+    will not come."""
+    app[KV_HOLD]["fn"] = hold
+
+
+def parse_kv_from(body: dict) -> tuple[str, int] | None:
+    """(cell, route seq) of a request's `gyre_kv_from`, None when absent. Raises InvalidRequest."""
+    kv = body.get("gyre_kv_from")
+    if kv is None:
+        return None
+    if not (isinstance(kv, dict) and isinstance(kv.get("cell"), str) and type(kv.get("route")) is int):
+        raise InvalidRequest("gyre_kv_from must be {\"cell\": string, \"route\": integer}")
+    return kv["cell"], kv["route"]
 
 
 async def _body(request: web.Request) -> dict:
@@ -159,9 +183,16 @@ async def generate(request: web.Request) -> web.Response:
     if not is_serving(app):
         return _error(503, "engine is not serving (cell is not in rollout)", "unavailable")
     try:
-        req, return_logprob = parse_generate(await _body(request))
+        body = await _body(request)
+        req, return_logprob = parse_generate(body)
+        kv_from = parse_kv_from(body)
     except InvalidRequest as e:
         return _error(400, str(e), "invalid_request")
+    hold = app[KV_HOLD].get("fn")
+    if kv_from is not None and hold is not None and req.execution is not None:
+        await hold(req.execution, *kv_from)
+        if not is_serving(app):
+            return _error(503, "engine is not serving (cell is not in rollout)", "unavailable")
     engine = app[ENGINE]
     cancel = threading.Event()
     fut = asyncio.get_running_loop().run_in_executor(app[POOL], engine.generate, req, cancel)
@@ -184,6 +215,7 @@ async def generate(request: web.Request) -> web.Response:
         return _error(503, str(e), "unavailable")
     except EngineError as e:
         return _error(500, str(e), type(e).__name__)
+    ENGINE_PREFILL.inc(res.prefilled_tokens)
     return _json(render_generate(res, return_logprob))
 
 
@@ -207,6 +239,7 @@ async def model_info(request: web.Request) -> web.Response:
         "stop_token_ids": list(cfg.stop_ids),
         "serving": is_serving(request.app),
         "in_flight": len(engine.in_flight()),
+        "counters": engine.counters(),
     })
 
 
@@ -292,6 +325,7 @@ def make_app(engine: Engine, *, api_key: str, max_workers: int = 256) -> web.App
     app[API_KEY] = api_key.encode("utf-8")
     app[ENGINE] = engine
     app[SERVING] = {"on": True}
+    app[KV_HOLD] = {}
     app[POOL] = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="engine")
 
     async def _shutdown(app: web.Application) -> None:
@@ -361,6 +395,9 @@ class EmbeddedHost:
     def released(self) -> bool:
         return self.engine.released
 
+    def drain(self, timeout_s: float = 10.0) -> bool:
+        return self.engine.drain(timeout_s)
+
     def release(self) -> None:
         self.engine.release()
 
@@ -376,5 +413,9 @@ class EmbeddedHost:
     def import_kv(self, execution: str, blocks) -> bool:
         return self.engine.import_kv(execution, blocks)
 
+    def set_kv_hold(self, hold) -> None:
+        assert self._app is not None, "start() the host first"
+        set_kv_hold(self._app, hold)
+
     def counters(self) -> dict[str, int]:
-        return {"prefilled_tokens": self.engine.prefilled_tokens, "kv_dropped": self.engine.kv_dropped}
+        return self.engine.counters()

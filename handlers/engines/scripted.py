@@ -49,8 +49,11 @@ conditions), which makes the file a playbook (`ScriptedEngine.from_script`).
 Behind a cell (recipe `engine.kind = "scripted"`, `engine.script = <that file>`) it is the
 cell's engine host (gyre.serving.host.EngineHost): `set_serving(False)` and `release()`
 make `/generate` and `/health` answer 503 until it serves again; a load (`load_tensors`,
-`load_weights`) sets the policy version it reports; it keeps no KV (`export_kv` is None,
-`import_kv` False); `counters()` counts the prompt ids it answered (`prefilled_tokens`).
+`load_weights`) sets the policy version it reports; `drain()` aborts the generations in
+flight; it keeps no KV (`export_kv` is None, `import_kv` False, and a moved execution's
+`gyre_kv_from` hint is ignored: no request waits for blocks); `counters()` counts the prompt
+ids it answered (`prefill_tokens`; `kv_imported_tokens` and `kv_dropped` stay 0), also on
+`GET /get_model_info`.
 """
 from __future__ import annotations
 
@@ -112,7 +115,7 @@ class ScriptedEngine:
         self.url = ""
         self._serving = True
         self._released = False
-        self.prefilled_tokens = 0
+        self.prefill_tokens = 0
 
     @classmethod
     def from_script(cls, path: str | Path, tokenizer: Any, **kw) -> "ScriptedEngine":
@@ -143,9 +146,16 @@ class ScriptedEngine:
     def released(self) -> bool:
         return self._released
 
+    def drain(self, timeout_s: float = 10.0) -> bool:
+        self.aborted.update(self._in_flight)
+        deadline = time.monotonic() + timeout_s
+        while self._in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._in_flight
+
     def release(self) -> None:
         self._released = True
-        self.aborted.update(self._in_flight)
+        self.drain(0.0)
 
     def load_tensors(self, tensors, version: int) -> None:
         self.policy_version, self._released = int(version), False
@@ -159,8 +169,11 @@ class ScriptedEngine:
     def import_kv(self, execution: str, blocks) -> bool:
         return False
 
+    def set_kv_hold(self, hold) -> None:
+        """Ignored: no KV is imported here, so no request waits for it."""
+
     def counters(self) -> dict[str, int]:
-        return {"prefilled_tokens": self.prefilled_tokens, "kv_dropped": 0}
+        return {"prefill_tokens": self.prefill_tokens, "kv_imported_tokens": 0, "kv_dropped": 0}
 
     def _unavailable(self) -> web.Response | None:
         if self._serving and not self._released:
@@ -220,7 +233,7 @@ class ScriptedEngine:
         if not isinstance(body, dict) or not isinstance(body.get("input_ids"), list) or not body["input_ids"]:
             return web.json_response({"error": {"message": "input_ids must be a non-empty list"}}, status=400)
         self.requests.append(body)
-        self.prefilled_tokens += len(body["input_ids"])
+        self.prefill_tokens += len(body["input_ids"])
         rid = str(body.get("rid") or f"scripted-{len(self.requests)}")
         if self._fail:
             status = self._fail.pop(0)
@@ -305,7 +318,8 @@ class ScriptedEngine:
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": "scripted", "is_generation": True,
-                                  "weight_version": str(self.policy_version)})
+                                  "weight_version": str(self.policy_version), "serving": self._serving,
+                                  "in_flight": len(self._in_flight), "counters": self.counters()})
 
     async def weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": str(self.policy_version)})
