@@ -134,6 +134,9 @@ async def test_moved_executions_next_calls_prefill_only_new_tokens_with_the_twin
             assert r2.choices[0].finish_reason in ("length", "stop")
             after_e2 = await counters(http, url["cell0"])
             await cells.until(lambda: cells.roles.get("cell1") == "training", "cell1 to train")
+            async with http.post(url["cell1"] + "/generate", json={"input_ids": [1, 2, 3]},
+                                 headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                cell1_after = r.status
 
             r1 = await clients["e1"].chat.completions.create(model="m", messages=second["e1"], temperature=0,
                                                              max_tokens=8)
@@ -167,8 +170,11 @@ async def test_moved_executions_next_calls_prefill_only_new_tokens_with_the_twin
     assert sorted((p.execution, p.cell, p.error) for p in pulled) == [("e1", "cell0", ""), ("e2", "cell0", "")]
     assert {p.execution: p.bytes for p in pulled} == {b.execution: b.bytes for b in offer.blocks}
     assert {p.execution: p.tokens for p in pulled} == {b.execution: b.tokens for b in offer.blocks}
-    (done,) = switched
+    (done,) = switched  # one bytes dict: the engine freed, the KV its executions' new cell pulled
+    assert set(done.bytes) == {"live_before", "freed", "live_after", "pulled_weights", "pulled_kv"}, done.bytes
     assert done.bytes["pulled_kv"] == sum(p.bytes for p in pulled) > 0
+    assert done.bytes["freed"] > done.bytes["pulled_kv"], done.bytes  # the weights and those KV caches
+    assert cell1_after == 503  # released: moved KV went out before the engine's state was freed
     imported = after_e1["kv_imported_tokens"] - at0["kv_imported_tokens"]
     assert imported == sum(p.tokens for p in pulled) > 0
     assert _total(metrics0, "gyre_engine_kv_imported_tokens_total") == after_e1["kv_imported_tokens"]

@@ -40,9 +40,12 @@ def sizes(model_dir) -> tuple[int, int]:
     return params, cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4  # float32 K and V
 
 
-async def generate(url: str, ids: list[int], execution: str = "", max_new: int = 6) -> tuple[int, dict]:
+async def generate(url: str, ids: list[int], execution: str = "", max_new: int = 6,
+                   kv_from: dict | None = None) -> tuple[int, dict]:
     body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new},
             "return_logprob": True, "gyre_execution": execution or None}
+    if kv_from is not None:
+        body["gyre_kv_from"] = kv_from
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{url}/generate", json=body, headers={"Authorization": f"Bearer {TOKEN}"}) as r:
             return r.status, await r.json(content_type=None)
@@ -167,6 +170,13 @@ async def test_a_cell_hosting_the_scripted_engine_answers_through_its_url_and_st
         status, body = await generate(url, [1, 2, 3], "x")
         assert status == 200 and body["text"] == "hello from the script", body
         assert body["meta_info"]["weight_version"] == "0"
+        # a moved execution's KV hint: the scripted host keeps no KV, so it answers at once
+        status, body = await generate(url, [1, 2, 3, 4], "x", kv_from={"cell": "cell1", "route": 0})
+        assert status == 200 and body["text"] == "hello from the script", body
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/get_model_info", headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                counters = (await r.json())["counters"]
+        assert counters == {"prefill_tokens": 7, "kv_imported_tokens": 0, "kv_dropped": 0}, counters
         await cells.switch("cell0", "training")
         assert (await generate(url, [1, 2, 3]))[0] == 503
         await cells.switch("cell0", "rollout")
