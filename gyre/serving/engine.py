@@ -39,7 +39,6 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import structlog
@@ -47,39 +46,16 @@ import torch
 
 from gyre.serving.kv import KvBlocks
 from gyre.serving.model import checkpoint_files
+from gyre.serving.request import (  # noqa: F401 - EngineError, SamplingParams: re-exported
+    EngineError, EngineReleased, FinishType, GenerateRequest, GenerateResult, InvalidRequest, NoTokenizer,
+    PromptTooLong, SamplingParams, WeightLoadError,
+)
 from gyre.serving.sampling import nucleus_mask, sample_token  # noqa: F401 - nucleus_mask: re-exported
 from gyre.serving.settings import EngineSettings
 from gyre.serving.storage import Layout, alloc_parameters, free_parameters
 from gyre.serving.tokenizer import fast_decoder, stop_hit, stop_window
 
 log = structlog.get_logger(__name__)
-
-FinishType = Literal["stop", "length", "abort"]
-
-
-class EngineError(Exception):
-    """Base of the errors `Engine` raises on purpose."""
-
-
-class InvalidRequest(EngineError):
-    """The request is malformed (empty prompt, id outside the vocabulary, bad sampling, duplicate rid)."""
-
-
-class NoTokenizer(EngineError):
-    """A request has stop strings and the engine's checkpoint has no tokenizer to decode
-    with (a setup fault of the engine, not of the request)."""
-
-
-class PromptTooLong(InvalidRequest):
-    """The prompt has more ids than `EngineConfig.max_context_tokens`."""
-
-
-class WeightLoadError(EngineError):
-    """A checkpoint could not be read or does not fit the live model (names, shapes)."""
-
-
-class EngineReleased(EngineError):
-    """The engine's weights are released (its cell left rollout); load a version first."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,76 +97,6 @@ class EngineConfig(EngineSettings):
             raise ValueError(f"kv_cache_tokens must be >= 0, got {self.kv_cache_tokens}")
         if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(f"dtype must name a torch dtype, got {self.dtype!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Sampling of one request. temperature >= 0 (0 = greedy); top_p in (0, 1], 1 = off;
-    top_k: -1 or 0 = off, else >= 1; max_new_tokens >= 0; stop_token_ids add to the
-    engine's stop ids unless ignore_eos; stop: stop strings (non-empty; honoured with
-    ignore_eos too); seed None = drawn from the engine's seeded stream."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 256
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise InvalidRequest(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
-        if self.max_new_tokens < 0:
-            raise InvalidRequest(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if not all(isinstance(x, str) and x for x in self.stop):
-            raise InvalidRequest(f"stop must hold non-empty strings, got {self.stop!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateRequest:
-    """One call. rid: unique among in-flight requests. input_ids: (P,) prompt ids, P >= 1.
-    execution: sticky key of the per-execution prefix KV cache, or None for no caching."""
-
-    rid: str
-    input_ids: tuple[int, ...]
-    sampling: SamplingParams = SamplingParams()
-    execution: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateResult:
-    """Outcome of one call.
-
-    output_ids: (C,) sampled ids, stop token included when finish == "stop".
-    logprobs: (C,) behaviour log-probs, natural log, of log_softmax(logits / T).
-    finish: "stop" | "length" | "abort"; matched_stop: the stop id, or the stop string, that
-      ended it when finish == "stop".
-    versions: policy-version spans ((start, end, version), ...), half-open, covering [0, C).
-    weight_version: the engine's policy version when the call finished.
-    cached_tokens: prompt ids served from the execution's prefix KV cache (not prefilled).
-    e2e_latency_s / queue_s: seconds from entry to result / waiting for the first forward.
-    prefilled_tokens: prompt ids this call ran through the model (fewer than prompt_tokens −
-      cached_tokens when it was aborted during its prefill).
-    """
-
-    rid: str
-    output_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    finish: FinishType
-    matched_stop: int | str | None
-    prompt_tokens: int
-    cached_tokens: int
-    versions: tuple[tuple[int, int, int], ...]
-    weight_version: int
-    e2e_latency_s: float
-    queue_s: float
-    prefilled_tokens: int = 0
 
 
 class _FifoLock:

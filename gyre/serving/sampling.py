@@ -12,7 +12,7 @@ import torch
 from schemas.call import GREEDY_BELOW
 
 if TYPE_CHECKING:
-    from gyre.serving.engine import SamplingParams
+    from gyre.serving.request import SamplingParams
 
 
 def sample_token(logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
