@@ -14,6 +14,8 @@ from schemas import (
     CallCompleted,
     CellSwitch,
     CellSwitched,
+    KvOffered,
+    KvPulled,
     ExecutionDispatched,
     ExecutionFinished,
     ExecutionScored,
@@ -107,7 +109,7 @@ STREAMS: tuple[StreamSpec, ...] = (
     StreamSpec("STEPS", (StepSealed.NAME, StepCompleted.NAME, WeightsPublished.NAME, StepFailed.NAME,
                           WeightsLoaded.NAME)),
     StreamSpec("LEDGER", (MicrostepGranted.NAME, MicrostepCommitted.NAME, ContributionReturned.NAME)),
-    StreamSpec("CELLS", (CellSwitch.NAME, CellSwitched.NAME, RouteUpdated.NAME)),
+    StreamSpec("CELLS", (CellSwitch.NAME, CellSwitched.NAME, RouteUpdated.NAME, KvOffered.NAME, KvPulled.NAME)),
     StreamSpec("DLQ", ("dlq.>",)),
 )
 

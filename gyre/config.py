@@ -15,7 +15,8 @@ the same class, so it is built from the table with `fields_of`:
     [harness]  HarnessSection   = RunnerSettings (the runner's) + the executions' harness and limits
     [model]    ModelSection
     [sampling] SamplingSection
-    [engine]   gyre.serving.settings.EngineSettings (gyre.serving.engine.EngineConfig extends it)
+    [engine]   EngineSection    = gyre.serving.settings.EngineSettings (gyre.serving.engine.EngineConfig
+                                  extends it) + which engine a cell hosts
     [proxy]    ProxySection
     [train]    TrainSection     = gyre.learning.settings.TrainerSettings (TrainerConfig extends
                                   it) + the builder's trajectory selection and packing
@@ -228,6 +229,27 @@ class ProxySection:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSection(EngineSettings):
+    """[engine]: the policy's context window (`EngineSettings`) and which engine each cell
+    hosts behind its HTTP server (gyre.serving.host.EngineHost)."""
+
+    kind: Literal["embedded", "scripted"] = "embedded"
+    """`embedded`: the HF model of `model.dir` (gyre.serving.engine); `scripted`: the scripted
+    engine (handlers.engines.scripted) answering from `script`, for tests of real harnesses
+    that a random model cannot drive."""
+    script: str = ""
+    """The scripted engine's JSONL file (completion texts, or playbook rules); required when
+    `kind` is `scripted`. A relative path is taken from the directory gyre runs in."""
+
+    def __post_init__(self) -> None:
+        EngineSettings.__post_init__(self)
+        if self.kind == "scripted" and not self.script:
+            raise RecipeError("engine.script must name a script or playbook file when engine.kind is 'scripted'")
+        if self.script and self.kind != "scripted":
+            raise RecipeError(f"engine.script is read only by the scripted engine; engine.kind is {self.kind!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class TrainSection(TrainerSettings):
     """[train]: the trainer's settings (`TrainerSettings`: lr, weight_decay, grad_clip,
     eps_low, eps_high) and the builder's: which trajectories are kept and how they are
@@ -281,7 +303,7 @@ class Recipe:
     harness: HarnessSection = HarnessSection()
     model: ModelSection = ModelSection()
     sampling: SamplingSection = SamplingSection()
-    engine: EngineSettings = EngineSettings()
+    engine: EngineSection = EngineSection()
     proxy: ProxySection = ProxySection()
     train: TrainSection = TrainSection()
     cells: CellsSection = CellsSection()

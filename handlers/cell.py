@@ -20,8 +20,22 @@ Weights while serving (DESIGN.md "Weight publication"): a cell in rollout follow
 snapshot (verified against its manifest), load it between decode steps, then publish
 `weights.loaded`; a refused pull leaves the engine on the version it serves.
 
+The engine is held through the engine-host interface (gyre.serving.host.EngineHost; `engine`,
+made by handlers.engines.hosts from the recipe's `engine.kind`). A switch frees the state of
+the role left (the engine's weights and KV caches; a satellite's trainer; the core's trainer,
+offloaded to disk) and reports on `cell.switched` the process's live tensor storage before and
+after it, the storage its release freed, the snapshot bytes it pulled and the KV bytes its
+moved executions' new cells pulled (`bytes`).
+
+KV blocks (DESIGN.md "Elastic scheduling"): a cell leaving rollout hands the prefix KV of the
+executions its switch moved to their new cells before it releases its engine, and a serving
+cell takes the blocks offered to it (handlers.transfer.kv_move.KvMoves; `kv.offered`,
+`kv.pulled`), holding a moved execution's first request until they are imported (the host's
+`set_kv_hold`).
+
 Consumes `cell.switch` (its own durable `<cell>-v1`, `bus.subjects.cell_consumer`) and
-replays `weights.published`; publishes `cell.switched` with measured durations.
+replays `weights.published`, `kv.offered` and `kv.pulled`; publishes `cell.switched` with
+measured durations and bytes.
 """
 from __future__ import annotations
 
@@ -39,14 +53,16 @@ from gyre.config import fields_of
 from gyre.control.switch import SwitchAction, durations as switch_durations, plan_switch
 from gyre.learning.settings import TrainerSettings
 from gyre.learning.trainer import Trainer, TrainerConfig
-from gyre.serving.engine import Engine, EngineConfig
+from gyre.serving.engine import EngineConfig
 from gyre.serving.settings import EngineSettings
-from handlers.engines import embedded as engine_server
+from gyre.serving.storage import live_tensor_bytes
+from handlers.engines.hosts import make_host
 from handlers.daemon import FatalError, RunContext, connected, daemon_main, run_loops
 from handlers.training.core import Core
 from handlers.training.replica import Replica
 from handlers.transfer import make_backend
 from handlers.transfer.follow import EngineWeights
+from handlers.transfer.kv_move import KvMoves
 from schemas import ids
 
 log = structlog.get_logger()
@@ -66,7 +82,11 @@ class Config:
     weights_dir: Path
     """Where new versions are written (`v<k>/`)."""
     engine: EngineConfig
-    """The embedded engine's configuration."""
+    """The embedded engine's configuration (the scripted engine reads its model_dir's tokenizer)."""
+    engine_kind: str = "embedded"
+    """Which engine the cell hosts (`engine.kind`: embedded or scripted)."""
+    engine_script: str = ""
+    """The scripted engine's script or playbook file (`engine.script`)."""
     trainer: TrainerConfig
     """The trainer replica's configuration (its `replica` is the cell id); its lease_s and
     grant_budget configure the core's ledger, its device_time_s the emulated device time."""
@@ -103,7 +123,7 @@ def config_from_context(ctx: RunContext, args) -> Config:
                                       max_completion_tokens=r.sampling.max_tokens, seed=r.run.seed),
                   trainer=TrainerConfig(**fields_of(r.train, TrainerSettings), seed=r.run.seed, replica=args.cell),
                   transfer=r.cells.transfer, transfer_protocol=r.cells.transfer_protocol,
-                  transfer_cluster=r.cells.transfer_cluster)
+                  transfer_cluster=r.cells.transfer_cluster, engine_kind=r.engine.kind, engine_script=r.engine.script)
 
 
 class Cell:
@@ -111,7 +131,10 @@ class Cell:
         self.cfg = cfg
         self.bus = bus
         self.role = "idle"
-        self.engine = Engine(cfg.engine)
+        try:
+            self.engine = make_host(cfg.engine_kind, cfg.engine, script=cfg.engine_script, api_key=cfg.engine_token)
+        except (ValueError, OSError) as exc:  # a scripted engine's script that cannot be read
+            raise FatalError(f"cannot host the {cfg.engine_kind} engine: {exc}") from None
         try:
             self.transfer = make_backend(cfg.transfer, host=cfg.host, lease_s=max(cfg.trainer.lease_s, 30.0),
                                          protocol=cfg.transfer_protocol, cluster=cfg.transfer_cluster)
@@ -122,13 +145,21 @@ class Cell:
         self.trainer: Trainer | None = None
         """A satellite's own trainer while it trains (the core's lives in `core`)."""
         self.replica: Replica | None = None
-        self.app = None
         self.url = ""
+        self._pulled = {"pulled_weights": 0, "pulled_kv": 0}  # bytes pulled during the switch under way
         self.training_stop: asyncio.Event | None = None
         self.training_task: asyncio.Task | None = None
         self.latest_weights: schemas.WeightsPublished | None = None
         self.weights = EngineWeights(run=cfg.run, cell=cfg.cell, engine=self.engine, transfer=self.transfer,
-                                     publish=bus.publish, serving=lambda: self.role == "rollout")
+                                     publish=bus.publish, serving=self._serves)
+        self.kv = KvMoves(run=cfg.run, cell=cfg.cell, engine=self.engine, transfer=self.transfer,
+                          publish=bus.publish, serving=self._serves)
+        self.switching: schemas.CellSwitch | None = None
+        """The switch being done (its `moved` executions' KV blocks go to their new cells)."""
+
+    def _serves(self) -> bool:
+        """Whether the engine serves now: it takes new weights and KV blocks only then."""
+        return self.engine.serving and not self.engine.released
 
     async def start(self) -> None:
         """Start the core's ledger (the core cell), the engine server, and announce the role:
@@ -136,8 +167,8 @@ class Cell:
         at once, its replica claiming again), else rollout."""
         if self.core is not None:
             await self.core.start()
-        self.app, self.runner, self.url = await engine_server.serve(self.engine, host=self.cfg.host, port=self.cfg.port,
-                                                                    api_key=self.cfg.engine_token)
+        self.url = await self.engine.start(self.cfg.host, self.cfg.port)
+        self.engine.set_kv_hold(self.kv.hold)
         self.role = "rollout"
         started = time.perf_counter()
         if await self._last_asked() == "training":
@@ -145,6 +176,8 @@ class Cell:
             for action in plan.release + plan.load + plan.resume:
                 await self._act(action)
             self.role = "training"
+        elif self.core is not None:
+            await self.core.keep(False)  # a core cell in rollout holds no trainer
         await self._switched(-1, "idle", self.role, {"total_s": time.perf_counter() - started})
         log.info("cell.started", cell=self.cfg.cell, role=self.role, engine_url=self.url, core=self.cfg.core)
 
@@ -171,15 +204,17 @@ class Cell:
     async def stop(self) -> None:
         self.weights.stop()
         await self._stop_training()
-        await self.runner.cleanup()
+        await self.engine.stop()
         self.transfer.close()
 
-    async def _switched(self, seq: int, from_role: str, to_role: str, durations: dict) -> None:
+    async def _switched(self, seq: int, from_role: str, to_role: str, durations: dict,
+                        measured: dict | None = None) -> None:
         event_seq = seq if seq >= 0 else 0
         event_id = ids.switched(self.cfg.run, self.cfg.cell, seq) if seq >= 0 else ids.announce(self.cfg.run, self.cfg.cell)
         await self.bus.publish(schemas.CellSwitched(
             event_id=event_id, cell=self.cfg.cell, seq=event_seq, from_role=from_role, to_role=to_role,
-            durations=durations, engine_url=self.url if to_role == "rollout" else "", policy_version=self.engine.version))
+            durations=durations, engine_url=self.url if to_role == "rollout" else "", policy_version=self.engine.version,
+            bytes=measured or {}))
 
     # --- switches -------------------------------------------------------------------
     async def handle_switch(self, event: schemas.CellSwitch) -> None:
@@ -188,56 +223,80 @@ class Cell:
         if event.to_role == self.role:
             return  # redelivered: already there
         plan = plan_switch(self.role, event.to_role, core=self.cfg.core)
+        live_before = await asyncio.to_thread(live_tensor_bytes)
+        self.switching, self._pulled = event, {"pulled_weights": 0, "pulled_kv": 0}
         started = time.perf_counter()
         for action in plan.release:
             await self._act(action)
         released = time.perf_counter()
+        live_released = await asyncio.to_thread(live_tensor_bytes)
+        measuring = time.perf_counter() - released  # not part of the switch's phases
         for action in plan.load:
             await self._act(action)
         loaded = time.perf_counter()
         for action in plan.resume:
             await self._act(action)
         self.role = plan.to_role  # only now: a switch that failed half-way is redone whole on redelivery
-        durations = switch_durations(started, released, loaded, time.perf_counter())
-        await self._switched(event.seq, event.from_role, event.to_role, durations)
-        log.info("cell.switched", cell=self.cfg.cell, to_role=event.to_role, policy_version=self.engine.version, **durations)
+        self.switching = None
+        durations = switch_durations(started + measuring, released + measuring, loaded, time.perf_counter())
+        measured = {"live_before": live_before, "freed": live_before - live_released,
+                    "live_after": await asyncio.to_thread(live_tensor_bytes), **self._pulled}
+        await self._switched(event.seq, event.from_role, event.to_role, durations, measured)
+        log.info("cell.switched", cell=self.cfg.cell, to_role=event.to_role, policy_version=self.engine.version,
+                 **durations, **measured)
 
     async def _act(self, action: SwitchAction) -> None:
         """Run one action of a switch plan (gyre.control.switch)."""
         if action == "stop_serving":
-            engine_server.set_serving(self.app, False)
-        elif action == "flush_cache":
-            await asyncio.to_thread(self.engine.flush_cache)
+            self.engine.set_serving(False)
+        elif action == "move_kv":  # before the release, which frees the KV it hands over
+            if self.switching is not None:  # a restarted cell going back to training moves none
+                self._pulled["pulled_kv"] += await self.kv.offer(self.switching)
+        elif action == "release_engine":
+            await self.weights.halt()  # no load lands in the engine after its release
+            await asyncio.to_thread(self.engine.release)
         elif action == "stop_training":
             await self._stop_training()
-        elif action == "load_trainer":
-            if self.core is None and self.trainer is None:  # the core's trainer lives from the core's start
-                self.trainer = await asyncio.to_thread(Trainer, str(self.cfg.model_dir), self.cfg.trainer)
+        elif action == "offload_trainer":
+            await self.core.keep(False)
         elif action == "release_trainer":
-            self.trainer = None  # a satellite's weights and gradient go; the core keeps its trainer
-        elif action == "load_weights":
-            weights = self.latest_weights
-            if weights is not None and weights.policy_version > self.engine.version:
-                if weights.key:
-                    await self.weights.load(weights)  # refused: the engine keeps what it serves
-                else:  # a core that exposes no snapshot: its checkpoint on disk
-                    await asyncio.to_thread(self.engine.load_weights, weights.path, weights.policy_version)
+            self.trainer = None  # the replica dropped its reference when it stopped
+        elif action == "restore_trainer":
+            await self.core.keep(True)
+        elif action == "load_trainer":  # a satellite: a trainer, and the weights of the step in flight
+            if self.trainer is None:
+                self.trainer = await asyncio.to_thread(Trainer, str(self.cfg.model_dir), self.cfg.trainer)
+            self._new_replica(self.trainer)
+            self._pulled["pulled_weights"] += await self.replica.join()
+        elif action == "restore_engine":
+            before = self.weights.pulled_bytes
+            await self.weights.restore(self.latest_weights, (str(self.cfg.model_dir), self.cfg.engine.initial_version))
+            self._pulled["pulled_weights"] += self.weights.pulled_bytes - before
         elif action == "start_training":
             self._start_training()
         elif action == "start_serving":
-            engine_server.set_serving(self.app, True)
+            self.engine.set_serving(True)
+            if self.weights.latest is not None:
+                self.weights.published(self.weights.latest)  # a version published during the switch
         else:
             raise ValueError(f"unknown switch action {action!r}")
 
     # --- training -------------------------------------------------------------------
+    def _new_replica(self, trainer: Trainer) -> None:
+        replica = Replica(run=self.cfg.run, cell=self.cfg.cell, bus=self.bus, trainer=trainer, transfer=self.transfer,
+                          core=self.core, device_time_s=self.cfg.trainer.device_time_s,
+                          poll_s=min(0.2, self.cfg.trainer.lease_s / 4))
+        if self.replica is not None:
+            replica.take_over(self.replica)
+        self.replica = replica
+
     def _start_training(self) -> None:
         if self.training_task is not None and not self.training_task.done():
             return  # a redelivered switch: already claiming
-        trainer = self.core.trainer if self.core is not None else self.trainer
-        assert trainer is not None, "start_training without a trainer"
-        self.replica = Replica(run=self.cfg.run, cell=self.cfg.cell, bus=self.bus, trainer=trainer,
-                               transfer=self.transfer, core=self.core, device_time_s=self.cfg.trainer.device_time_s,
-                               poll_s=min(0.2, self.cfg.trainer.lease_s / 4))
+        if self.core is not None:
+            assert self.core.trainer is not None, "start_training before restore_trainer"
+            self._new_replica(self.core.trainer)
+        assert self.replica is not None and self.replica.trainer is not None, "start_training without a trainer"
         self.training_stop = asyncio.Event()
         self.training_task = asyncio.create_task(self.replica.run(self.training_stop))
 
@@ -250,6 +309,8 @@ class Cell:
                 except Exception:  # noqa: BLE001 - the replica's failure is logged; its grants lapse
                     log.exception("cell.training.failed", cell=self.cfg.cell)
             self.training_stop = self.training_task = None
+            if self.replica is not None:
+                self.replica.detach()  # so the trainer it trained with can be freed
 
     async def handle_weights(self, event: schemas.WeightsPublished) -> None:
         latest = self.latest_weights
@@ -268,6 +329,8 @@ async def run(cfg: Config, stop: asyncio.Event) -> None:
         try:
             await run_loops(bus.consume(cell_consumer(cfg.cell), cell.handle_switch, stop=stop),
                             bus.replay([schemas.WeightsPublished.NAME], cell.handle_weights, stop=stop),
+                            bus.replay([schemas.KvOffered.NAME, schemas.KvPulled.NAME], cell.kv.handle, stop=stop,
+                                       caught_up=cell.kv.caught_up),
                             *(cell.core.loops(stop) if cell.core is not None else ()))
         finally:
             await cell.stop()

@@ -14,8 +14,10 @@ Contract:
   events the bus stored for the first time only, so a re-sent event is never counted
   twice): the daemon that owns an event owns its metric — the proxy calls and tokens
   generated, the runner executions finished, the evaluator executions scored, the core cell
-  steps, tokens trained and micro-steps committed, every cell its role and switches. The
-  scheduler sets the water level (`WATER_LEVEL`). Every daemon has its bus publish latency
+  steps, tokens trained and micro-steps committed, every cell its role, its switches (their
+  phases and bytes, `cell.switched`) and the KV tokens its engine imported (`kv.pulled`). The scheduler sets the water level (`WATER_LEVEL`); the
+  embedded engine's server counts prefilled tokens (`ENGINE_PREFILL`), the proxy's dispatcher
+  its retries (`PROXY_RETRIES`). Every daemon has its bus publish latency
   and dead letters.
 - Each metric's label values are bounded by the run's shape (APIs, statuses, cells,
   phases), never by executions or calls.
@@ -47,11 +49,19 @@ CELL_ROLE = Gauge("gyre_cell_role", "1 for the role a cell holds now, 0 for the 
                   ["cell", "role"])
 SWITCH = Histogram("gyre_switch_seconds", "A cell's switch, by direction and phase (cell.switched durations)",
                    ["direction", "phase"], buckets=_LATENCY_BUCKETS)
+SWITCH_BYTES = Counter("gyre_switch_bytes", "Bytes a cell's switches freed (tensor storage of the role left) and "
+                       "pulled (weight snapshots, KV blocks), by direction (cell.switched bytes)", ["direction", "kind"])
 STEP_TIME = Histogram("gyre_step_seconds", "A step, first claimed micro-step to published weights "
                       "(step.completed duration_s)", buckets=_STEP_BUCKETS)
 STEPS = Counter("gyre_steps_completed", "Optimizer steps applied (step.completed)")
 MICROSTEPS = Counter("gyre_microsteps_committed", "Micro-steps the core's ledger committed (microstep.committed)",
                      ["replica"])
+ENGINE_PREFILL = Counter("gyre_engine_prefill_tokens", "Prompt tokens the cell's engine ran through the model "
+                         "(cached prefix tokens are not)")
+ENGINE_KV_IMPORTED = Counter("gyre_engine_kv_imported_tokens", "Positions of KV blocks pulled from another cell "
+                             "and kept by the cell's engine (kv.pulled tokens)")
+PROXY_RETRIES = Counter("gyre_proxy_retries", "Engine attempts of a call the proxy gave up and sent again",
+                        ["reason"])
 PUBLISH_LATENCY = Histogram("gyre_bus_publish_seconds", "Bus.publish to its PubAck, retries included",
                             ["event"], buckets=_LATENCY_BUCKETS)
 DEAD_LETTERS = Counter("gyre_dead_letters", "Events this daemon sent to the run's dead letters", ["event"])
@@ -89,6 +99,8 @@ def observe(name: str, event: schemas.Event | None, seconds: float, stored: bool
         STEP_TIME.observe(event.duration_s)
     elif isinstance(event, schemas.MicrostepCommitted):
         MICROSTEPS.labels(event.replica).inc()
+    elif isinstance(event, schemas.KvPulled):
+        ENGINE_KV_IMPORTED.inc(event.tokens)
     elif isinstance(event, schemas.CellSwitched):
         for role in ROLES:
             CELL_ROLE.labels(event.cell, role).set(1 if role == event.to_role else 0)
@@ -96,6 +108,9 @@ def observe(name: str, event: schemas.Event | None, seconds: float, stored: bool
         for key, value in event.durations.items():
             if isinstance(value, (int, float)):
                 SWITCH.labels(direction, key.removesuffix("_s")).observe(float(value))
+        for key, value in event.bytes.items():
+            if (key == "freed" or key.startswith("pulled_")) and isinstance(value, int) and value > 0:
+                SWITCH_BYTES.labels(direction, key).inc(value)
 
 
 def url_file(run_dir: Path, daemon: str) -> Path:

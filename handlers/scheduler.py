@@ -254,7 +254,10 @@ class Scheduler:
     async def act(self, actions: list[F.Action], *, counted: bool = False) -> None:
         """Publish `actions` (`counted`: their seqs were taken already, by the replay of the trace)."""
         seqs = self._seqs(actions) if counted else [self._count(a) for a in actions]
+        moved: tuple[tuple[schemas.Route, ...], int] = ((), -1)  # the reroute the next switches carry
         for action, seq in zip(actions, seqs):
+            if not isinstance(action, (F.Reroute, F.Switch)):
+                moved = ((), -1)
             if isinstance(action, F.Dispatch):
                 await self._dispatch(action, seq[0])
             elif isinstance(action, F.Reroute):
@@ -263,11 +266,15 @@ class Scheduler:
                                for r in action.routes)
                 await self.bus.publish(schemas.RouteUpdated(event_id=ids.route(self.cfg.run, seq[0]), seq=seq[0],
                                                             routes=routes))
+                moved = (routes, seq[0])
                 log.info("scheduler.rerouted", routes=len(routes), reason=action.reason)
             elif isinstance(action, F.Switch):
+                # a policy's switch follows the reroute of the executions it moves: the cell
+                # offers their KV blocks to where they went
                 await self.bus.publish(schemas.CellSwitch(
                     event_id=ids.switch(self.cfg.run, action.cell, seq[0]), cell=action.cell, seq=seq[0],
-                    from_role=action.from_role, to_role=action.to_role, reason=action.reason, step=action.step))
+                    from_role=action.from_role, to_role=action.to_role, reason=action.reason, step=action.step,
+                    moved=moved[0], route_seq=moved[1]))
                 log.info("scheduler.switch", cell=action.cell, to_role=action.to_role, reason=action.reason,
                          step=action.step, water_level=self.policy.water_level)
             elif isinstance(action, F.OpenStep):

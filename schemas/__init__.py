@@ -3,7 +3,7 @@ from schemas.base import (
     SCHEMA_VERSION, Event, SchemaError, decode, decode_part, encode, encode_part, event_types, utc_now,
 )
 from schemas.call import CallCompleted, CallTokens, SamplingParams
-from schemas.cell import CellSwitch, CellSwitched, Route, RouteUpdated
+from schemas.cell import CellSwitch, CellSwitched, KvBlock, KvOffered, KvPulled, Route, RouteUpdated
 from schemas.execution import (
     ExecutionDispatched,
     ExecutionFinished,
@@ -19,7 +19,7 @@ from schemas.step import (
 __all__ = [
     "SCHEMA_VERSION", "Event", "SchemaError", "decode", "decode_part", "encode", "encode_part", "event_types", "utc_now",
     "CallCompleted", "CallTokens", "SamplingParams",
-    "CellSwitch", "CellSwitched", "Route", "RouteUpdated",
+    "CellSwitch", "CellSwitched", "KvBlock", "KvOffered", "KvPulled", "Route", "RouteUpdated",
     "ExecutionDispatched", "ExecutionFinished", "ExecutionInfo", "ExecutionScored", "ExecutionStarted",
     "MicrostepExecution", "MicrostepReady", "StepCompleted", "StepSealed", "WeightsLoaded", "WeightsPublished",
     "ClaimReply", "ContributionReturned", "MicrostepClaim", "MicrostepCommitted", "MicrostepGranted", "StepFailed",

@@ -51,6 +51,18 @@ def switched(run: str, cell: str, seq: int) -> str:
     return f"{run}:cell:{cell}:switched:{seq}"
 
 
+def kv_offered(run: str, cell: str, seq: int, keys: tuple[str, ...]) -> str:
+    """`cell`'s offer of KV blocks in its switch `seq`, named also by the snapshot keys it
+    offers (a switch redone after a failure exposes new snapshots: another fact)."""
+    covered = hashlib.blake2b("\n".join(keys).encode(), digest_size=6).hexdigest()
+    return f"{run}:cell:{cell}:kv:{seq}:offered:{covered}"
+
+
+def kv_pulled(run: str, cell: str, offer: str, execution: str) -> str:
+    """`cell` is done with the block of `execution` in the offer `offer` (its event id)."""
+    return f"{run}:cell:{cell}:kv:{offer}:{execution}:pulled"
+
+
 def weights(run: str, version: int, epoch: int) -> str:
     """The weights of `version` published by the core of `epoch` (a restarted core publishes
     the version it resumed from again, under its own epoch)."""

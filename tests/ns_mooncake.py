@@ -319,3 +319,27 @@ def test_bench_transfer_measures_the_mooncake_path_and_the_socket_copy(tmp_path)
     assert g["mooncake"] > 0 and g["socket"] > 0 and doc["ratio"] == pytest.approx(g["mooncake"] / g["socket"], rel=1e-2)
     assert doc["verify_s"] > 0 and doc["profile"]["read_s"] > 0 and doc["profile"]["slices"] >= 1
     assert "recv_into" in doc["socket_baseline_code"] and doc["machine"]["cpus"] >= 1
+
+
+async def test_a_moved_executions_kv_blocks_move_over_mooncake_and_its_next_call_prefills_only_new_ids(tmp_path):
+    """handlers.transfer.kv_move over two Mooncake backends (the cells' part of a switch, in
+    one process): the block is pulled, verified and imported; the next call reuses it."""
+    from tests.test_engine import build_tiny_model
+    from tests.test_kv import GREEDY, _Cells, _first_and_next, _switch
+
+    model = build_tiny_model(tmp_path / "m", seed=3)
+    a, b = Engine(EngineConfig(model_dir=model)), Engine(EngineConfig(model_dir=model))
+    nxt = _first_and_next(a)
+    backends = (MooncakeTransfer(), MooncakeTransfer())
+    try:
+        cells = _Cells(a, b, backends, hold_s=10.0, confirm_s=10.0)
+        pulled = await cells.a.offer(_switch(("ex", "b")))
+        (answer,) = [e for e in cells.events if isinstance(e, schemas.KvPulled)]
+        assert pulled == answer.bytes > 0 and answer.tokens == 155 and answer.error == ""
+        res = b.generate(GenerateRequest(rid="c2", input_ids=nxt, sampling=GREEDY, execution="ex"))
+        assert res.cached_tokens == 155 and res.prefilled_tokens == len(nxt) - 155
+        want = a.generate(GenerateRequest(rid="c2", input_ids=nxt, sampling=GREEDY, execution="ex"))
+        np.testing.assert_allclose(res.logprobs, want.logprobs, atol=1e-5)
+    finally:
+        for t in backends:
+            t.close()

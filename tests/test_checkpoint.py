@@ -61,3 +61,44 @@ def test_latest_is_the_newest_complete_checkpoint(model_dir, tmp_path):  # noqa:
     (tmp_path / "v3" / "trainer_state.json").write_text('{"format": "other"}')
     with pytest.raises(ValueError, match="not a gyre.checkpoint.v1"):
         checkpoint.restore(tmp_path / "v3", CFG)
+
+
+def test_an_offloaded_core_trainer_comes_back_bit_for_bit_with_its_step_in_flight(model_dir, tmp_path):  # noqa: F811
+    """gyre.learning.offload: after a step (checkpointed, as the core does) and half of the next
+    one accumulated, offload then restore gives the same weights, AdamW state, gradient and
+    metrics; both finish the step to the same weights."""
+    from gyre.learning import offload
+    from gyre.learning.steps import apply_step
+
+    trainer = Trainer(model_dir, CFG)
+    for ms in pack(samples(), 200, step=0):
+        trainer.accumulate(ms)
+    apply_step(trainer, 3, tmp_path)
+    half = pack(samples(), 200, step=1)
+    for ms in half[: len(half) // 2 or 1]:
+        trainer.accumulate(ms)
+    assert offload.offload(trainer, tmp_path) > 0
+    back = offload.restore(tmp_path, model_dir, CFG, version=1)
+    assert back.policy_version == 1 and back.metrics == trainer.metrics
+    mine, theirs = dict(trainer.model.named_parameters()), dict(back.model.named_parameters())
+    for name, p in mine.items():
+        q = theirs[name]
+        assert torch.equal(p, q) and (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), name
+        for key, value in trainer.optimizer.state[p].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(back.optimizer.state[q][key])), (name, key)
+    for t in (trainer, back):
+        for ms in half[len(half) // 2 or 1:]:
+            t.accumulate(ms)
+        t.apply(3)
+    for name, a in trainer.weights().items():
+        assert np.array_equal(back.weights()[name], a), name
+    with pytest.raises(RuntimeError, match="no checkpoint of policy version 2"):
+        offload.restore(tmp_path, model_dir, CFG, version=2)
+    checkpoint.save(trainer, tmp_path)  # v2 on disk; the step file is still v1's
+    with pytest.raises(RuntimeError, match="a step of policy version 1, not 2"):
+        offload.restore(tmp_path, model_dir, CFG, version=2)
+    trainer.discard()
+    assert offload.offload(trainer, tmp_path) == 0 and not (tmp_path / offload.STEP_FILE).exists()
+    fresh = offload.restore(tmp_path, model_dir, CFG, version=2)
+    assert fresh.metrics.microsteps == 0 and all(p.grad is None for p in fresh.model.parameters())

@@ -12,6 +12,7 @@ import torch
 from gyre.serving.engine import (
     Engine,
     EngineConfig,
+    EngineReleased,
     GenerateRequest,
     InvalidRequest,
     NoTokenizer,
@@ -302,6 +303,44 @@ def test_load_weights_tied_embeddings(tmp_path):
     assert torch.equal(eng.model.lm_head.weight, eng.model.model.embed_tokens.weight)
     fresh = Engine(EngineConfig(model_dir=d1))
     assert torch.equal(eng.model.lm_head.weight, fresh.model.lm_head.weight)
+
+
+def test_release_frees_the_weights_and_kv_until_a_load_restores_them(model_dirs, tmp_path):
+    """A cell leaving rollout: the live tensor storage drops by the weights and the prefix KV
+    caches, the call in flight ends `abort`, calls are refused; a load of the same version
+    (the engine's own) serves again, as a fresh engine of that checkpoint does."""
+    from gyre.serving.storage import live_tensor_bytes
+
+    eng = Engine(EngineConfig(model_dir=model_dirs[0], stop_ids=()))
+    weights = sum(p.numel() * p.element_size() for p in eng.model.parameters())
+    eng.generate(GenerateRequest(rid="kv", input_ids=prompt(40), sampling=SamplingParams(max_new_tokens=6, seed=1),
+                                 execution="e"))
+    cfg = eng.model.config
+    kv = (40 + 6) * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4  # float32 K and V
+    th, box = start(eng, GenerateRequest(rid="long", input_ids=prompt(8), sampling=SamplingParams(max_new_tokens=4000)))
+    wait_for(lambda: eng.in_flight().get("long", 0) >= 2, "a call in flight")
+    before = live_tensor_bytes()
+    eng.release()
+    th.join(60)
+    freed = before - live_tensor_bytes()
+    assert box["res"].finish == "abort" and eng.released and eng.in_flight() == {}
+    assert freed >= weights + kv, (freed, weights, kv)
+    assert eng.export_kv("e") is None
+    with pytest.raises(EngineReleased, match="released"):
+        eng.generate(GenerateRequest(rid="x", input_ids=prompt(5)))
+    from safetensors.torch import save_file
+
+    save_file({"model.norm.weight": torch.ones(63)}, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(WeightLoadError, match="shape"):
+        eng.load_weights(tmp_path / "bad.safetensors", 0)
+    assert eng.released  # a load that does not fit leaves it released
+    eng.load_weights(model_dirs[0], 0)  # the version it served: loaded all the same
+    assert not eng.released and eng.weight_version == 0
+    greedy = SamplingParams(temperature=0, max_new_tokens=5)
+    fresh = Engine(EngineConfig(model_dir=model_dirs[0], stop_ids=()))
+    got = eng.generate(GenerateRequest(rid="g1", input_ids=prompt(9), sampling=greedy, execution="e"))
+    want = fresh.generate(GenerateRequest(rid="g2", input_ids=prompt(9), sampling=greedy))
+    assert (got.output_ids, got.logprobs, got.cached_tokens) == (want.output_ids, want.logprobs, 0)
 
 
 def test_abort_and_interleaving(model_dirs):

@@ -108,6 +108,16 @@ async def test_not_serving_answers_503(served):
     assert len(res["output_ids"]) == 2
 
 
+async def test_a_released_engine_answers_503_until_a_load(served, model_dirs):
+    engine, _app, client = served
+    await asyncio.to_thread(engine.release)
+    with pytest.raises(EngineUnavailable, match="503"):
+        await client.generate([1, 2, 3], {"max_new_tokens": 2}, rid="x")
+    await asyncio.to_thread(engine.load_weights, model_dirs[1], 3)
+    res = await client.generate([1, 2, 3], {"max_new_tokens": 2}, rid="y")
+    assert len(res["output_ids"]) == 2 and res["meta_info"]["weight_version"] == "3"
+
+
 async def test_bad_requests_answer_400(served):
     engine, _app, client = served
     with pytest.raises(EngineRequestError) as err:

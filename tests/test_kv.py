@@ -1,13 +1,20 @@
 """KV blocks between two embedded engines (DESIGN.md "Cells and engines"): the exporting
 engine's prefix KV cache moves through the transfer layer, and the importing engine's next
-call for that execution prefills only the new ids, with the exporting engine's log-probs."""
+call for that execution prefills only the new ids, with the exporting engine's log-probs.
+And `handlers.transfer.kv_move.KvMoves` between two cells in one process: what is offered,
+dropped, freed, and how long a moved execution's request is held (tests/test_kv_move.py runs
+it on cell processes through the proxy)."""
 from __future__ import annotations
+
+import asyncio
 
 import numpy as np
 import pytest
 
+import schemas
 from gyre.serving.engine import Engine, EngineConfig, GenerateRequest, SamplingParams
 from gyre.serving.kv import KvFormatError, from_snapshot, to_snapshot
+from handlers.transfer.kv_move import KvMoves
 from handlers.transfer.loopback import LoopbackTransfer
 from tests.test_engine import build_tiny_model, prompt
 
@@ -83,3 +90,76 @@ def test_malformed_blocks_are_refused(model_dir):
         from_snapshot(snap)
     with pytest.raises(KvFormatError):
         from_snapshot({"kv.ids": np.arange(3)})
+
+
+class _Cells:
+    """Two cells' `KvMoves` in one process, their events delivered to both as the bus would."""
+
+    def __init__(self, a: Engine, b: Engine, transfer, **kw):
+        self.events: list = []
+        self.a = KvMoves(run="r", cell="a", engine=a, transfer=transfer[0], publish=self.deliver,
+                         serving=lambda: True, **kw)
+        self.b = KvMoves(run="r", cell="b", engine=b, transfer=transfer[1], publish=self.deliver,
+                         serving=lambda: True, **kw)
+        self.reach = [self.a, self.b]
+        for m in self.reach:
+            m.caught_up.set()
+
+    async def deliver(self, event) -> None:
+        self.events.append(event)
+        for m in self.reach:
+            await m.handle(event)
+
+
+def _switch(*routes: tuple[str, str]) -> schemas.CellSwitch:
+    return schemas.CellSwitch(event_id="r:cell:a:switch:0", cell="a", seq=0, from_role="rollout", to_role="training",
+                              reason="test", moved=tuple(schemas.Route(execution=e, cell=c) for e, c in routes),
+                              route_seq=4)
+
+
+async def test_a_moved_block_of_another_version_is_pulled_dropped_and_its_request_let_go(model_dir, transfer):
+    a, b = Engine(EngineConfig(model_dir=model_dir)), Engine(EngineConfig(model_dir=model_dir, initial_version=1))
+    _first_and_next(a)  # "ex" has a prefix at a
+    cells = _Cells(a, b, transfer, hold_s=0.5, confirm_s=5.0)
+    held = asyncio.create_task(cells.b.hold("ex", "a", 4))  # its request came first
+    pulled = await cells.a.offer(_switch(("ex", "b"), ("paused", ""), ("none-kept", "b")))
+    (offer,) = [e for e in cells.events if isinstance(e, schemas.KvOffered)]
+    (answer,) = [e for e in cells.events if isinstance(e, schemas.KvPulled)]
+    assert [(x.execution, x.to_cell, x.policy_version) for x in offer.blocks] == [("ex", "b", 0)]
+    assert pulled == answer.bytes == offer.blocks[0].bytes > 0  # pulled and verified, then dropped
+    assert answer.tokens == 0 and "policy version 0" in answer.error
+    assert b.counters() == {"prefill_tokens": 0, "kv_imported_tokens": 0, "kv_dropped": 1}
+    await asyncio.wait_for(held, 1.0)
+    for _ in range(100):  # withdrawn once answered; freed as the reader's lease ends (its verdict byte)
+        if transfer[0].exposed() == []:
+            break
+        await asyncio.sleep(0.02)
+    assert transfer[0].exposed() == []
+    t0 = asyncio.get_running_loop().time()
+    await cells.b.hold("none-kept", "a", 4)  # not in the offer: at once
+    await cells.b.hold("ex", "a", 5)  # an offer that never comes: the bound
+    assert 0.45 < asyncio.get_running_loop().time() - t0 < 2.0
+
+
+async def test_blocks_nobody_answers_for_are_freed_after_confirm_s(model_dir, transfer):
+    a = Engine(EngineConfig(model_dir=model_dir))
+    _first_and_next(a)
+    cells = _Cells(a, a, transfer, confirm_s=0.3)
+    cells.reach = [cells.a]  # cell b is gone
+    t0 = asyncio.get_running_loop().time()
+    assert await cells.a.offer(_switch(("ex", "b"))) == 0
+    assert asyncio.get_running_loop().time() - t0 >= 0.3  # it waited for an answer, then gave up
+    assert transfer[0].exposed() == []
+    assert a.export_kv("ex") is not None  # the engine's own copy goes with the switch's release_engine
+
+
+async def test_an_offer_without_blocks_still_tells_the_new_cell_nothing_comes(model_dir, transfer):
+    a = Engine(EngineConfig(model_dir=model_dir))
+    cells = _Cells(a, a, transfer, hold_s=5.0, confirm_s=5.0)
+    held = asyncio.create_task(cells.b.hold("never-served", "a", 4))
+    t0 = asyncio.get_running_loop().time()
+    assert await cells.a.offer(_switch(("never-served", "b"))) == 0  # no prefix kept: nothing to wait for
+    await asyncio.wait_for(held, 1.0)
+    assert asyncio.get_running_loop().time() - t0 < 1.0
+    (offer,) = cells.events
+    assert isinstance(offer, schemas.KvOffered) and offer.blocks == () and offer.route_seq == 4

@@ -109,6 +109,13 @@ def test_elastic_switches_by_the_water_level_and_its_trace_replays_to_the_publis
     assert [[(r.execution, r.cell) for r in e.routes] for e in routes] == [
         [(x[0], x[2]) for x in a["executions"]] if a["action"] == "dispatch" else [tuple(r) for r in a["routes"]]
         for a in traced_routes]
+    # A switch carries the reroute published just before it (the executions it moves, whose
+    # KV blocks the cell hands to their new cells).
+    for e in switches:
+        if e.route_seq >= 0:
+            assert e.moved == routes[e.route_seq].routes and e.moved[0].reason.startswith(f"{e.cell} to "), e
+    moving = [e for e in routes if e.routes[0].reason.startswith("cell")]
+    assert sorted(e.seq for e in moving) == sorted(e.route_seq for e in switches if e.route_seq >= 0)
 
     # Cells left rollout by the water level: at each such switch, recomputed from the trace's
     # own lines, w(t) = dispatched − finished ≤ C_R(t) − C_e over the cells serving then.

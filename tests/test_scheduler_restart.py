@@ -129,3 +129,32 @@ def test_a_trace_of_another_schedule_is_refused(nats_server, run_id, tmp_path):
                                 tasks=["t"])
     with pytest.raises(FatalError, match="another schedule"):
         other.open_trace()
+
+
+async def test_a_switch_carries_the_reroute_published_just_before_it(tmp_path):
+    """`cell.switch` names the executions the reroute before it moved and that route's seq:
+    the cell hands their KV blocks to their new cells (handlers.transfer.kv_move)."""
+    from gyre.control import facts as F
+
+    class Recording:
+        def __init__(self):
+            self.events = []
+
+        async def publish(self, event):
+            self.events.append(event)
+            return True
+
+    bus = Recording()
+    offline = type("Server", (), {"url": "nats://127.0.0.1:9", "token": None})
+    sched = scheduler.Scheduler(config("r1", tmp_path, offline), bus, ["t"])
+    sched.route_seq = 3
+    moved = F.Reroute(routes=(F.Route(execution="s0-g0-e0", engine="cell1"), F.Route(execution="s0-g0-e1", engine=None)),
+                      reason="cell0 to training")
+    back = F.Switch(cell="cell1", from_role="training", to_role="rollout", reason="return", step=0)
+    await sched.act([moved, F.Switch(cell="cell0", from_role="rollout", to_role="training", reason="water level",
+                                     step=0), F.OpenStep(step=1), back])
+    route, switch, other = bus.events
+    assert route.seq == switch.route_seq == 3
+    assert switch.moved == route.routes == (schemas.Route(execution="s0-g0-e0", cell="cell1", reason="cell0 to training"),
+                                            schemas.Route(execution="s0-g0-e1", cell="", reason="cell0 to training"))
+    assert (other.cell, other.moved, other.route_seq) == ("cell1", (), -1)  # not after that reroute

@@ -8,22 +8,23 @@ import pytest
 from gyre.control.switch import SwitchAction, SwitchPlan, durations, plan_switch
 
 
-def test_rollout_to_training_on_the_core_cell():
+def test_rollout_to_training_on_the_core_cell_frees_the_engine_and_restores_the_trainer():
     assert plan_switch("rollout", "training", core=True) == SwitchPlan(
-        "rollout", "training", release=("stop_serving", "flush_cache"), load=("load_trainer",),
+        "rollout", "training", release=("stop_serving", "move_kv", "release_engine"), load=("restore_trainer",),
         resume=("start_training",))
 
 
-def test_rollout_to_training_on_a_satellite_builds_a_trainer_and_claims():
+def test_rollout_to_training_on_a_satellite_frees_the_engine_builds_a_trainer_and_claims():
     assert plan_switch("rollout", "training", core=False) == SwitchPlan(
-        "rollout", "training", release=("stop_serving", "flush_cache"), load=("load_trainer",),
+        "rollout", "training", release=("stop_serving", "move_kv", "release_engine"), load=("load_trainer",),
         resume=("start_training",))
 
 
-@pytest.mark.parametrize("core,release", [(True, ("stop_training",)), (False, ("stop_training", "release_trainer"))])
-def test_training_to_rollout_loads_the_newest_weights_then_serves(core, release):
+@pytest.mark.parametrize("core,release", [(True, ("stop_training", "offload_trainer")),
+                                          (False, ("stop_training", "release_trainer"))])
+def test_training_to_rollout_frees_the_trainer_restores_the_engine_then_serves(core, release):
     assert plan_switch("training", "rollout", core=core) == SwitchPlan(
-        "training", "rollout", release=release, load=("load_weights",), resume=("start_serving",))
+        "training", "rollout", release=release, load=("restore_engine",), resume=("start_serving",))
 
 
 @pytest.mark.parametrize("role", ["idle", "rollout", "training"])

@@ -1,24 +1,32 @@
 """What a cell's switch means: the roles, what each holds, and the phases of a switch.
 
 A cell is one long-lived process; a switch changes what it holds, never the process
-(DESIGN.md "Cells and engines"). Roles (`schemas.cell.CellRole`):
+(DESIGN.md "Cells and engines"). Roles (`schemas.cell.CellRole`) and what each holds:
 - `idle`: before the cell has announced itself; it holds nothing.
-- `rollout`: the cell's engine serves generation: its HTTP server answers and it keeps
-  per-execution prefix KV caches.
-- `training`: the cell's trainer replica claims micro-steps. The core cell's trainer (the
-  authoritative model and the only AdamW state) lives from the core's start and is kept
-  across switches; a satellite builds a trainer when it switches to training (its weights
-  are pulled from the core's snapshot when it first claims) and frees it when it leaves.
-The engine's weights stay loaded in every role, and its HTTP server stays bound (it
-answers 503 while the cell does not serve).
+- `rollout`: the engine's weights and its per-execution prefix KV caches; its HTTP server
+  answers. No trainer state: a satellite holds no trainer, and the core's trainer is
+  offloaded to disk (its newest checkpoint plus the gradient of the step in flight), restored
+  only for the moments it must add a satellite's contribution or apply a step.
+- `training`: the trainer's weights and gradient (the core's also the only AdamW state); the
+  trainer replica claims micro-steps. No engine state: the engine's weights and KV caches are
+  freed, and its HTTP server, still bound, answers 503.
 
 A switch from role A to role B (`plan_switch`) runs three phases, in order:
-- release: stop what A does (rollout: stop serving, then drop the KV caches; training:
-  stop claiming micro-steps, then, on a satellite, free its trainer);
-- load: bring in what B needs (training: the trainer, when the cell has none yet;
-  rollout: the newest published weights, when newer than the engine's);
-- resume: start B's work (training: take micro-steps; rollout: serve).
-The cell reports the measured `durations` of a switch in `cell.switched`.
+- release: stop what A does and free what A holds. Leaving rollout: `stop_serving` (new
+  requests get 503), then `move_kv` (the prefix KV of the executions the scheduler moved is
+  handed to their new cells: offered, pulled, freed once confirmed; before the release,
+  which frees every KV cache), then `release_engine` (calls in flight are aborted, the
+  weights and every KV cache freed). Leaving training: `stop_training` (a satellite returns
+  its contribution), then `offload_trainer` (the core: state to disk, trainer freed) or
+  `release_trainer` (a satellite: its trainer freed);
+- load: bring in what B needs. Training: `restore_trainer` (the core: from disk, optimizer
+  state included) or `load_trainer` (a satellite: a trainer, and the weights of the step in
+  flight, pulled from the core's snapshot); rollout: `restore_engine` (the newest published
+  version, loaded into the released engine whatever its version, before any request);
+- resume: start B's work (`start_training`: take micro-steps; `start_serving`: serve).
+The cell reports the measured `durations` of a switch in `cell.switched`, and its `bytes`:
+the tensor storage freed by the release, the snapshot bytes pulled and the KV bytes the
+destinations pulled.
 
 Pure: no torch, no asyncio; the cell (handlers/cell.py) executes the plan's actions.
 """
@@ -29,8 +37,9 @@ from typing import Literal
 
 from schemas.cell import CellRole
 
-SwitchAction = Literal["stop_serving", "flush_cache", "stop_training", "release_trainer", "load_trainer",
-                       "load_weights", "start_training", "start_serving"]
+SwitchAction = Literal["stop_serving", "move_kv", "release_engine", "stop_training", "offload_trainer",
+                       "release_trainer", "restore_trainer", "load_trainer", "restore_engine", "start_training",
+                       "start_serving"]
 """One thing a cell does during a switch; see the module docstring for each."""
 
 
@@ -47,20 +56,20 @@ class SwitchPlan:
 
 def plan_switch(from_role: CellRole, to_role: CellRole, *, core: bool) -> SwitchPlan:
     """The plan of a switch from `from_role` to `to_role` of a cell (`core`: the core cell,
-    whose trainer outlives its switches). A switch to the role the cell has is empty."""
+    whose trainer outlives its switches on disk). A switch to the role the cell has is empty."""
     if from_role == to_role:
         return SwitchPlan(from_role, to_role, (), (), ())
     release: tuple[SwitchAction, ...] = ()
     if from_role == "rollout":
-        release = ("stop_serving", "flush_cache")
+        release = ("stop_serving", "move_kv", "release_engine")
     elif from_role == "training":
-        release = ("stop_training",) if core else ("stop_training", "release_trainer")
+        release = ("stop_training", "offload_trainer" if core else "release_trainer")
     load: tuple[SwitchAction, ...] = ()
     resume: tuple[SwitchAction, ...] = ()
     if to_role == "training":
-        load, resume = ("load_trainer",), ("start_training",)
+        load, resume = ("restore_trainer" if core else "load_trainer",), ("start_training",)
     elif to_role == "rollout":
-        load, resume = ("load_weights",), ("start_serving",)
+        load, resume = ("restore_engine",), ("start_serving",)
     return SwitchPlan(from_role, to_role, release, load, resume)
 
 

@@ -20,6 +20,11 @@ Contract (DESIGN.md "Cells and engines"):
   bounded by executions and tokens); the next call with the same execution prefills
   only the ids after the longest common prefix. A weight update or `flush_cache()`
   drops every cached prefix, since it was computed with other weights.
+- `drain()` aborts the requests in flight and waits for them to end (their prefix KV kept,
+  so a cell leaving rollout can hand it over); `release()` drains, then frees the live
+  weights and every prefix KV cache (a cell leaving rollout, DESIGN.md "Cells and
+  engines"); until the next `load_weights` / `load_tensors` (which always loads, whatever
+  the version) `generate` raises EngineReleased.
 
 Never imports aiohttp or nats; `handlers/engines/embedded.py` puts it behind SGLang's
 native HTTP API.
@@ -29,47 +34,28 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
-import json
 import random
 import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import structlog
 import torch
 
 from gyre.serving.kv import KvBlocks
+from gyre.serving.model import checkpoint_files
+from gyre.serving.request import (  # noqa: F401 - EngineError, SamplingParams: re-exported
+    EngineError, EngineReleased, FinishType, GenerateRequest, GenerateResult, InvalidRequest, NoTokenizer,
+    PromptTooLong, SamplingParams, WeightLoadError,
+)
+from gyre.serving.sampling import nucleus_mask, sample_token  # noqa: F401 - nucleus_mask: re-exported
 from gyre.serving.settings import EngineSettings
+from gyre.serving.storage import Layout, alloc_parameters, free_parameters
 from gyre.serving.tokenizer import fast_decoder, stop_hit, stop_window
-from schemas.call import GREEDY_BELOW
 
 log = structlog.get_logger(__name__)
-
-FinishType = Literal["stop", "length", "abort"]
-
-
-class EngineError(Exception):
-    """Base of the errors `Engine` raises on purpose."""
-
-
-class InvalidRequest(EngineError):
-    """The request is malformed (empty prompt, id outside the vocabulary, bad sampling, duplicate rid)."""
-
-
-class NoTokenizer(EngineError):
-    """A request has stop strings and the engine's checkpoint has no tokenizer to decode
-    with (a setup fault of the engine, not of the request)."""
-
-
-class PromptTooLong(InvalidRequest):
-    """The prompt has more ids than `EngineConfig.max_context_tokens`."""
-
-
-class WeightLoadError(EngineError):
-    """A checkpoint could not be read or does not fit the live model (names, shapes)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,114 +97,6 @@ class EngineConfig(EngineSettings):
             raise ValueError(f"kv_cache_tokens must be >= 0, got {self.kv_cache_tokens}")
         if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(f"dtype must name a torch dtype, got {self.dtype!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Sampling of one request. temperature >= 0 (0 = greedy); top_p in (0, 1], 1 = off;
-    top_k: -1 or 0 = off, else >= 1; max_new_tokens >= 0; stop_token_ids add to the
-    engine's stop ids unless ignore_eos; stop: stop strings (non-empty; honoured with
-    ignore_eos too); seed None = drawn from the engine's seeded stream."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 256
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise InvalidRequest(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
-        if self.max_new_tokens < 0:
-            raise InvalidRequest(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if not all(isinstance(x, str) and x for x in self.stop):
-            raise InvalidRequest(f"stop must hold non-empty strings, got {self.stop!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateRequest:
-    """One call. rid: unique among in-flight requests. input_ids: (P,) prompt ids, P >= 1.
-    execution: sticky key of the per-execution prefix KV cache, or None for no caching."""
-
-    rid: str
-    input_ids: tuple[int, ...]
-    sampling: SamplingParams = SamplingParams()
-    execution: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateResult:
-    """Outcome of one call.
-
-    output_ids: (C,) sampled ids, stop token included when finish == "stop".
-    logprobs: (C,) behaviour log-probs, natural log, of log_softmax(logits / T).
-    finish: "stop" | "length" | "abort"; matched_stop: the stop id, or the stop string, that
-      ended it when finish == "stop".
-    versions: policy-version spans ((start, end, version), ...), half-open, covering [0, C).
-    weight_version: the engine's policy version when the call finished.
-    cached_tokens: prompt ids served from the execution's prefix KV cache (not prefilled).
-    e2e_latency_s / queue_s: seconds from entry to result / waiting for the first forward.
-    """
-
-    rid: str
-    output_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    finish: FinishType
-    matched_stop: int | str | None
-    prompt_tokens: int
-    cached_tokens: int
-    versions: tuple[tuple[int, int, int], ...]
-    weight_version: int
-    e2e_latency_s: float
-    queue_s: float
-
-
-def sample_token(logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
-    """Draws the next id from `logits: (V,) float32`.
-
-    Returns (id, behaviour log-prob) where the log-prob is log_softmax(logits / T)[id],
-    i.e. before top-k/top-p truncation; for T below `schemas.call.GREEDY_BELOW` (0 among
-    them) the id is argmax and the log-prob is under T = 1, as SGLang does. Truncation:
-    keep the k most likely ids, renormalise, then keep the smallest prefix (by descending
-    probability) whose mass reaches top_p (always >= 1 id).
-    """
-    if sp.temperature < GREEDY_BELOW:  # greedy, as SGLang samples T below it
-        token = int(torch.argmax(logits))
-        return token, float(torch.log_softmax(logits, dim=-1)[token])
-    logp = torch.log_softmax(logits / sp.temperature, dim=-1)  # (V,)
-    probs = logp.exp()
-    vocab = probs.shape[-1]
-    k = sp.top_k if 0 < sp.top_k < vocab else vocab
-    if k == vocab and sp.top_p >= 1.0:
-        token = int(torch.multinomial(probs, 1, generator=generator))
-    else:
-        if k < vocab:
-            top, idx = torch.topk(probs, k)  # sorted descending
-        else:
-            top, idx = torch.sort(probs, descending=True)
-        kept = top * nucleus_mask(top, sp.top_p)
-        token = int(idx[int(torch.multinomial(kept, 1, generator=generator))])
-    return token, float(logp[token])
-
-
-def nucleus_mask(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """(N,) bool: which of `sorted_probs` (descending, any positive scale) top-p keeps.
-
-    An id is kept when the renormalised mass strictly before it is < top_p (Holtzman et
-    al. 2020, nucleus sampling); the most likely id is always kept.
-    """
-    p = sorted_probs / sorted_probs.sum()
-    before = torch.cumsum(p, dim=-1) - p
-    keep = before < top_p
-    keep[0] = True
-    return keep
 
 
 class _FifoLock:
@@ -263,19 +141,6 @@ def _lcp(a: list[int], b: tuple[int, ...]) -> int:
     return i
 
 
-def _checkpoint_files(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / s for s in shards]
-    single = path / "model.safetensors"
-    if single.exists():
-        return [single]
-    raise WeightLoadError(f"no model.safetensors or model.safetensors.index.json in {path}")
-
-
 class Engine:
     """A HF causal LM served token-in, token-out; see the module docstring for the contract."""
 
@@ -297,10 +162,14 @@ class Engine:
         self._seeds = random.Random(cfg.seed)
         self._decode = None  # the checkpoint tokenizer's decode for stop strings (first use); False: none
         self._decode_lock = threading.Lock()
+        self._released: Layout | None = None  # the freed parameters' layout while released
+        self._weights = threading.Lock()  # one weight change at a time: a load or a release
         self.prefilled_tokens = 0
         """Prompt ids run through the model (cached prefix ids are not), over the engine's life."""
         self.kv_dropped = 0
         """Imported KV blocks dropped because another policy version computed them."""
+        self.kv_imported_tokens = 0
+        """Positions of imported KV blocks kept (`import_kv`), over the engine's life."""
         log.info("engine.loaded", model_dir=cfg.model_dir, vocab=self.vocab_size, version=self._version)
 
     @property
@@ -312,6 +181,39 @@ class Engine:
     def version(self) -> int:
         """Alias of `weight_version`."""
         return self._version
+
+    @property
+    def released(self) -> bool:
+        """Whether the weights are freed (`release`) and not loaded again."""
+        return self._released is not None
+
+    def release(self, drain_s: float = 10.0) -> None:
+        """Abort the requests in flight and wait up to `drain_s` for them to leave (`drain`),
+        then free the live weights and every prefix KV cache (module docstring). Idempotent."""
+        self.drain(drain_s)
+        with self._weights, self._step, self._state:
+            self._prefixes.clear()
+            self._epoch += 1  # KV a request still in flight computed is never kept
+            if self._released is None:
+                self._released = free_parameters(self.model)
+        log.info("engine.released", version=self._version)
+
+    def drain(self, timeout_s: float = 10.0) -> bool:
+        """Abort every request in flight and wait up to `timeout_s` for them to end; each
+        keeps its execution's prefix KV as a finished call does. Returns whether none is left."""
+        self.abort_all()
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self.in_flight()
+
+    def counters(self) -> dict[str, int]:
+        """The engine's counters over its life: `prefill_tokens` (prompt ids run through the
+        model), `kv_imported_tokens` (positions of imported KV blocks kept), `kv_dropped`
+        (imported blocks dropped: another policy version computed them)."""
+        with self._state:
+            return {"prefill_tokens": self.prefilled_tokens, "kv_imported_tokens": self.kv_imported_tokens,
+                    "kv_dropped": self.kv_dropped}
 
     def in_flight(self) -> dict[str, int]:
         """rid -> completion tokens generated so far, for every request being served."""
@@ -356,10 +258,8 @@ class Engine:
         path = Path(path)
         try:
             state: dict[str, torch.Tensor] = {}
-            for f in _checkpoint_files(path):
+            for f in checkpoint_files(path):
                 state.update(load_file(str(f)))
-        except WeightLoadError:
-            raise
         except Exception as e:  # unreadable file, bad header
             raise WeightLoadError(f"cannot read checkpoint {path}: {e}") from e
         self._swap(state, version, f"checkpoint {path}")
@@ -372,7 +272,36 @@ class Engine:
         self._swap(state, version, f"snapshot of version {version}")
 
     def _swap(self, state: dict[str, torch.Tensor], version: int, path: str) -> None:
-        """Check `state` against the live model, then copy it in under the step lock."""
+        """Check `state` against the live model, then copy it in under the step lock (a
+        released model gets storage again first, and loses it again when `state` does not fit)."""
+        with self._weights:
+            released = self._released
+            if released is not None:
+                with self._step:
+                    alloc_parameters(self.model, released)
+            try:
+                self._check(state, path)
+            except WeightLoadError:
+                if released is not None:
+                    with self._step:
+                        free_parameters(self.model)
+                raise
+            live = self.model.state_dict()
+            with self._step, torch.no_grad():
+                for name, tensor in state.items():
+                    live[name].copy_(tensor)
+                with self._state:
+                    previous = self._version
+                    self._version = int(version)
+                    self._epoch += 1
+                    self._prefixes.clear()
+                    self._released = None
+        log.info("engine.weights.loaded", source=path, version=int(version), previous=previous,
+                 restored=released is not None)
+
+    def _check(self, state: dict[str, torch.Tensor], path: str) -> None:
+        """WeightLoadError unless `state` names only live tensors, with their shapes, and
+        every live tensor (tied ones count as covered by their twin)."""
         live = self.model.state_dict()
         unknown = sorted(set(state) - set(live))
         if unknown:
@@ -386,15 +315,6 @@ class Engine:
         missing = sorted(n for n in set(live) - set(state) if live[n].data_ptr() not in covered)
         if missing:
             raise WeightLoadError(f"{path} lacks tensors: {missing[:5]}")
-        with self._step, torch.no_grad():
-            for name, tensor in state.items():
-                live[name].copy_(tensor)
-            with self._state:
-                previous = self._version
-                self._version = int(version)
-                self._epoch += 1
-                self._prefixes.clear()
-        log.info("engine.weights.loaded", source=path, version=int(version), previous=previous)
 
     def export_kv(self, execution: str, block_tokens: int = 64) -> KvBlocks | None:
         """The prefix KV cache kept for `execution` as blocks (gyre.serving.kv) tagged with
@@ -411,15 +331,18 @@ class Engine:
 
     def import_kv(self, execution: str, blocks: KvBlocks) -> bool:
         """Keep `blocks` as `execution`'s prefix KV cache, so its next call prefills only the
-        ids after them. Blocks computed by another policy version than the one served are
-        dropped and counted (`kv_dropped`): the prefix is then recomputed. Returns whether
-        they were kept. Raises InvalidRequest when they do not fit the model."""
+        ids after them (counted in `kv_imported_tokens`). Blocks computed by another policy
+        version than the one served are dropped and counted (`kv_dropped`): the prefix is then
+        recomputed. Returns whether they were kept. Raises InvalidRequest when they do not fit
+        the model."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
         if len(blocks.keys) != len(cache.layers):
             raise InvalidRequest(f"KV blocks of {len(blocks.keys)} layers, the model has {len(cache.layers)}")
         with self._state:
+            if self._released is not None:
+                return False
             if blocks.version != self._version:
                 self.kv_dropped += 1
                 log.info("engine.kv.dropped", execution=execution, blocks_version=blocks.version,
@@ -433,7 +356,10 @@ class Engine:
                 self.kv_dropped += 1
                 return False
             epoch = self._epoch
-        self._put_prefix(execution, list(blocks.ids), cache, epoch)
+        if not self._put_prefix(execution, list(blocks.ids), cache, epoch):
+            return False
+        with self._state:
+            self.kv_imported_tokens += len(blocks.ids)
         return True
 
     def generate(self, req: GenerateRequest, cancel: threading.Event | None = None) -> GenerateResult:
@@ -442,9 +368,12 @@ class Engine:
 
         Raises InvalidRequest (empty prompt, id outside [0, vocab), duplicate rid in
         flight), PromptTooLong (P > max_context_tokens) and NoTokenizer (stop strings, and
-        no tokenizer in model_dir).
+        no tokenizer in model_dir), EngineReleased (`release` freed the weights).
         """
         t0 = time.monotonic()
+        if self._released is not None:
+            raise EngineReleased("this engine's weights are released (its cell left rollout); it serves again "
+                                 "once a policy version is loaded")
         self._validate(req)
         flight = _Flight(cancel=cancel or threading.Event())
         with self._state:
@@ -484,18 +413,21 @@ class Engine:
             entry.cache.crop(-(len(entry.ids) - reuse))  # negative = drop that many from the end
         return entry.cache, reuse, epoch
 
-    def _put_prefix(self, execution: str, ids: list[int], cache: object, epoch: int) -> None:
+    def _put_prefix(self, execution: str, ids: list[int], cache: object, epoch: int) -> bool:
+        """Keep `cache` as the execution's prefix; False when it is not kept (no room, or
+        computed under other weights)."""
         if self.cfg.kv_cache_executions == 0 or len(ids) > self.cfg.kv_cache_tokens:
-            return
+            return False
         with self._state:
             if epoch != self._epoch:  # weights changed during the call: the KV is mixed
-                return
+                return False
             self._prefixes.pop(execution, None)
             self._prefixes[execution] = _Prefix(ids=ids, cache=cache, epoch=epoch)
             total = sum(len(p.ids) for p in self._prefixes.values())
             while len(self._prefixes) > self.cfg.kv_cache_executions or total > self.cfg.kv_cache_tokens:
                 _, evicted = self._prefixes.popitem(last=False)
                 total -= len(evicted.ids)
+        return True
 
     def _forward(self, ids: list[int], cache: object) -> torch.Tensor:
         """Runs `ids` through the model appending to `cache`; returns last logits (V,) float32."""
@@ -546,6 +478,7 @@ class Engine:
         fed = list(req.input_ids[:cached])  # ids whose KV `cache` holds
         pending = list(req.input_ids[cached:])  # ids of the next forward
         mixed = False  # True once the KV spans a weight update: then it is never kept
+        prefilled = 0
         with torch.inference_mode():
             while len(out) < budget:
                 # long prompts go in chunks, each its own turn of the step lock, so other
@@ -554,7 +487,7 @@ class Engine:
                 with self._step:
                     if queue_s is None:
                         queue_s = time.monotonic() - t0
-                    if flight.cancel.is_set():
+                    if flight.cancel.is_set() or self._released is not None:
                         finish = "abort"
                         break
                     if not fed:
@@ -567,6 +500,7 @@ class Engine:
                     version = self._version
                     if len(fed) < len(req.input_ids):
                         self.prefilled_tokens += len(chunk)
+                        prefilled += len(chunk)
                 fed.extend(chunk)
                 pending = pending[len(chunk) :]
                 if pending:
@@ -602,6 +536,7 @@ class Engine:
             weight_version=self._version,
             e2e_latency_s=time.monotonic() - t0,
             queue_s=queue_s or 0.0,
+            prefilled_tokens=prefilled,
         )
         bound.info(
             "engine.call.finished",

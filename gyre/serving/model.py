@@ -194,6 +194,21 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32):
     return model.eval()
 
 
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: `path` itself when it is a file, else the
+    shards its index names, else its `model.safetensors`. Raises FileNotFoundError."""
+    if path.is_file():
+        return [path]
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
 TOKENIZER_SETS = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",), ("vocab.txt",))
 """Files of which one complete set makes a tokenizer (a fast tokenizer's tokenizer.json, BPE
 vocabulary and merges, a SentencePiece model, a WordPiece vocabulary)."""

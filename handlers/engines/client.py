@@ -148,6 +148,7 @@ class EngineClient:
         execution: str | None = None,
         return_logprob: bool = True,
         timeout_s: float | None = None,
+        kv_from: dict | None = None,
     ) -> dict:
         """POST /generate. input_ids: (P,) prompt ids, a list or a 1-D integer array
         (serialised as a JSON list either way, without a copy into Python ints), or that JSON
@@ -159,8 +160,9 @@ class EngineClient:
         "gyre_versions", ...}}. Cancelling the await closes the connection, and the engine
         aborts the request. timeout_s: seconds the whole request may take (a non-streamed
         /generate is silent until it ends, so the session's socket-read bound does not
-        apply); None = unbounded. Sent over `self.connections` (module docstring), connecting
-        within the session's connect bound."""
+        apply); None = unbounded. kv_from: `{"cell", "route"}` where the moved execution's KV
+        comes from (`gyre_kv_from`, handlers.proxy.router; ignored by SGLang). Sent over
+        `self.connections` (module docstring), connecting within the session's connect bound."""
         body: dict = {
             "input_ids": _ids(input_ids),
             "sampling_params": sampling,
@@ -170,6 +172,8 @@ class EngineClient:
         }
         if execution is not None:
             body["gyre_execution"] = execution
+        if kv_from is not None:
+            body["gyre_kv_from"] = kv_from
         try:
             status, raw = await self.connections.post(
                 "/generate", orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), timeout_s)

@@ -3,7 +3,7 @@
 Routes (bodies are JSON; errors are `{"error": {"message", "type"}}`):
 - `POST /generate` `{"input_ids": [int], "sampling_params": {"temperature", "top_p",
   "top_k", "max_new_tokens", "stop_token_ids", "stop", "seed", "ignore_eos"}, "return_logprob",
-  "rid", "stream": false, "gyre_execution"}` -> `{"text": "", "output_ids", "meta_info":
+  "rid", "stream": false, "gyre_execution", "gyre_kv_from": {"cell", "route"}}` -> `{"text": "", "output_ids", "meta_info":
   {"id", "finish_reason": {"type": "stop", "matched": id or stop string} | {"type": "length", "length":
   n} | {"type": "abort"}, "prompt_tokens", "completion_tokens", "cached_tokens",
   "output_token_logprobs": [[logprob, id, null], ...] (when return_logprob),
@@ -11,14 +11,23 @@ Routes (bodies are JSON; errors are `{"error": {"message", "type"}}`):
   "e2e_latency": seconds, "queue_time": seconds}}`. 400 on a malformed request, 500 when
   the engine cannot serve it (stop strings and no tokenizer in its checkpoint), 503 while
   not serving. Generation runs in a thread pool; when the client goes away the request is
-  aborted in the engine.
-- `GET /health` 200 while serving, 503 otherwise. `GET /get_model_info`,
+  aborted in the engine. `gyre_kv_from` (the proxy's, for the first request of an execution
+  the scheduler moved here from `cell` by route.updated `route`): the request waits, before
+  it reaches the engine, until the hook `set_kv_hold` installed says the execution's KV
+  blocks from that cell are imported or will not come (a bound of its own); without a hook
+  it is ignored.
+- `GET /health` 200 while serving, 503 otherwise. `GET /get_model_info` (with the engine's
+  `counters`: `prefill_tokens`, `kv_imported_tokens`, `kv_dropped`, `Engine.counters`),
   `GET /get_weight_version`, `POST /abort_request {"rid", "abort_all"}`,
   `POST /flush_cache`, `POST /update_weights_from_disk {"model_path", "weight_version"}`
   -> `{"success", "message"}` (400 with success false when the checkpoint does not fit).
 
 `set_serving(app, False)` makes a cell leaving rollout answer 503 on /generate and
-/health; requests already in flight finish (the cell aborts them if it must).
+/health; requests already in flight finish (the cell aborts them if it must). A released
+engine (`Engine.release`) answers /generate with 503 as well.
+
+`EmbeddedHost` is the embedded engine behind this server as a cell holds it
+(gyre.serving.host.EngineHost); `engine` is the `Engine` itself.
 
 Authentication (SGLang's `--api-key` convention, so one client serves both): every route
 but `/health*` demands `Authorization: Bearer <token>`, the run's engine token, and
@@ -38,8 +47,11 @@ import orjson
 import structlog
 from aiohttp import web
 
-from gyre.serving.engine import Engine, EngineError, GenerateRequest, InvalidRequest, SamplingParams, WeightLoadError
+from gyre.serving.engine import (
+    Engine, EngineError, EngineReleased, GenerateRequest, InvalidRequest, SamplingParams, WeightLoadError,
+)
 from gyre.serving.tokenizer import parse_stop
+from handlers.metrics import ENGINE_PREFILL
 
 log = structlog.get_logger(__name__)
 
@@ -47,6 +59,7 @@ ENGINE = web.AppKey("engine", Engine)
 SERVING = web.AppKey("serving", dict)
 POOL = web.AppKey("pool", concurrent.futures.ThreadPoolExecutor)
 API_KEY = web.AppKey("api_key", bytes)
+KV_HOLD = web.AppKey("kv_hold", dict)
 OPEN_PREFIX = "/health"
 """Routes answered without the token (liveness probes), as SGLang exempts them."""
 
@@ -69,6 +82,23 @@ def set_serving(app: web.Application, serving: bool) -> None:
 
 def is_serving(app: web.Application) -> bool:
     return app[SERVING]["on"]
+
+
+def set_kv_hold(app: web.Application, hold) -> None:
+    """`await hold(execution, cell, route)` runs before a request that names the cell its
+    execution's KV blocks come from (`gyre_kv_from`); it returns once they are imported or
+    will not come."""
+    app[KV_HOLD]["fn"] = hold
+
+
+def parse_kv_from(body: dict) -> tuple[str, int] | None:
+    """(cell, route seq) of a request's `gyre_kv_from`, None when absent. Raises InvalidRequest."""
+    kv = body.get("gyre_kv_from")
+    if kv is None:
+        return None
+    if not (isinstance(kv, dict) and isinstance(kv.get("cell"), str) and type(kv.get("route")) is int):
+        raise InvalidRequest("gyre_kv_from must be {\"cell\": string, \"route\": integer}")
+    return kv["cell"], kv["route"]
 
 
 async def _body(request: web.Request) -> dict:
@@ -153,9 +183,16 @@ async def generate(request: web.Request) -> web.Response:
     if not is_serving(app):
         return _error(503, "engine is not serving (cell is not in rollout)", "unavailable")
     try:
-        req, return_logprob = parse_generate(await _body(request))
+        body = await _body(request)
+        req, return_logprob = parse_generate(body)
+        kv_from = parse_kv_from(body)
     except InvalidRequest as e:
         return _error(400, str(e), "invalid_request")
+    hold = app[KV_HOLD].get("fn")
+    if kv_from is not None and hold is not None and req.execution is not None:
+        await hold(req.execution, *kv_from)
+        if not is_serving(app):
+            return _error(503, "engine is not serving (cell is not in rollout)", "unavailable")
     engine = app[ENGINE]
     cancel = threading.Event()
     fut = asyncio.get_running_loop().run_in_executor(app[POOL], engine.generate, req, cancel)
@@ -174,8 +211,11 @@ async def generate(request: web.Request) -> web.Response:
         raise
     except InvalidRequest as e:
         return _error(400, str(e), type(e).__name__)
+    except EngineReleased as e:
+        return _error(503, str(e), "unavailable")
     except EngineError as e:
         return _error(500, str(e), type(e).__name__)
+    ENGINE_PREFILL.inc(res.prefilled_tokens)
     return _json(render_generate(res, return_logprob))
 
 
@@ -199,6 +239,7 @@ async def model_info(request: web.Request) -> web.Response:
         "stop_token_ids": list(cfg.stop_ids),
         "serving": is_serving(request.app),
         "in_flight": len(engine.in_flight()),
+        "counters": engine.counters(),
     })
 
 
@@ -284,6 +325,7 @@ def make_app(engine: Engine, *, api_key: str, max_workers: int = 256) -> web.App
     app[API_KEY] = api_key.encode("utf-8")
     app[ENGINE] = engine
     app[SERVING] = {"on": True}
+    app[KV_HOLD] = {}
     app[POOL] = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="engine")
 
     async def _shutdown(app: web.Application) -> None:
@@ -315,3 +357,65 @@ async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0, *,
     url = f"http://{bound_host}:{bound_port}"
     log.info("engine.server.started", url=url, model_dir=engine.cfg.model_dir)
     return app, runner, url
+
+
+class EmbeddedHost:
+    """The embedded engine and its server, as a cell holds them (gyre.serving.host.EngineHost).
+    api_key: the run's engine token the server demands."""
+
+    def __init__(self, engine: Engine, *, api_key: str) -> None:
+        self.engine = engine
+        self.api_key = api_key
+        self.url = ""
+        self._app: web.Application | None = None
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self._app, self._runner, self.url = await serve(self.engine, host=host, port=port, api_key=self.api_key)
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def set_serving(self, on: bool) -> None:
+        assert self._app is not None, "start() the host first"
+        set_serving(self._app, on)
+
+    @property
+    def serving(self) -> bool:
+        return self._app is not None and is_serving(self._app)
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    @property
+    def released(self) -> bool:
+        return self.engine.released
+
+    def drain(self, timeout_s: float = 10.0) -> bool:
+        return self.engine.drain(timeout_s)
+
+    def release(self) -> None:
+        self.engine.release()
+
+    def load_tensors(self, tensors, version: int) -> None:
+        self.engine.load_tensors(tensors, version)
+
+    def load_weights(self, path, version: int) -> None:
+        self.engine.load_weights(path, version)
+
+    def export_kv(self, execution: str, block_tokens: int = 64):
+        return self.engine.export_kv(execution, block_tokens)
+
+    def import_kv(self, execution: str, blocks) -> bool:
+        return self.engine.import_kv(execution, blocks)
+
+    def set_kv_hold(self, hold) -> None:
+        assert self._app is not None, "start() the host first"
+        set_kv_hold(self._app, hold)
+
+    def counters(self) -> dict[str, int]:
+        return self.engine.counters()

@@ -44,7 +44,16 @@ a call in Qwen3's format: `<tool_call>\n{"name": ..., "arguments": {...}}\n</too
 
 CLI: `python -m handlers.engines.scripted --script file.jsonl --port N` where each line is
 a JSON string or an object with a `text` field, or a rule object (`turns` plus
-conditions), which makes the file a playbook.
+conditions), which makes the file a playbook (`ScriptedEngine.from_script`).
+
+Behind a cell (recipe `engine.kind = "scripted"`, `engine.script = <that file>`) it is the
+cell's engine host (gyre.serving.host.EngineHost): `set_serving(False)` and `release()`
+make `/generate` and `/health` answer 503 until it serves again; a load (`load_tensors`,
+`load_weights`) sets the policy version it reports; `drain()` aborts the generations in
+flight; it keeps no KV (`export_kv` is None, `import_kv` False, and a moved execution's
+`gyre_kv_from` hint is ignored: no request waits for blocks); `counters()` counts the prompt
+ids it answered (`prefill_tokens`; `kv_imported_tokens` and `kv_dropped` stay 0), also on
+`GET /get_model_info`.
 """
 from __future__ import annotations
 
@@ -104,6 +113,74 @@ class ScriptedEngine:
         self.gate: asyncio.Event | None = None
         self._runner: web.AppRunner | None = None
         self.url = ""
+        self._serving = True
+        self._released = False
+        self.prefill_tokens = 0
+
+    @classmethod
+    def from_script(cls, path: str | Path, tokenizer: Any, **kw) -> "ScriptedEngine":
+        """The engine a script file makes (module docstring: texts, or playbook rules).
+        Raises ValueError (a file that mixes both, or a bad line), OSError."""
+        texts, rules = _load(path)
+        if rules and texts:
+            raise ValueError(f"{path}: mixes completion texts and playbook rules")
+        if rules:
+            return cls(tokenizer, callback=Playbook(rules).callback(tokenizer), **kw)
+        if not texts:
+            raise ValueError(f"{path}: holds no completion text and no playbook rule")
+        return cls(tokenizer, texts, **kw)
+
+    # -- the engine-host interface (gyre.serving.host.EngineHost) ------------------------------
+    def set_serving(self, on: bool) -> None:
+        self._serving = bool(on)
+
+    @property
+    def serving(self) -> bool:
+        return self._serving
+
+    @property
+    def version(self) -> int:
+        return self.policy_version
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def drain(self, timeout_s: float = 10.0) -> bool:
+        self.aborted.update(self._in_flight)
+        deadline = time.monotonic() + timeout_s
+        while self._in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._in_flight
+
+    def release(self) -> None:
+        self._released = True
+        self.drain(0.0)
+
+    def load_tensors(self, tensors, version: int) -> None:
+        self.policy_version, self._released = int(version), False
+
+    def load_weights(self, path, version: int) -> None:
+        self.policy_version, self._released = int(version), False
+
+    def export_kv(self, execution: str, block_tokens: int = 64) -> None:
+        return None
+
+    def import_kv(self, execution: str, blocks) -> bool:
+        return False
+
+    def set_kv_hold(self, hold) -> None:
+        """Ignored: no KV is imported here, so no request waits for it."""
+
+    def counters(self) -> dict[str, int]:
+        return {"prefill_tokens": self.prefill_tokens, "kv_imported_tokens": 0, "kv_dropped": 0}
+
+    def _unavailable(self) -> web.Response | None:
+        if self._serving and not self._released:
+            return None
+        why = "released" if self._released else "not serving"
+        return web.json_response({"error": {"message": f"engine is {why} (cell is not in rollout)",
+                                            "type": "unavailable"}}, status=503)
 
     def fail_next(self, n: int, status: int = 503) -> None:
         """Answer the next n /generate calls with HTTP `status` (before scripting)."""
@@ -146,6 +223,9 @@ class ScriptedEngine:
         return [round(-rng.expovariate(2.0) - 1e-4, 6) for _ in ids]
 
     async def generate(self, request: web.Request) -> web.Response:
+        unavailable = self._unavailable()
+        if unavailable is not None:
+            return unavailable
         try:
             body = orjson.loads(await request.read())
         except orjson.JSONDecodeError:
@@ -153,6 +233,7 @@ class ScriptedEngine:
         if not isinstance(body, dict) or not isinstance(body.get("input_ids"), list) or not body["input_ids"]:
             return web.json_response({"error": {"message": "input_ids must be a non-empty list"}}, status=400)
         self.requests.append(body)
+        self.prefill_tokens += len(body["input_ids"])
         rid = str(body.get("rid") or f"scripted-{len(self.requests)}")
         if self._fail:
             status = self._fail.pop(0)
@@ -230,14 +311,15 @@ class ScriptedEngine:
         return web.json_response({"success": True, "aborted": int(in_flight)})
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
+        return self._unavailable() or web.Response(text="ok")
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         return web.Response(text="Cache flushed.")
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": "scripted", "is_generation": True,
-                                  "weight_version": str(self.policy_version)})
+                                  "weight_version": str(self.policy_version), "serving": self._serving,
+                                  "in_flight": len(self._in_flight), "counters": self.counters()})
 
     async def weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": str(self.policy_version)})
@@ -431,14 +513,10 @@ def main(argv: list[str] | None = None) -> int:
         from gyre.serving.tokenizer import build_tokenizer
 
         tokenizer = build_tokenizer()
-    texts, rules = _load(a.script)
-    if rules and texts:
-        raise SystemExit(f"{a.script}: mixes completion texts and playbook rules")
-    if rules:
-        engine = ScriptedEngine(tokenizer, callback=Playbook(rules).callback(tokenizer), delay_s=a.delay_s,
-                                policy_version=a.policy_version)
-    else:
-        engine = ScriptedEngine(tokenizer, texts, delay_s=a.delay_s, policy_version=a.policy_version)
+    try:
+        engine = ScriptedEngine.from_script(a.script, tokenizer, delay_s=a.delay_s, policy_version=a.policy_version)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
     async def _serve() -> None:
         url = await engine.start(a.host, a.port)

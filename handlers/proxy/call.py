@@ -78,7 +78,8 @@ from handlers.proxy.api import (
 from handlers.proxy.http import Reply, error_response, key_of, read_json
 from handlers.proxy.openai import ChatApi, parse_chat_request
 from handlers.proxy.responses import ResponsesApi, parse_responses_request
-from handlers.proxy.routing import Attempt, EngineResult
+from handlers.proxy.router import Attempt
+from handlers.proxy.routing import EngineResult
 from handlers.proxy.state import ProxyState, _Execution, finished_error
 from schemas.call import SamplingParams
 

@@ -1,12 +1,8 @@
-"""Routing of the proxy's calls to engines: rollout cells, scheduler routes, stickiness,
-eviction of in-flight requests whose cell leaves rollout, and the dispatch of a call's
-generation with its retries (`Dispatcher`).
+"""The dispatch of a call's generation to engines with its retries (`Dispatcher`), and
+the engine's `/generate` reply read as a sample of the policy (`engine_reply`).
 
-Contract: `Router.pick(execution, avoid)` → (cell, engine URL) or None; the scheduler's
-route wins, then the sticky cell, then the least-loaded rollout cell (cells in `avoid`
-only when nothing else is left), then the static engine. `handle_cell_switched` removes a
-cell that leaves rollout (or changes URL) and sets `evicted` on every `Attempt` tracked
-there, so the caller cancels it, aborts it upstream and retries elsewhere.
+Which engine serves an execution, and when a request in flight is cut (its cell leaves
+rollout, or the scheduler moved its execution), is `handlers.proxy.router.Router`'s.
 """
 from __future__ import annotations
 
@@ -17,7 +13,7 @@ import math
 import operator
 import re
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -25,9 +21,10 @@ import structlog
 
 from gyre.serving.seeds import call_seed
 from handlers.engines.client import EngineClient, EngineRequestError, EngineUnavailable
+from handlers.metrics import PROXY_RETRIES
 from handlers.proxy.api import ApiError, context_exceeded, unique_hex
+from handlers.proxy.router import Attempt, Router, race
 from schemas.call import SamplingParams
-from schemas.cell import CellSwitched, RouteUpdated
 
 log = structlog.get_logger()
 
@@ -41,163 +38,6 @@ MAX_ENGINE_ERRORS = 2
 when there is one, before the call fails with 502: a crashed scheduler or a gateway in
 front of a dead worker (SGLang's router answers 502/504) heals elsewhere, and a request
 that fails every engine the same way is not sent a dozen times."""
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class Attempt:
-    """The engine request in flight for a call (for aborting it upstream). `evicted` turns
-    True, and `task` (the call's task, while `race` awaits the request) is cancelled, when
-    its cell leaves rollout while the request runs."""
-
-    client: EngineClient | None = None
-    rid: str = ""
-    cell: str = ""
-    evicted: bool = False
-    task: asyncio.Task | None = None
-    cancel_owed: bool = False
-    """The router cancelled `task` for this eviction and `race` has not taken it back yet."""
-
-
-class Router:
-    """Which engine serves an execution: rollout cells, scheduler routes, stickiness.
-
-    cells: rollout cell → engine URL. routes: execution → cell from `route.updated`.
-    sticky: execution → cell it was last sent to. inflight: cell → engine requests running
-    there (evicted when the cell leaves rollout or moves). Waiters are woken on every change.
-    """
-
-    def __init__(self, static_url: str = "", static_cell: str = "static"):
-        self.static_url = static_url
-        self.static_cell = static_cell
-        self.cells: dict[str, str] = {}
-        self.routes: dict[str, str] = {}
-        self.sticky: dict[str, str] = {}
-        self._load: collections.Counter[str] = collections.Counter()
-        """cell → executions sticky to it (`load`), kept with `sticky`: counting them on
-        every pick took 6 ms of the event loop at 20,000 live executions on 16 cells."""
-        self.inflight: dict[str, set[Attempt]] = {}
-        self._changed = asyncio.Event()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    def wake(self) -> None:
-        """Wake every call waiting for a change (`wait_changed`) without one."""
-        self._notify()
-
-    def _evict(self, cell: str) -> None:
-        for attempt in self.inflight.pop(cell, ()):
-            attempt.evicted = True
-            if attempt.task is not None and not attempt.cancel_owed:
-                attempt.cancel_owed = True
-                attempt.task.cancel()
-
-    def handle_cell_switched(self, event: CellSwitched) -> None:
-        old = self.cells.get(event.cell)
-        if event.to_role == "rollout" and event.engine_url:
-            self.cells[event.cell] = event.engine_url
-            if old is not None and old != event.engine_url:
-                self._evict(event.cell)
-        else:
-            self.cells.pop(event.cell, None)
-            self._evict(event.cell)
-        self._notify()
-
-    def handle_route_updated(self, event: RouteUpdated) -> None:
-        for route in event.routes:
-            self.routes[route.execution] = route.cell
-        self._notify()
-
-    def track(self, attempt: Attempt) -> None:
-        self.inflight.setdefault(attempt.cell, set()).add(attempt)
-
-    def untrack(self, attempt: Attempt) -> None:
-        running = self.inflight.get(attempt.cell)
-        if running is not None:
-            running.discard(attempt)
-            if not running:
-                del self.inflight[attempt.cell]
-
-    def load(self, cell: str) -> int:
-        """Executions sticky to `cell`."""
-        return self._load[cell]
-
-    def _stick(self, execution: str, cell: str) -> None:
-        old = self.sticky.get(execution)
-        if old == cell:
-            return
-        if old is not None:
-            self._load[old] -= 1
-        self.sticky[execution] = cell
-        self._load[cell] += 1
-
-    def forget(self, execution: str) -> None:
-        """Drop a finished execution's sticky cell and route."""
-        old = self.sticky.pop(execution, None)
-        if old is not None:
-            self._load[old] -= 1
-            if not self._load[old]:
-                del self._load[old]
-        self.routes.pop(execution, None)
-
-    def pick(self, execution: str, avoid: frozenset[str] = frozenset()) -> tuple[str, str] | None:
-        """(cell, engine URL) for `execution`, or None when no engine is known.
-
-        Order: the scheduler's route, the sticky cell, the least-loaded rollout cell (cells
-        in `avoid` only when nothing else is left), then the static engine.
-        """
-        if self.cells:
-            usable = [c for c in self.cells if c not in avoid] or list(self.cells)
-            choice = None
-            for preferred in (self.routes.get(execution), self.sticky.get(execution)):
-                if preferred in usable:
-                    choice = preferred
-                    break
-            if choice is None:
-                choice = min(usable, key=lambda c: (self.load(c), c))
-            self._stick(execution, choice)
-            return choice, self.cells[choice]
-        if self.static_url:
-            return self.static_cell, self.static_url
-        return None
-
-    async def wait_changed(self, timeout_s: float) -> None:
-        try:
-            await asyncio.wait_for(self._changed.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            pass
-
-
-async def race(coro: Coroutine[Any, Any, Any], attempt: Attempt) -> Any:
-    """The result of `coro`, awaited in the calling task, or None when the router evicts
-    `attempt` first: the router cancels the calling task (`Attempt.cancel_owed`) and `race`
-    takes that one cancellation back (`Task.uncancel`, as `asyncio.timeout` does) on every
-    way out, so `coro` is cancelled and the caller goes on. Any other cancellation (the
-    harness went away) propagates, also when it coincides with an eviction. No task of its
-    own: a call's engine request costs no extra task and event-loop round."""
-    if attempt.evicted:
-        coro.close()
-        return None
-    task = attempt.task = asyncio.current_task()
-    base = task.cancelling()
-    try:
-        return await coro
-    except asyncio.CancelledError:
-        if _take_back(task, attempt) and task.cancelling() == base:
-            return None  # only the router's cancellation
-        raise
-    finally:
-        attempt.task = None
-        _take_back(task, attempt)  # `coro` absorbed it, or turned it into another error
-
-
-def _take_back(task: asyncio.Task, attempt: Attempt) -> bool:
-    if not attempt.cancel_owed:
-        return False
-    attempt.cancel_owed = False
-    task.uncancel()
-    return True
 
 
 _CONTEXT_NAMED = (  # (pattern, what to add to its number to get the context length)
@@ -384,9 +224,9 @@ class Dispatcher:
     engine does not hold up the others). When the engine answers 503, 429 or 408 /
     refuses the connection / drops it (`EngineUnavailable`), answers another 5xx (up to
     MAX_ENGINE_ERRORS times), ends a generation with `abort` (up to MAX_ENGINE_ABORTS
-    times), or its cell leaves rollout while the request runs (the request is then aborted
-    upstream with `/abort_request`),
-    the call goes to another rollout cell at once, or to the same engine after a backoff
+    times), or the router cuts the request (its cell left rollout, or the scheduler moved its
+    execution: the request is then aborted upstream with `/abort_request`),
+    the call goes to the execution's new cell or another rollout cell at once, or to the same engine after a backoff
     (`retry_backoff_s` doubling to `retry_backoff_max_s`), or waits for a cell, for up to
     `retry_timeout_s` seconds. session: the process's engine `aiohttp.ClientSession`.
     engine_token: the bearer token sent to every engine ('' = none); an engine that
@@ -394,6 +234,10 @@ class Dispatcher:
     seed: the run's seed; a call `<execution>:<seq>` is sampled with
     `gyre.serving.seeds.call_seed(seed, execution, seq)` on every attempt (None: no seed sent).
     spawn: runs a background coroutine (the upstream aborts) the caller drains at shutdown.
+    Every attempt given up and sent again is counted by reason in `retries` and in
+    `handlers.metrics.PROXY_RETRIES`: `unavailable` (503, 429, 408, no connection), `timeout`
+    (past `generate_bound_s`), `error` (another 5xx), `aborted` (an `abort` finish),
+    `evicted` (the cell left rollout), `rerouted` (`route.updated` moved the execution).
     """
 
     def __init__(self, router: Router, session: Any, *, concurrency: int, retry_timeout_s: float,
@@ -414,6 +258,12 @@ class Dispatcher:
         self._clients: dict[str, tuple[EngineClient, asyncio.Semaphore]] = {}
         self.stopping = False
         """Set by `stop`: a call that would wait or retry fails instead."""
+        self.retries: collections.Counter[str] = collections.Counter()
+        """Attempts sent again, by reason (class docstring)."""
+
+    def _retry(self, reason: str) -> None:
+        self.retries[reason] += 1
+        PROXY_RETRIES.labels(reason).inc()
 
     def stop(self) -> None:
         """The proxy is stopping: calls waiting for a rollout cell, or about to retry after
@@ -495,13 +345,14 @@ class Dispatcher:
             rid = f"{call_id}:{tries}:{unique_hex()}"
             tries += 1
             attempt.client, attempt.rid, attempt.cell, attempt.evicted = client, rid, cell, False
+            attempt.execution = execution
             self.router.track(attempt)
             bound = generate_bound_s(sampling)
             try:
                 async with slots:  # a full engine queues the call (its requests end within `bound`)
                     t_engine = time.monotonic()
-                    result = await race(client.generate(prompt_ids, params, rid,
-                                                         execution=execution, timeout_s=bound), attempt)
+                    result = await race(client.generate(prompt_ids, params, rid, execution=execution, timeout_s=bound,
+                                                        kv_from=self.router.kv_hint(execution, cell)), attempt)
             except EngineUnavailable as exc:
                 attempt.client = None
                 log.info("proxy.engine.unavailable", **ctx, cell=cell, error=str(exc)[:200], retry_in_s=backoff)
@@ -514,8 +365,11 @@ class Dispatcher:
                                        code="engine_unavailable") from exc
                     # The attempt ran out its bound, not the wait for an engine: wait afresh.
                     deadline = max(deadline, time.monotonic() + self.retry_timeout_s)
-                elif exc.status != 408 and exc.sent:  # dropped, or a 503 mid-request: it may have generated
-                    deadline += time.monotonic() - t_engine  # the window counts waiting, not generating
+                    self._retry("timeout")
+                else:
+                    self._retry("unavailable")
+                    if exc.status != 408 and exc.sent:  # dropped, or a 503 mid-request: it may have generated
+                        deadline += time.monotonic() - t_engine  # the window counts waiting, not generating
                 # A 408 is a gateway's queue timeout, a failed connect never reached an engine:
                 # that time was waiting for one, and counts.
                 backoff = await self._avoid(avoid, cell, backoff, deadline - time.monotonic())
@@ -528,6 +382,7 @@ class Dispatcher:
                     raise context_exceeded(prompt_tokens, too_long[0], too_long[1]) from exc
                 if exc.status >= 500 and errors < MAX_ENGINE_ERRORS:  # the engine failed, not the request
                     errors += 1
+                    self._retry("error")
                     self.spawn(self.abort_upstream(client, rid))  # a gateway's 504: the worker may generate on
                     deadline += time.monotonic() - t_engine  # the window counts waiting, not generating
                     backoff = await self._avoid(avoid, cell, backoff, deadline - time.monotonic())
@@ -543,8 +398,9 @@ class Dispatcher:
             finally:
                 self.router.untrack(attempt)
             # On cancellation attempt.client stays set, so the caller can abort `rid` upstream.
-            if result is None:  # the cell left rollout mid-request: abort there, go elsewhere
-                log.info("proxy.engine.evicted", **ctx, cell=cell, rid=rid)
+            if result is None:  # cut mid-request (its cell left rollout, or it moved): abort there, go on
+                log.info("proxy.engine.evicted", **ctx, cell=cell, rid=rid, reason=attempt.reason)
+                self._retry(attempt.reason or "evicted")
                 attempt.client = None
                 self.spawn(self.abort_upstream(client, rid))
                 avoid.add(cell)
@@ -563,7 +419,9 @@ class Dispatcher:
                 if aborts > MAX_ENGINE_ABORTS:
                     raise ApiError(502, "the engine aborted the generation repeatedly", "server_error",
                                    code="engine_aborted")
+                self._retry("aborted")
                 deadline += time.monotonic() - t_engine  # the window counts waiting, not generating
                 backoff = await self._avoid(avoid, cell, backoff, deadline - time.monotonic())
                 continue
+            self.router.answered(execution)
             return dataclasses.replace(reply, cell=cell, queue_s=t_engine - t0, engine_s=engine_s)

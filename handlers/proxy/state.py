@@ -14,7 +14,7 @@ Contract:
   at a stop, then cancels them.
 - Replayed state (`handle_event`, for the events in `REPLAYED`): rollout cells from
   `cell.switched` (`to_role` rollout with an `engine_url`; any other role removes the
-  cell) and assignments from `route.updated` (`handlers.proxy.routing.Router`); an
+  cell) and assignments from `route.updated` (`handlers.proxy.router.Router`); an
   execution's harness profile from `execution.started`; `execution.finished` frees the
   execution's store and memos (its seq counter is kept, so event ids never repeat).
 - Restarts: `resume_seqs(stored)` continues each execution's seq after the run's stored
@@ -46,7 +46,8 @@ from handlers.engines.client import ids_json
 from handlers.proxy.api import ApiError, MessageMemo, ModelRequest
 from handlers.proxy.body import BodyMemo
 from handlers.proxy.outbox import REQUEST_KIND_HEADER, Outbox
-from handlers.proxy.routing import Dispatcher, Router
+from handlers.proxy.router import Router
+from handlers.proxy.routing import Dispatcher
 from schemas.cell import CellSwitched, RouteUpdated
 from schemas.execution import ExecutionFinished, ExecutionStarted
 

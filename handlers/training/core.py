@@ -26,6 +26,12 @@ Runs in the core cell's process from its start, whatever the cell's role (DESIGN
 Every change to the gradient (the core's own forward-backward, adding a contribution,
 applying the step) holds `grad_lock`. A failure while applying is fatal (`watch` raises it),
 so a supervisor restarts the core under a new epoch.
+
+The trainer in memory: while the core cell trains (`keep(True)`) the trainer stays; while it
+does not (`keep(False)`, rollout) the trainer is offloaded to disk (gyre.learning.offload: the
+newest checkpoint plus the step in flight's gradient and metrics) and freed, then restored
+for each use that needs it (a contribution to add, a step to apply) and offloaded again.
+`trainer` is None while offloaded. A core built on its own (tests) keeps its trainer.
 """
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ import structlog
 
 import schemas
 from bus import Bus
-from gyre.learning import checkpoint
+from gyre.learning import checkpoint, offload
 from gyre.learning.ledger import (
     Accepted, Announced, Duplicate, Failed, Granted, Ledger, Lost, NothingLeft, Refused, Renewed, Wait,
 )
@@ -67,6 +73,10 @@ class Core:
         self.changed = asyncio.Event()
         """Set whenever the ledger may grant something new (the core's replica waits on it)."""
         self.trainer: Trainer | None = None
+        """The trainer; None while offloaded (module docstring)."""
+        self.resident = True
+        """Whether the trainer stays in memory between uses (`keep`)."""
+        self._version = -1  # the trainer's policy version, also while offloaded
         self.ledger: Ledger | None = None
         self.epoch = -1
         self.weights: TransferRef | None = None
@@ -89,7 +99,8 @@ class Core:
             completed = state.get("extra", {}).get("step_completed")
         else:
             self.trainer = await asyncio.to_thread(Trainer, self.model_dir, self.cfg)
-        version = self.trainer.policy_version
+        await asyncio.to_thread(offload.clear, self.weights_dir)  # a step a dead core left: trained again
+        version = self._version = self.trainer.policy_version
         self.ledger = Ledger(epoch=self.epoch, step=version, lease_s=self.cfg.lease_s,
                              grant_budget=self.cfg.grant_budget)
         self._offer(*await self._snapshot())
@@ -99,6 +110,38 @@ class Core:
                 await self.bus.publish(schemas.decode(schemas.StepCompleted.NAME, completed))
         log.info("core.started", cell=self.cell, epoch=self.epoch, policy_version=version,
                  checkpoint=str(path) if path else None)
+
+    async def keep(self, resident: bool) -> None:
+        """The core cell trains (True: restore the trainer if offloaded, and keep it) or not
+        (False: offload it now, and again after each later use). Raises what
+        gyre.learning.offload raises; an offload that fails keeps the trainer."""
+        async with self.grad_lock:
+            self.resident = resident
+            if resident:
+                await self._hold()
+            else:
+                await self._offload()
+
+    async def _hold(self) -> Trainer:
+        """The trainer, restored when offloaded (the caller holds `grad_lock`)."""
+        if self.trainer is None:
+            started = time.perf_counter()
+            self.trainer = await asyncio.to_thread(offload.restore, self.weights_dir, self.model_dir, self.cfg,
+                                                   self._version)
+            log.info("core.trainer.restored", cell=self.cell, policy_version=self._version,
+                     seconds=round(time.perf_counter() - started, 4))
+        return self.trainer
+
+    async def _offload(self) -> None:
+        """Offload and drop the trainer (the caller holds `grad_lock`)."""
+        trainer = self.trainer
+        if trainer is None:
+            return
+        started = time.perf_counter()
+        written = await asyncio.to_thread(offload.offload, trainer, self.weights_dir)
+        self.trainer = None
+        log.info("core.trainer.offloaded", cell=self.cell, policy_version=trainer.policy_version,
+                 step_bytes=written, seconds=round(time.perf_counter() - started, 4))
 
     def loops(self, stop: asyncio.Event) -> list:
         """The core's loops, to run beside the cell's (handlers.daemon.run_loops)."""
@@ -134,8 +177,8 @@ class Core:
         self.weights, self._weights_name, self.weights_version = ref, name, version
 
     async def _publish_weights(self, path: Path) -> None:
-        assert self.trainer is not None and self.weights is not None
-        version = self.trainer.policy_version
+        assert self.weights is not None
+        version = self._version
         await self.bus.publish(schemas.WeightsPublished(
             event_id=ids.weights(self.run, version, self.epoch), policy_version=version, step=version - 1,
             path=str(path), epoch=self.epoch, key=self.weights.key, digest=self.weights.digest))
@@ -237,7 +280,7 @@ class Core:
 
     async def on_contribution(self, event: schemas.ContributionReturned) -> None:
         ledger = self.ledger
-        assert ledger is not None and self.trainer is not None
+        assert ledger is not None
         where = dict(step=event.step, epoch=event.epoch, replica=event.replica, microsteps=event.microsteps)
         if (event.epoch, event.step) == (ledger.epoch, ledger.step) and all(
                 ledger.committed.get(i) == event.replica for i in event.microsteps):
@@ -261,15 +304,16 @@ class Core:
             log.warning("core.contribution.unreadable", error=str(exc), released=released, **where)
             return
         async with self.grad_lock:
+            trainer = await self._hold()
             outcome = ledger.contribute(event.replica, event.step, event.epoch, event.microsteps, time.monotonic())
             if isinstance(outcome, Accepted):
                 try:
-                    await asyncio.to_thread(self.trainer.add_gradients, grads, metrics)
+                    await asyncio.to_thread(trainer.add_gradients, grads, metrics)
                 except ValueError as exc:  # a replica of another model: nothing was added
                     self.fail(RuntimeError(f"contribution of {event.replica} to step {event.step} does not "
                                                    f"fit the model: {exc}"))
                     return
-                self.trainer.metrics.add_time("reduction", time.perf_counter() - started)
+                trainer.metrics.add_time("reduction", time.perf_counter() - started)
                 await self._committed(event.step, outcome.microsteps, event.replica)
                 log.info("core.contribution.accepted", **where)
             else:
@@ -287,9 +331,13 @@ class Core:
 
     # -- the step -------------------------------------------------------------------------------------
     async def maybe_apply(self) -> None:
-        """Apply the step when the ledger says it is complete (module docstring)."""
+        """Apply the step when the ledger says it is complete (module docstring); then, while
+        the core cell does not train, offload the trainer again."""
         try:
             await self._maybe_apply()
+            if not self.resident:
+                async with self.grad_lock:
+                    await self._offload()
         except Exception as exc:  # noqa: BLE001 - fatal: the supervisor restarts the core under a new epoch
             self.fail(exc)
 
@@ -301,10 +349,11 @@ class Core:
 
     async def _maybe_apply(self) -> None:
         async with self.grad_lock:
-            ledger, trainer = self.ledger, self.trainer
-            assert ledger is not None and trainer is not None
+            ledger = self.ledger
+            assert ledger is not None
             if ledger.failed is not None or not ledger.complete():
                 return
+            trainer = await self._hold()
             step = ledger.step
             sealed = self._seals[step]
             per_replica = ledger.committed_per_replica()
@@ -316,6 +365,7 @@ class Core:
                                                           0.0).to_dict()}
 
             done = await asyncio.to_thread(apply_step, trainer, sealed.executions, self.weights_dir, completed_of)
+            self._version = done.policy_version
             snapshot = await self._snapshot()
             # The ledger moves to step k + 1 and every answer names v_{k+1} in the same breath:
             # a claim between the two would send a replica to step k + 1 on v_k's weights.

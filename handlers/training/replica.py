@@ -21,6 +21,12 @@ One loop runs in every cell in training: the core's own replica and each satelli
   grants it again (within the grant budget, which then fails the step loudly).
 - A failure of the core's own forward-backward is fatal (the core's gradient can no longer be
   trusted): `Core` raises it and a supervisor restarts the core under a new epoch.
+- A satellite switching to training `join`s the step in flight before it claims: it asks the
+  ledger which step and weights (a claim that wants nothing) and pulls and loads that
+  snapshot, so its cell's switch reports the bytes pulled (`pulled_bytes`).
+- A cell leaving training `detach`es the replica once its loop ended: the replica drops its
+  trainer (so the cell frees it) and only keeps offering the contributions it returned until
+  their step is applied; a later replica of the cell `take_over`s those.
 """
 from __future__ import annotations
 
@@ -75,6 +81,27 @@ class Replica:
         self._lease_s: float | None = None
         self._idle_since = time.perf_counter()
         self._failed: set[tuple[int, int]] = set()
+        self.pulled_bytes = 0
+        """Bytes of the weight snapshots this replica pulled."""
+
+    async def join(self) -> int:
+        """Learn the step in flight and load its weights before claiming (module docstring);
+        returns the bytes pulled (0: no answer, or nothing to pull)."""
+        before = self.pulled_bytes
+        reply = await self._ask(want=False)
+        if reply is not None and reply.outcome not in ("failed", "refused") \
+                and (reply.epoch, reply.step) != (self.epoch, self.step):
+            await self._move(reply)
+        return self.pulled_bytes - before
+
+    def detach(self) -> None:
+        """Drop the trainer once `run` has ended (module docstring)."""
+        self.trainer = None  # type: ignore[assignment] - run() is never called again
+
+    def take_over(self, previous: Replica) -> None:
+        """Offer the contributions `previous` (the cell's earlier replica) still offers."""
+        self._contributions.update(previous._contributions)
+        previous._contributions.clear()
 
     # -- the loop -------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -161,7 +188,9 @@ class Replica:
             try:
                 tensors = await asyncio.to_thread(self.transfer.pull, TransferRef(reply.weights_key,
                                                                                   reply.weights_digest), self.cell)
+                self.pulled_bytes += sum(t.nbytes for t in tensors.values())
                 await asyncio.to_thread(self.trainer.load_weights, tensors, reply.step)
+                del tensors
             except (TransferError, ValueError) as exc:
                 log.warning("replica.weights.unavailable", cell=self.cell, policy_version=reply.step, error=str(exc))
                 return False

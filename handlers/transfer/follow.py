@@ -11,6 +11,13 @@ not verify, and a snapshot the engine refuses (names, shapes), yield no `weights
 engine keeps serving the version it has, the error (naming the tensor where one is at fault)
 is logged as `cell.weights.refused`, and the version is tried again, at most `attempts`
 times, unless a newer one arrives.
+
+A cell leaving rollout `halt`s the following (no load runs in the engine once it returns) and
+releases the engine; on its way back, `restore(latest)` loads the newest published version
+into the released engine before it serves: pulled and verified as above (a released engine
+loads whatever the version), else, when the snapshot cannot be had, the checkpoint the core
+wrote of that version, else (nothing published yet) the run's initial model. `pulled_bytes`
+counts the snapshot bytes pulled.
 """
 from __future__ import annotations
 
@@ -22,7 +29,8 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 import schemas
-from gyre.serving.engine import Engine, WeightLoadError
+from gyre.serving.engine import WeightLoadError
+from gyre.serving.host import EngineHost
 from gyre.transfer.interface import TransferBackend, TransferError, TransferRef
 from schemas import ids
 
@@ -35,7 +43,7 @@ class EngineWeights:
     publish: stores an event on the bus (`Bus.publish`). serving: whether the cell serves now.
     """
 
-    def __init__(self, *, run: str, cell: str, engine: Engine, transfer: TransferBackend,
+    def __init__(self, *, run: str, cell: str, engine: EngineHost, transfer: TransferBackend,
                  publish: Callable[[schemas.WeightsLoaded], Awaitable[object]], serving: Callable[[], bool],
                  attempts: int = 3, retry_s: float = 0.2) -> None:
         self.run = run
@@ -52,6 +60,9 @@ class EngineWeights:
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
         self._pulling: tuple[schemas.WeightsPublished, threading.Event] | None = None
+        self._loading: asyncio.Future | None = None
+        self.pulled_bytes = 0
+        """Bytes of the snapshots pulled, over the cell's life."""
 
     def published(self, event: schemas.WeightsPublished) -> None:
         """A `weights.published` fact (replayed or live): remember the newest, and load it
@@ -85,7 +96,7 @@ class EngineWeights:
         """Pull, verify and load `event`'s snapshot, then publish `weights.loaded`. False, the
         engine untouched and nothing published, when any of it fails."""
         async with self._lock:
-            if event.policy_version <= self.engine.version:
+            if event.policy_version <= self.engine.version and not self.engine.released:
                 return True
             cancel = cancel or threading.Event()
             self._pulling = (event, cancel)
@@ -93,7 +104,11 @@ class EngineWeights:
             try:
                 tensors = await asyncio.to_thread(self.transfer.pull, TransferRef(event.key, event.digest),
                                                   self.cell, cancel)
-                await asyncio.to_thread(self.engine.load_tensors, tensors, event.policy_version)
+                self.pulled_bytes += sum(t.nbytes for t in tensors.values())
+                self._loading = asyncio.ensure_future(asyncio.to_thread(self.engine.load_tensors, tensors,
+                                                                        event.policy_version))
+                del tensors
+                await asyncio.shield(self._loading)  # a cancelled follower still lets the load finish (`halt`)
             except (TransferError, WeightLoadError) as exc:
                 self.refused.append((event.policy_version, str(exc)))
                 log.error("cell.weights.refused", cell=self.cell, policy_version=event.policy_version,
@@ -107,6 +122,28 @@ class EngineWeights:
             log.info("cell.weights.loaded", cell=self.cell, policy_version=event.policy_version,
                      seconds=round(time.perf_counter() - started, 4))
             return True
+
+    async def halt(self) -> None:
+        """Stop following and return once no load runs in the engine (a cell releasing it)."""
+        self.stop()
+        for waited in (self._task, self._loading):
+            if waited is not None:
+                await asyncio.wait([waited])
+                if not waited.cancelled():
+                    waited.exception()  # retrieved: a failed load was logged by the follower, or is moot
+
+    async def restore(self, latest: schemas.WeightsPublished | None, initial: tuple[str, int]) -> None:
+        """Load the newest published version `latest` into a released engine (module
+        docstring); `initial`: the run's initial model and its version, for when nothing was
+        published. Raises WeightLoadError (OSError) when no source loads."""
+        if latest is not None and latest.key:
+            for attempt in range(self.attempts):
+                if await self.load(latest):
+                    return
+                await asyncio.sleep(self.retry_s * (attempt + 1))
+        path, version = (latest.path, latest.policy_version) if latest is not None else initial
+        await asyncio.to_thread(self.engine.load_weights, path, version)
+        log.info("cell.weights.restored", cell=self.cell, policy_version=version, path=str(path))
 
     def stop(self) -> None:
         """Cancel a pull in flight and stop following."""
