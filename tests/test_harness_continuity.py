@@ -31,7 +31,6 @@ import pytest
 from prometheus_client import REGISTRY
 
 import schemas
-from gyre.env import harness as harnesses
 from handlers import runner as runner_mod
 from handlers.proxy.daemon import Config as ProxyConfig
 from handlers.runner import Config as RunnerConfig
