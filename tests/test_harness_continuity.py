@@ -6,7 +6,7 @@ the scheduler's `route.updated` moves the execution to cell0 (the cell that stay
 rollout) and `cell.switch` sends cell1 to training, as handlers/scheduler.py publishes them.
 
 What must hold: the harness sees no error and exits 0 (`execution.finished` ok, exit code
-0), the proxy counts the cut call's retry (`rerouted`), every call is recorded once (call
+0; no proxy response to it is a 4xx/5xx), the proxy counts the cut call's retry (`rerouted`), every call is recorded once (call
 ids and seqs unique in `call.completed`), every call recorded `ok` has drift 0, and the cut
 call itself is recorded at cell0 only.
 
@@ -18,7 +18,7 @@ The switch lands mid-call for sure:
 - mini-swe-agent on embedded-engine cells (a tiny random model): the switch is published
   once cell1's engine has prefilled the call and is decoding it (its counters), with a
   completion budget of many tokens still to decode; the test then asserts that this call
-  was the one cut and retried (recorded once, at cell0).
+  was the one cut and retried (recorded once, at cell0). Slow (about 2-3 minutes here).
 """
 from __future__ import annotations
 
@@ -47,6 +47,26 @@ pytestmark = pytest.mark.harness
 
 TOKEN = "replicas-test-engine-token"  # tests.replicas.Cells' engine token
 HELD = "held at cell1"  # cell1's scripted answer, never sent: the switch cuts it first
+
+
+@pytest.fixture
+def statuses(monkeypatch) -> list[tuple[str, str, int]]:
+    """(method, path, status) of every response the proxy daemon sends a harness: its app
+    as `handlers.proxy.app.start` makes it, with a recorder added."""
+    from handlers.proxy import app as proxy_app
+
+    seen: list[tuple[str, str, int]] = []
+    make = proxy_app.make_app
+
+    def recording(state):
+        app = make(state)
+
+        async def record(request, response) -> None:
+            seen.append((request.method, request.path, response.status))
+        app.on_response_prepare.append(record)
+        return app
+    monkeypatch.setattr(proxy_app, "make_app", recording)
+    return seen
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +159,9 @@ class Run:
 
 
 def assert_continuity(run: Run, execution: str, done: schemas.ExecutionFinished, calls: list[schemas.CallCompleted],
-                      rerouted_before: float) -> None:
+                      rerouted_before: float, statuses: list[tuple[str, str, int]]) -> None:
     assert (done.status, done.exit_code) == ("ok", 0), f"{done.status} {done.exit_code}\n{run.log(execution)}"
+    assert statuses and not [s for s in statuses if s[2] >= 400], statuses  # the harness was never answered an error
     assert calls and all(c.execution == execution for c in calls)
     assert len({c.call for c in calls}) == len(calls), [c.call for c in calls]  # no call recorded twice
     assert sorted(c.seq for c in calls) == list(range(len(calls)))
@@ -164,7 +185,7 @@ def playbooks(tmp: Path, ws: Path) -> tuple[Path, Path]:
 
 
 async def test_claude_code_on_scripted_cells_goes_on_through_a_switch_mid_call(
-        nats_server, run_id, tmp_path, sandbox_dir, model_dir):
+        nats_server, run_id, tmp_path, sandbox_dir, model_dir, statuses):
     wanted(["claude-code"])
     run_dir = sandbox_dir / "run"
     ex = "cc"
@@ -199,7 +220,7 @@ async def test_claude_code_on_scripted_cells_goes_on_through_a_switch_mid_call(
         finally:
             await run.close()
 
-    assert_continuity(run, ex, done, calls, before)
+    assert_continuity(run, ex, done, calls, before, statuses)
     assert (Paths.of(run_dir, ex).workspace / "add.py").read_text() == ADD_PY, run.log(ex)
     # The held call was cut at cell1 and answered at cell0: every call recorded is cell0's,
     # never at cell1 (whose held answer never went out).
@@ -209,8 +230,9 @@ async def test_claude_code_on_scripted_cells_goes_on_through_a_switch_mid_call(
 LONG = 400  # the completion budget of every call: the cut call has most of it left to decode
 
 
+@pytest.mark.slow  # ~2-3 min on 2 busy cores: two embedded-engine cells, three 400-token calls
 async def test_mini_swe_agent_on_embedded_cells_goes_on_through_a_switch_mid_call(
-        nats_server, run_id, tmp_path, sandbox_dir, model_dir):
+        nats_server, run_id, tmp_path, sandbox_dir, model_dir, statuses):
     wanted(["mini-swe-agent"])
     run_dir = sandbox_dir / "run"
     ex = "mini"
@@ -246,7 +268,7 @@ async def test_mini_swe_agent_on_embedded_cells_goes_on_through_a_switch_mid_cal
         finally:
             await run.close()
 
-    assert_continuity(run, ex, done, calls, before)
+    assert_continuity(run, ex, done, calls, before, statuses)
     # The call cut mid-decode at cell1 was answered at cell0, and so was every later one: had
     # the switch come after it ended, it would be recorded at cell1.
     assert [c.cell for c in calls] == ["cell0"] * len(calls), [(c.seq, c.cell) for c in calls]
