@@ -273,3 +273,36 @@ async def test_mini_swe_agent_on_embedded_cells_goes_on_through_a_switch_mid_cal
     # the switch come after it ended, it would be recorded at cell1.
     assert [c.cell for c in calls] == ["cell0"] * len(calls), [(c.seq, c.cell) for c in calls]
     assert len(calls) >= 2, [(c.seq, c.finish_reason) for c in calls]
+
+
+async def test_a_held_playbook_answer_stays_in_flight_until_aborted():
+    """`hold_s`: the scripted engine keeps the answer in flight (reported on
+    /get_model_info) until its hold ends or the request is aborted (finish `abort`, no ids)."""
+    from gyre.serving.tokenizer import build_tokenizer
+    from handlers.engines.scripted import Playbook, Rule, ScriptedEngine
+
+    tok = build_tokenizer()
+    with pytest.raises(ValueError):
+        Rule(turns=("x",), hold_s=-1)
+    engine = ScriptedEngine(tok, callback=Playbook([Rule(execution="held", turns=("never",), hold_s=600),
+                                                    Rule(turns=("at once",))]).callback(tok))
+    await engine.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def generate(execution: str) -> dict:
+                body = {"input_ids": [1, 2, 3], "rid": execution, "gyre_execution": execution}
+                async with http.post(engine.url + "/generate", json=body) as r:
+                    return await r.json()
+            held = asyncio.ensure_future(generate("held"))
+            for _ in range(500):
+                if (await (await http.get(engine.url + "/get_model_info")).json())["in_flight"] == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert (await generate("other"))["text"] == "at once"  # other rules are not held
+            assert not held.done()
+            async with http.post(engine.url + "/abort_request", json={"rid": "held"}) as r:
+                assert (await r.json())["aborted"] == 1
+            answer = await asyncio.wait_for(held, 5)
+            assert answer["meta_info"]["finish_reason"]["type"] == "abort" and answer["output_ids"] == []
+    finally:
+        await engine.stop()
