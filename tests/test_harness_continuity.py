@@ -18,7 +18,7 @@ The switch lands mid-call for sure:
 - mini-swe-agent on embedded-engine cells (a tiny random model): the switch is published
   once cell1's engine has prefilled the call and is decoding it (its counters), with a
   completion budget of many tokens still to decode; the test then asserts that this call
-  was the one cut and retried (recorded once, at cell0). Slow (about 2-3 minutes here).
+  was the one cut and retried (recorded once, at cell0). Slow (2-4 minutes here).
 """
 from __future__ import annotations
 
@@ -227,10 +227,10 @@ async def test_claude_code_on_scripted_cells_goes_on_through_a_switch_mid_call(
     assert [c.cell for c in calls] == ["cell0"] * len(calls), [(c.seq, c.cell) for c in calls]
 
 
-LONG = 400  # the completion budget of every call: the cut call has most of it left to decode
+LONG = 160  # the completion budget of every call: the cut call has most of it left to decode
 
 
-@pytest.mark.slow  # ~2-3 min on 2 busy cores: two embedded-engine cells, three 400-token calls
+@pytest.mark.slow  # 2-4 min on 2 busy cores: two embedded-engine cells, two 160-token calls
 async def test_mini_swe_agent_on_embedded_cells_goes_on_through_a_switch_mid_call(
         nats_server, run_id, tmp_path, sandbox_dir, model_dir, statuses):
     wanted(["mini-swe-agent"])
@@ -247,7 +247,8 @@ async def test_mini_swe_agent_on_embedded_cells_goes_on_through_a_switch_mid_cal
         await run.start()
         try:
             before = retries("rerouted")
-            await run.dispatch(ex, "mini-swe-agent", timeout_s=150.0, max_calls=3)
+            # each call decodes LONG tokens: 2-60 s on a tiny CPU model, by the machine's load
+            await run.dispatch(ex, "mini-swe-agent", timeout_s=300.0, max_calls=2)
 
             async def decoding() -> bool:  # cell1 has prefilled mini-swe-agent's first call and decodes it
                 if not run.running_at(ex, "cell1"):
@@ -262,7 +263,7 @@ async def test_mini_swe_agent_on_embedded_cells_goes_on_through_a_switch_mid_cal
             else:
                 raise AssertionError(f"mini-swe-agent's call never reached cell1\n{run.log(ex)}")
             await run.switch_cell1(ex)
-            done = await run.wait_finished(ex, 150.0)
+            done = await run.wait_finished(ex, 320.0)
             calls = await run.recorded(ex)
             await cells.until(lambda: cells.roles.get("cell1") == "training", "cell1 to train")
         finally:
