@@ -3,13 +3,15 @@
 
 - elastic: cells leave rollout by the water level (w ≤ C_R − C_e, recomputed here from the
   trace's own lines), and a fresh policy fed the trace's facts takes exactly the actions
-  the daemon published on the bus (read back from the run's streams);
+  the daemon published on the bus (read back from the run's streams); with a backlog and
+  long calls, a switch moves the executions the leaving cell serves;
 - async: the training cells leave rollout once, at the start, and nothing switches after;
   nothing is dispatched to a training cell (nonstreaming: a step is opened once sealed);
 - colocate (and overlapped): every switch moves every cell, and executions are dispatched
   only while every cell is in rollout.
 
-Elastic and async run by default (about a minute each on 2 cores); the other three are slow.
+Elastic and async run by default (about a minute each on 2 cores); the other three, and the
+elastic run whose switch moves executions, are slow.
 """
 from __future__ import annotations
 
@@ -29,17 +31,18 @@ from gyre.control import trace
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = ("cell0", "cell1")
 C_E = 2
-SETTINGS = ("cells.count=2", f"cells.capacity={C_E}", "tasks.group_size=2")
+SETTINGS = ("cells.count=2", "tasks.group_size=2")
 
 
-def gyre_run(tmp_path: Path, server, mode: str, steps: int = 2) -> tuple[Path, list[dict]]:
+def gyre_run(tmp_path: Path, server, mode: str, steps: int = 2, groups: int = 2, capacity: int = C_E,
+             extra: tuple[str, ...] = ()) -> tuple[Path, list[dict]]:
     runs = tmp_path / "runs"
     env = dict(os.environ, GYRE_RUNS_DIR=str(runs), GYRE_NATS_URL=server.url, GYRE_NATS_TOKEN=server.token,
                HF_HUB_OFFLINE="1")
     run_id = f"m-{mode.replace('_', '-')}"
     argv = [sys.executable, "-m", "handlers.cli", "run", "toy", "--run-id", run_id, "--timeout", "300",
             "--set", f"run.mode={mode}", "--set", f"run.steps={steps}"]
-    for s in SETTINGS:
+    for s in (*SETTINGS, f"cells.capacity={capacity}", f"tasks.groups_per_step={groups}", *extra):
         argv += ["--set", s]
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     run_dir = runs / run_id
@@ -47,13 +50,14 @@ def gyre_run(tmp_path: Path, server, mode: str, steps: int = 2) -> tuple[Path, l
                    for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == steps and summary["executions"] == 4 * steps, summary
+    assert summary["steps"] == steps and summary["executions"] == 2 * groups * steps, summary
     lines = [json.loads(line) for line in (run_dir / "trace.jsonl").read_text().splitlines()]
     assert lines[0]["mode"] == mode and lines[0]["config"]["cells"] == list(CELLS)
-    assert lines[0]["config"]["capacity"] == C_E
+    assert lines[0]["config"]["capacity"] == capacity
     # every execution of both bursts dispatched exactly once, each to a cell
     placed = [x for a in actions(lines, "dispatch") for x in a["executions"]]
-    assert sorted(x[0] for x in placed) == sorted(f"s{k}-g{g}-e{i}" for k in range(steps) for g in (0, 1) for i in (0, 1))
+    assert sorted(x[0] for x in placed) == sorted(f"s{k}-g{g}-e{i}" for k in range(steps) for g in range(groups)
+                                                  for i in (0, 1))
     assert actions(lines, "done") == [{"t": actions(lines, "done")[0]["t"], "action": "done", "steps": steps}]
     return run_dir, lines
 
@@ -94,8 +98,42 @@ async def published(server, run: str) -> tuple[list[schemas.CellSwitch], list[sc
 
 
 def test_elastic_switches_by_the_water_level_and_its_trace_replays_to_the_published_actions(tmp_path, nats_server):
+    """Two groups of two short executions per step on 2 × 2 slots: every execution has
+    finished before the first micro-step can be claimed (scoring and building take longer
+    than a toy execution), so a cell leaves rollout holding none and nothing is moved; the
+    test below makes the executions outlast that."""
     run_dir, lines = gyre_run(tmp_path, nats_server, "elastic")
+    check_elastic(nats_server, run_dir, lines)
 
+
+@pytest.mark.slow
+def test_elastic_moves_the_executions_of_a_cell_that_leaves_rollout(tmp_path, nats_server):
+    """Three groups per step on 2 × 3 slots and calls of 256 tokens (the recipe's
+    `sampling.max_tokens`; the toy's 16 otherwise): executions outlast the scoring and
+    building of the first groups, so cell0 leaves rollout by the water level once at most
+    C_e = 3 executions are left, and it serves some of them unless all three are cell1's;
+    the switch moves them (a `route` action, the
+    `route.updated` the switch names). Each moved execution was dispatched once and finished
+    once (ok), and the trace still replays to the daemon's actions."""
+    run_dir, lines = gyre_run(tmp_path, nats_server, "elastic", groups=3, capacity=3,
+                              extra=("sampling.max_tokens=256",))
+    moving = check_elastic(nats_server, run_dir, lines, c_e=3)
+    assert moving, [a for a in lines if a.get("action") in ("switch", "route")]
+    moved = [r.execution for e in moving for r in e.routes]
+    finished = [(x["execution"], x.get("status", "ok")) for x in lines if x.get("fact") == "execution.finished"]
+    for x in moved:  # finished once, ok: its harness went on at the new cell
+        assert [f for f in finished if f[0] == x] == [(x, "ok")], (x, finished)
+    placed = [x[0] for a in actions(lines, "dispatch") for x in a["executions"]]
+    assert all(placed.count(x) == 1 for x in moved), placed
+    # a moved execution goes to the cell that stays in rollout, never back to the one leaving
+    for e in moving:
+        leaving = e.routes[0].reason.split(" to ")[0]
+        assert all(r.cell != leaving for r in e.routes), e
+
+
+def check_elastic(nats_server, run_dir: Path, lines: list[dict], c_e: int = C_E) -> list[schemas.RouteUpdated]:
+    """The elastic run's checks (module docstring); returns the `route.updated` events that
+    moved executions off a switching cell."""
     # A fresh policy fed the trace's facts takes exactly the trace's actions ...
     with open(run_dir / "trace.jsonl") as f:
         assert trace.replay(f) == []
@@ -137,11 +175,12 @@ def test_elastic_switches_by_the_water_level_and_its_trace_replays_to_the_publis
                     assert a["reason"] == "water level"
                     serving = [c for c in CELLS if role[c] == "rollout" and c not in switching]
                     assert a["cell"] in serving
-                    assert d - f <= C_E * len(serving) - C_E, (fact, a, d, f, serving)
+                    assert d - f <= c_e * len(serving) - c_e, (fact, a, d, f, serving)
                     to_training += 1
                 switching.add(a["cell"])
     assert to_training >= 1
     assert traced_switches[0]["cell"] == "cell0"  # the core first
+    return moving
 
 
 def check_async(lines: list[dict], streaming: bool) -> None:

@@ -37,7 +37,8 @@ conditions all hold answers `turns[k]`, k = the number of assistant turns alread
 prompt (the last turn repeats once k runs past the end). Conditions (substrings, '' =
 any): `system` in the first system turn, `last` in the last non-assistant turn,
 `first` in the first user turn, `contains` anywhere in the prompt, `execution` in the
-request's `gyre_execution`. So a sub-agent is told apart by its delegated prompt (its first
+request's `gyre_execution`; a rule's `hold_s` keeps each of its answers in flight that long
+(abortable), so a test can act while a call is surely running. So a sub-agent is told apart by its delegated prompt (its first
 user turn) or its own system prompt, a compaction by its instructions in the last user
 turn, and each harness by its execution id. `tool_call(name, args)` writes
 a call in Qwen3's format: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`.
@@ -196,7 +197,7 @@ class ScriptedEngine:
             out = self.callback(body)
             if inspect.isawaitable(out):
                 out = await out
-            return str(out)
+            return out if isinstance(out, str) else str(out)  # a `Held` text keeps its hold
         text = self.completions[self._next % len(self.completions)]
         self._next += 1
         return text
@@ -270,7 +271,7 @@ class ScriptedEngine:
         if len(ids) > max_new:
             ids = ids[:max_new]
             finish = {"type": "length", "length": max_new}
-        deadline = time.monotonic() + self.delay_s
+        deadline = time.monotonic() + self.delay_s + getattr(text, "hold_s", 0.0)
         self._in_flight.add(rid)
         try:
             while (time.monotonic() < deadline or (self.gate is not None and not self.gate.is_set())) \
@@ -368,6 +369,18 @@ def tool_call(name: str, arguments: dict, content: str = "") -> str:
     return f"{content}\n\n<tool_call>\n{call}\n</tool_call>" if content else f"<tool_call>\n{call}\n</tool_call>"
 
 
+class Held(str):
+    """A completion text the engine holds `hold_s` seconds in flight (abortable) before it
+    answers with it (a playbook rule's `hold_s`)."""
+
+    hold_s: float
+
+    def __new__(cls, text: str, hold_s: float) -> "Held":
+        out = super().__new__(cls, text)
+        out.hold_s = float(hold_s)
+        return out
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Turns:
     """A decoded prompt split into ChatML turns.
@@ -415,10 +428,15 @@ class Rule:
     contains: str = ""
     execution: str = ""
     name: str = ""
+    hold_s: float = 0.0
+    """Seconds each answer of this rule is held in flight before it is sent (abortable): a
+    call a test needs in flight at this engine while something happens (a switch)."""
 
     def __post_init__(self) -> None:
         if not self.turns or not all(isinstance(t, str) for t in self.turns):
             raise ValueError("Rule.turns must be a non-empty sequence of completion texts")
+        if not isinstance(self.hold_s, (int, float)) or self.hold_s < 0:
+            raise ValueError("Rule.hold_s must be a number of seconds ≥ 0")
 
     def matches(self, turns: Turns, execution: str) -> bool:
         return (self.system in turns.system and self.first in turns.first and self.last in turns.last and self.contains in turns.text
@@ -449,7 +467,8 @@ class Playbook:
             if rule.matches(turns, execution):
                 k = turns.assistant_turns
                 self.matched.append((execution, rule.name or str(i), k))
-                return rule.turns[min(k, len(rule.turns) - 1)]
+                text = rule.turns[min(k, len(rule.turns) - 1)]
+                return Held(text, rule.hold_s) if rule.hold_s else text
         raise LookupError(f"no playbook rule for execution {execution!r}; last turn {turns.last[-300:]!r}")
 
     def callback(self, tokenizer: Any) -> Callback:
