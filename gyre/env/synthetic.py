@@ -41,8 +41,8 @@ def harness_module() -> ModuleType:
     return module
 
 
-def workload_spec(workload: str = "tail_heavy", *, seed: int = 0, scale: float = 1.0, calls: int = 3,
-                  max_tokens: int = 8) -> dict:
+def workload_spec(workload: str = "tail_heavy", *, seed: int = 0, scale: float = 1.0, calls: int = 2,
+                  max_tokens: int = 4) -> dict:
     """What `workload.json` holds. Raises ValueError on an unknown workload or a bad number."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; workloads: {', '.join(WORKLOADS)}")

@@ -108,7 +108,7 @@ def main(argv=None):
     scale = float(spec.get("scale", 1.0))
     d = duration_s(spec["workload"], int(spec.get("seed", 0)), step, group, index, scale)
     span = min(d, scale * float(spec["timeout_s"]))
-    calls = int(spec.get("calls", 3))
+    calls = int(spec.get("calls", 2))
     print(f"synthetic_harness: {execution} runs {d:.3f} s ({spec['workload']}, seed {spec.get('seed', 0)})", flush=True)
     with open("answer.txt", "w", encoding="utf-8") as fh:
         fh.write("pass" if index % 2 == 0 else "fail")
@@ -116,7 +116,7 @@ def main(argv=None):
                 {"role": "user", "content": f"Execution {execution}: say something."}]
     for i in range(calls):
         sleep_until(started + i * span / calls)
-        body = {"model": a.model, "messages": messages, "max_tokens": int(spec.get("max_tokens", 8))}
+        body = {"model": a.model, "messages": messages, "max_tokens": int(spec.get("max_tokens", 4))}
         try:
             reply = chat(base_url, key, body)
         except (urllib.error.URLError, OSError, ValueError) as exc:
