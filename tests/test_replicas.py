@@ -33,7 +33,9 @@ async def test_a_core_and_two_satellites_train_what_one_replica_trains(nats_serv
     trains on the core's snapshot of v1 (pulled through the transfer layer). The weights of
     v2 equal one replica's; each satellite committed micro-steps while the core held grants."""
     steps = [microsteps(0, 4, seed=1), microsteps(1, 10, seed=2)]
-    async with Cells(nats_server, run_id, tmp_path, model_dir, device_time_s=0.25) as cells:
+    # micro-steps of ≥ 0.6 s (the forward-backward counts towards it): long enough for the
+    # core to be granted one while each satellite holds one
+    async with Cells(nats_server, run_id, tmp_path, model_dir, device_time_s=0.6) as cells:
         for cell in ("cell0", "cell1", "cell2"):
             cells.start(cell)
         await cells.switch("cell0", "training")
