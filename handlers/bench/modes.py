@@ -13,12 +13,13 @@ with 2 chat calls of 4 tokens each and think times, its duration drawn from the 
 the rest lognormal, median 10 s, p90 22.5 s; 30 s timeout), the seed and (step, group,
 index) only, so every mode meets the same durations; 4 groups × 8 executions per step.
 
-Training: the toy model, each micro-step run for real and then an emulated device time
-waited out (`train.device_time_s`), calibrated so that one step on one cell takes 10 s
-(the real forward-backward of a micro-step of the step's shape, measured here first, is
-subtracted) and divides by the training cells. The token budget packs 4 executions (one
-trajectory each) per micro-step: 2 per group, 8 per step. The emulation is printed with
-the figures and kept under `emulation`.
+Training: the toy model, each micro-step run for real within an emulated device time
+(`train.device_time_s` = 10 s / 8: the replica waits what the real forward-backward leaves of
+it), so that one step on one cell takes 10 s and divides by the training cells; the audit's
+`microstep_s` says what a micro-step really took (more where the machine's cores are too
+busy for the real part). The token budget packs 4 executions (one trajectory each) per
+micro-step: 2 per group, 8 per step. The runs' processes use one torch thread each. The
+emulation is printed with the figures and kept under `emulation`.
 
 Figures per workload and mode: `step_time_s` = (T_{N−1} − T_w)/(N − 1 − w) with T_k the end
 of step k's optimizer update (`metrics.jsonl` `step.completed`), N = 1 warm-up + 4 measured
@@ -37,7 +38,6 @@ import json
 import os
 import secrets
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -112,56 +112,18 @@ def trajectory_tokens(model_dir: Path) -> int:
     return len(tok(render(tok, messages), add_special_tokens=False)["input_ids"]) + MAX_TOKENS
 
 
-def forward_backward_s(model_dir: Path, length: int, per_microstep: int, repeats: int = 3) -> float:
-    """Median seconds of the real forward-backward of one micro-step of `per_microstep`
-    trajectories of `length` tokens on the toy model in this process (after one warm-up)."""
-    import numpy as np
-
-    from gyre.learning.trainer import Trainer, TrainerConfig
-    from gyre.trajectory.microstep import Sample, pack
-    from gyre.trajectory.tree import Trajectory
-
-    rng = np.random.default_rng(0)
-    samples = []
-    for i in range(per_microstep):
-        ids = rng.integers(0, 151_000, length).astype(np.int32)
-        mask = np.zeros(length, dtype=bool)
-        mask[-CALLS * MAX_TOKENS:] = True
-        samples.append(Sample(f"e{i}", 1.0 if i % 2 else -1.0, (Trajectory(
-            execution=f"e{i}", leaf=f"e{i}:0", role="main", input_ids=ids, loss_mask=mask,
-            behaviour_logprobs=np.where(mask, -11.9, 0.0).astype(np.float32),
-            versions=np.where(mask, 0, -1).astype(np.int32), temperatures=np.ones(length, np.float32)),)))
-    (ms,) = pack(samples, 10**9)
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(RUN_ENV["OMP_NUM_THREADS"])  # as in the cells
-    try:
-        trainer = Trainer(model_dir, TrainerConfig(replica="calibration"))
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            trainer.accumulate(ms)
-            times.append(time.perf_counter() - t0)
-            trainer.discard()
-    finally:
-        torch.set_num_threads(threads)
-    return statistics.median(times[1:])
-
-
 def emulation(plan: Plan, model_dir: Path) -> dict:
-    """The micro-step shape and the calibrated device time (module docstring)."""
+    """The micro-step shape and the emulated device time (module docstring)."""
     length = trajectory_tokens(model_dir)
     per = GROUP_SIZE // MICROSTEPS_PER_GROUP
-    fb = forward_backward_s(model_dir, length, per)
     microsteps = GROUPS * MICROSTEPS_PER_GROUP
-    target = TRAIN_S * plan.scale / microsteps
     return {"train_s_per_step_on_one_cell": TRAIN_S * plan.scale, "microsteps_per_step": microsteps,
             "trajectory_tokens": length, "microstep_tokens": int((per + 0.5) * length),
-            "forward_backward_s": round(fb, 4), "device_time_s": round(max(0.0, target - fb), 4),
-            "note": "each micro-step runs for real on the toy model, then the cell waits device_time_s; "
-                    "device_time_s = train_s_per_step_on_one_cell / microsteps_per_step - forward_backward_s "
-                    "(measured in the bench's process before the runs)"}
+            "device_time_s": round(TRAIN_S * plan.scale / microsteps, 4),
+            "torch_threads_per_process": RUN_ENV["OMP_NUM_THREADS"],
+            "note": "each micro-step runs for real on the toy model; its real forward-backward counts towards "
+                    "device_time_s (the replica waits the rest), so a micro-step lasts about max(device_time_s, "
+                    "its forward-backward): where the machine is too busy for that, the audit's microstep_s shows it"}
 
 
 # --- one run ---------------------------------------------------------------------------------
@@ -220,7 +182,7 @@ def run_one(plan: Plan, emu: dict, workdir: Path, workload: str, mode: str, roll
         return out
     r = A.replay(lines)
     measured = step_time(ends, plan.warmup)
-    audit, notes = A.audit(run_dir, r, metrics)
+    audit, notes = A.audit(run_dir, r, metrics, lines)
     predicted = A.predicted_step_s(lines, plan.warmup)
     name = f"{pictures.name}-{workload}-{label.replace(' ', '-')}.png"
     title = (f"{workload} — {label}: step time {measured:.1f} s ({CELLS} cells, C_e {CAPACITY}, S {STALENESS}; "
@@ -336,6 +298,13 @@ def measure(plan: Plan, *, workdir: Path | None = None, json_path: Path | None =
     from gyre.config import load_recipe
     from gyre.serving.model import ModelSpec, init_model
 
+    import logging
+
+    import structlog
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the model is written and calibrated in this process
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     started = time.monotonic()
     root = Path(workdir or tempfile.mkdtemp(prefix="gyre-bench-modes-")).resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -346,8 +315,8 @@ def measure(plan: Plan, *, workdir: Path | None = None, json_path: Path | None =
         init_model(model_dir, ModelSpec(layers=m.layers, hidden=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
                                         head_dim=m.hidden // m.heads, intermediate=3 * m.hidden, seed=m.seed))
     emu = emulation(plan, model_dir)
-    say(f"emulated device time: {emu['device_time_s']} s per micro-step after {emu['forward_backward_s']} s of real "
-        f"forward-backward; {emu['microsteps_per_step']} micro-steps of ≤ {emu['microstep_tokens']} tokens per step "
+    say(f"emulated device time: {emu['device_time_s']} s per micro-step, its real forward-backward included; "
+        f"{emu['microsteps_per_step']} micro-steps of ≤ {emu['microstep_tokens']} tokens per step "
         f"({emu['trajectory_tokens']} per execution): {emu['train_s_per_step_on_one_cell']} s per step on one cell")
     pictures = (json_path.resolve().with_suffix("") if json_path else root / "modes")
     out: dict = {"settings": {"cells": CELLS, "capacity": CAPACITY, "staleness": STALENESS, "groups": GROUPS,
@@ -372,13 +341,13 @@ def print_table(f: dict) -> None:
     print(f"\ngyre bench modes — {s['cells']} cells, C_e {s['capacity']}, S {s['staleness']}, {s['groups']} × "
           f"{s['group_size']} executions per step, {s['steps']} steps (w = {s['warmup']}), scale {s['scale']}, "
           f"seed {s['seed']}; one repetition on this machine (shared and slow: the figures move from run to run)")
-    print(f"emulated device time {e['device_time_s']} s per micro-step (+ {e['forward_backward_s']} s real "
-          f"forward-backward), {e['microsteps_per_step']} micro-steps per step: {e['train_s_per_step_on_one_cell']} s "
-          f"per step on one cell")
+    print(f"emulated device time {e['device_time_s']} s per micro-step (its real forward-backward included), "
+          f"{e['microsteps_per_step']} micro-steps per step: {e['train_s_per_step_on_one_cell']} s per step on one "
+          f"cell; measured per micro-step (p50) in each run below")
     for name, w in f["workloads"].items():
         print(f"\n{name}")
         print(f"  {'mode':22s} {'step (s)':>9s} {'elastic is':>10s} {'sim (s)':>8s} {'sim err':>8s} {'switches':>8s} "
-              f"{'idle r/t/s (cell-s)':>22s}  micro-steps per cell")
+              f"{'idle r/t/s (cell-s)':>22s} {'µstep (s)':>9s}  micro-steps per cell")
         for mode, st in w["step_time_s"].items():
             a = w["audit"].get(mode, {})
             idle = a.get("idle_cell_s") or {}
@@ -386,15 +355,18 @@ def print_table(f: dict) -> None:
             print(f"  {label:22s} {_num(st, '9.2f')} {_num(w.get(f'speedup_vs_{mode}'), '9.2f') + ('×' if w.get(f'speedup_vs_{mode}') else ' '):>10s} "
                   f"{_num(w['sim_predicted_step_time_s'].get(mode), '8.2f')} {_num(w['sim_prediction_error'].get(mode), '+8.1%')} "
                   f"{_num((a.get('switches') or {}).get('count'), '8d')} "
-                  f"{'/'.join(_num(idle.get(k), '.0f') for k in ('rollout', 'training', 'switching')):>22s}  "
-                  f"{a.get('microsteps_per_cell', '')}")
+                  f"{'/'.join(_num(idle.get(k), '.0f') for k in ('rollout', 'training', 'switching')):>22s} "
+                  f"{_num(a.get('microstep_s'), '9.2f')}  {a.get('microsteps_per_cell', '')}")
         for mode, sp in w["async_splits"].items():
             print(f"  {mode} splits (step s): " + ", ".join(f"{k} {_num(v, '.2f')}" for k, v in sp["step_time_s"].items()))
         print(f"  switch p50 (elastic): {w['switch_s']}; prefill tokens saved by KV migration: "
               f"{w['prefill_tokens_saved_by_kv_migration']}")
-        for mode, notes in w["notes"].items():
-            for n in notes:
-                print(f"  note ({mode}): {n}")
+        notes: dict[str, list[str]] = {}
+        for mode, ns in w["notes"].items():
+            for n in ns:
+                notes.setdefault(n, []).append(mode)
+        for n, modes in notes.items():
+            print(f"  note ({', '.join(modes)}): {n}")
     print("\ntargets:")
     for name, t in f["targets"].items():
         met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]

@@ -14,6 +14,8 @@ Definitions (the simulator's, `gyre.sim.cluster.SimResult`, so both can be compa
   `rollout` (a serving cell's empty slots ÷ C_e), `training` (a training cell holding no
   micro-step grant), `switching` (a cell between roles);
 - `microsteps_per_cell`: micro-steps committed per replica (`microstep.committed`);
+- `microstep_s`: the median time a replica held a micro-step (gyre.sim.whatif), the device
+  time the simulator replays;
 - `dispatch_delay_s`: seconds from the scheduler's dispatch of an execution to the runner's
   `execution.started` (p50, max);
 - `switches`: the cells' role changes between rollout and training up to the last step's
@@ -164,8 +166,9 @@ def prom_samples(run_dir: Path, daemons: list[str] | None = None) -> dict[str, l
     return out
 
 
-def audit(run_dir: Path, r: Replayed, metrics_lines: list[dict]) -> tuple[dict, list[str]]:
-    """The audit keys of one run (module docstring) and the notes on keys it could not read."""
+def audit(run_dir: Path, r: Replayed, metrics_lines: list[dict], lines: list[str] | None = None) -> tuple[dict, list[str]]:
+    """The audit keys of one run (module docstring) and the notes on keys it could not read;
+    with the trace's `lines`, also `microstep_s` (gyre.sim.whatif's: what the simulator replays)."""
     notes: list[str] = []
     prom = prom_samples(run_dir)
     retries = prom.get("gyre_proxy_retries_total")
@@ -205,6 +208,10 @@ def audit(run_dir: Path, r: Replayed, metrics_lines: list[dict]) -> tuple[dict, 
         "switches": switches,
         "window_s": round(r.window[1] - r.window[0], 3),
     }
+    if lines is not None:
+        from gyre.sim import whatif
+
+        out["microstep_s"] = round(whatif.measured(lines).microstep_s, 4)
     return out, notes
 
 
