@@ -147,13 +147,17 @@ class Replica:
         return None
 
     async def _move(self, reply: schemas.ClaimReply) -> bool:
-        """Follow the ledger to (reply.epoch, reply.step): drop what was accumulated for another
-        one, and (a satellite) load that step's weights. False when the weights could not be
-        pulled (the replica then holds nothing and asks again)."""
-        if self.trainer.metrics.microsteps:
-            log.warning("replica.accumulation.void", cell=self.cell, epoch=self.epoch, step=self.step,
-                        held=self.held, now_epoch=reply.epoch, now_step=reply.step)
-        self.trainer.discard()
+        """Follow the ledger to (reply.epoch, reply.step): (a satellite) drop what was
+        accumulated for another one and load that step's weights. The core's trainer holds the
+        step's gradient itself (what the core committed, and satellites' contributions, also
+        while the core cell served rollouts), which only the core drops, as it applies a step:
+        a core replica started in the middle of a step keeps it. False when the weights could
+        not be pulled (the replica then holds nothing and asks again)."""
+        if self.core is None:
+            if self.trainer.metrics.microsteps:
+                log.warning("replica.accumulation.void", cell=self.cell, epoch=self.epoch, step=self.step,
+                            held=self.held, now_epoch=reply.epoch, now_step=reply.step)
+            self.trainer.discard()
         self.held.clear()
         self.epoch = self.step = -1
         self.withdraw_through(reply.step - 1)
