@@ -38,6 +38,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -165,8 +166,14 @@ def run_one(plan: Plan, emu: dict, workdir: Path, workload: str, mode: str, roll
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.run(argv, env=env, stdout=None if not quiet else log, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(argv, env=env, stdout=None if not quiet else log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+        try:
+            proc.wait()
+        except BaseException:  # interrupted: gyre run stops its daemons and its nats-server on SIGTERM
+            proc.terminate()
+            proc.wait(60)
+            raise
     wall = round(time.monotonic() - t0, 1)
     run_dir = workdir / "runs" / run_id
     out: dict = {"run_dir": str(run_dir), "wall_s": wall, "label": label}
@@ -418,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(base, **change)
     except ValueError as exc:
         p.error(str(exc))
+    def interrupted(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupted)  # a run in flight is stopped cleanly (run_one)
     f = measure(plan, workdir=a.workdir, json_path=a.json, quiet=not a.verbose)
     f["command"] = "gyre bench modes " + " ".join(sys.argv[1:] if argv is None else argv)
     print_table(f)
