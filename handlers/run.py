@@ -167,7 +167,9 @@ class Progress:
                       f"reward mean {event.reward_mean:.3f}, zero-variance groups {event.zero_variance_groups}")
         elif isinstance(event, schemas.CellSwitched):
             self.switches.append({"cell": event.cell, "to": event.to_role, **event.durations})
-            self._emit(schemas.CellSwitched.NAME, cell=event.cell, to_role=event.to_role, durations=event.durations)
+            # `bytes` (what the switch freed and pulled) where the cell measures it
+            self._emit(schemas.CellSwitched.NAME, cell=event.cell, from_role=event.from_role, to_role=event.to_role,
+                       durations=event.durations, **({"bytes": event.bytes} if getattr(event, "bytes", None) else {}))
             if event.seq >= 0 or event.from_role != "idle":
                 self._say(f"{event.cell} → {event.to_role} ({event.durations.get('total_s', 0.0):.2f}s)")
         elif isinstance(event, schemas.StepCompleted):

@@ -33,7 +33,9 @@ async def test_a_core_and_two_satellites_train_what_one_replica_trains(nats_serv
     trains on the core's snapshot of v1 (pulled through the transfer layer). The weights of
     v2 equal one replica's; each satellite committed micro-steps while the core held grants."""
     steps = [microsteps(0, 4, seed=1), microsteps(1, 10, seed=2)]
-    async with Cells(nats_server, run_id, tmp_path, model_dir, device_time_s=0.25) as cells:
+    # micro-steps of ≥ 0.6 s (the forward-backward counts towards it): long enough for the
+    # core to be granted one while each satellite holds one
+    async with Cells(nats_server, run_id, tmp_path, model_dir, device_time_s=0.6) as cells:
         for cell in ("cell0", "cell1", "cell2"):
             cells.start(cell)
         await cells.switch("cell0", "training")
@@ -153,3 +155,34 @@ async def test_a_core_killed_mid_step_resumes_from_its_checkpoint_under_a_new_ep
     expected = reference(model_dir, cells.recipe, steps)
     check_weights(cells.checkpoint(3), expected)
     check_moments(cells.checkpoint(3), expected)
+
+
+async def test_the_core_leaving_training_mid_step_keeps_the_steps_gradient(nats_server, run_id, tmp_path, model_dir):
+    """Elastic lets the core return to rollout in the middle of a step and come back: the
+    micro-steps it committed before, and a satellite's contribution added while it served,
+    stay in the step's gradient (the core's new replica follows the ledger without dropping
+    the core's accumulation). v1's weights and moments equal one replica's."""
+    (step0,) = steps = [microsteps(0, 8, seed=8)]
+    async with Cells(nats_server, run_id, tmp_path, model_dir, device_time_s=0.3) as cells:
+        cells.start("cell0")
+        cells.start("cell1")
+        await cells.switch("cell0", "training")
+        await cells.publish(step0[:3])
+        await cells.until(lambda: len(cells.of("microstep.committed", 0, replica="cell0")) >= 2,
+                          "the core to commit two micro-steps")
+        await cells.switch("cell0", "rollout")
+        await cells.switch("cell1", "training")
+        await cells.publish(step0[3:6])
+        await cells.until(lambda: cells.of("microstep.granted", 0, replica="cell1"), "the satellite to train")
+        await cells.switch("cell1", "rollout")  # it returns what it trained
+        await cells.until(lambda: cells.of("microstep.committed", 0, replica="cell1"), "the satellite's commits")
+        await cells.switch("cell0", "training")
+        await cells.publish(step0[6:])
+        await cells.seal(0, len(step0))
+        await cells.until(lambda: cells.completed(0), "step 0")
+        assert await cells.settled_commits(0, 0, len(step0)) == {i: 1 for i in range(len(step0))}
+        assert cells.completed(0).tokens == sum(ms.n_trained for ms in step0)
+
+    expected = reference(model_dir, cells.recipe, steps)
+    check_weights(cells.checkpoint(1), expected)
+    check_moments(cells.checkpoint(1), expected)

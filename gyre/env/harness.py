@@ -11,6 +11,9 @@ Profiles (`PROFILES`, `get_profile(name)`):
 - `mini-swe-agent-text`: the same with `--model-class litellm_textbased` and
   gyre/env/data/harness/mini_textbased.yaml (commands in a ```mswea_bash_command fence).
 - `toy`: gyre/env/data/harness/toy_harness.py, one or two chat calls, writes `answer.txt`.
+- `synthetic`: gyre/env/data/harness/synthetic_harness.py, chat calls with think times
+  whose execution lasts as long as a seeded workload says (`gyre bench modes`); the
+  workload is the task's starting file `workload.json` (task set `synthetic`).
 - `claude-code`: Claude Code (npm `@anthropic-ai/claude-code`, CLAUDE_CODE_VERSION),
   headless `claude -p`, Anthropic Messages against the proxy (HARNESSES.md).
 - `codex`: Codex CLI (npm `@openai/codex`, CODEX_VERSION), `codex exec`, OpenAI
@@ -212,6 +215,15 @@ def toy(req: LaunchRequest) -> HarnessCommand:
     return HarnessCommand(argv=argv, env=env, files=files, readonly=python_installation(req.python))
 
 
+def synthetic(req: LaunchRequest) -> HarnessCommand:
+    """The synthetic harness: calls with think times, its duration drawn from the workload in
+    the workspace's `workload.json` and its execution id (gyre/env/data/harness/synthetic_harness.py)."""
+    argv = [req.python, str(req.home / "synthetic_harness.py"), "--model", req.model]
+    env = {"OPENAI_BASE_URL": f"{req.proxy_url.rstrip('/')}/v1", "OPENAI_API_KEY": req.api_key}
+    files = {"synthetic_harness.py": (HARNESS_DIR / "synthetic_harness.py").read_text()}
+    return HarnessCommand(argv=argv, env=env, files=files, readonly=python_installation(req.python))
+
+
 def _npm_readonly(prefix: Path) -> tuple[str, ...]:
     """The npm prefix plus the real directories its bin links point into, when outside it."""
     paths = [str(prefix)]
@@ -289,6 +301,7 @@ PROFILES: Mapping[str, Profile] = {
     "mini-swe-agent": mini_swe_agent,
     "mini-swe-agent-text": mini_swe_agent_text,
     "toy": toy,
+    "synthetic": synthetic,
     "claude-code": claude_code,
     "codex": codex,
 }

@@ -41,8 +41,9 @@ class TrainerSettings:
     """Grants one micro-step may get in one core epoch; one more fails its step loudly
     (`step.failed`). >= 1."""
     device_time_s: float = 0.0
-    """Seconds a replica waits after each micro-step's forward-backward, emulating an
-    accelerator's device time (`gyre bench modes`); 0 = none. >= 0."""
+    """Emulated device time of one micro-step, seconds (`gyre bench modes`): a replica waits
+    before each micro-step's forward-backward what the previous one's forward-backward left of
+    it, so a micro-step lasts about max(device_time_s, its forward-backward); 0 = none. >= 0."""
 
     def __post_init__(self) -> None:
         name = type(self).__name__

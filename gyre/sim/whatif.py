@@ -36,7 +36,10 @@ class Measured:
     durations: dict[tuple[int, int], float]
     """(step, index in step) -> started-to-finished seconds, for every execution that finished."""
     microstep_s: float
-    """Mean grant-to-commit seconds."""
+    """Median seconds a replica held a micro-step: from its grant to the replica's next grant or
+    the micro-step's commit, whichever came first (a satellite returns the micro-steps of a
+    step in one contribution, so its commits come together at the end). The median, not the
+    mean: a replica's first micro-step also pays its warm-up, once per run."""
     microsteps_per_group: int
     to_training_s: float
     to_rollout_s: float
@@ -50,7 +53,8 @@ def measured(lines: Iterable[str]) -> Measured:
     cfg = head["config"]
     started: dict[str, float] = {}
     durations: dict[tuple[int, int], float] = {}
-    granted: dict[tuple[int, int], float] = {}
+    granted: dict[tuple[int, int], float] = {}  # micro-step -> granted at, until counted
+    holding: dict[str, tuple[int, int]] = {}  # replica -> the micro-step it was granted last
     micro: list[float] = []
     switches: dict[tuple[str, str], list[float]] = {("rollout", "training"): [], ("training", "rollout"): []}
     sealed: list[int] = []
@@ -66,9 +70,15 @@ def measured(lines: Iterable[str]) -> Measured:
             _, g, i = (int(p[1:]) for p in item.execution.split("-"))
             durations[(item.step, g * cfg["group_size"] + i)] = item.t - started.pop(item.execution)
         elif isinstance(item, F.MicrostepGranted):
+            previous = holding.pop(item.replica, None)
+            if previous is not None and previous in granted:
+                micro.append(item.t - granted.pop(previous))
             granted[(item.step, item.microstep)] = item.t
+            holding[item.replica] = (item.step, item.microstep)
         elif isinstance(item, F.MicrostepCommitted) and (item.step, item.microstep) in granted:
             micro.append(item.t - granted.pop((item.step, item.microstep)))
+            if holding.get(item.replica) == (item.step, item.microstep):
+                del holding[item.replica]
         elif isinstance(item, F.CellSwitched) and (item.from_role, item.to_role) in switches:
             if "total_s" in item.durations:
                 switches[(item.from_role, item.to_role)].append(float(item.durations["total_s"]))
@@ -83,7 +93,7 @@ def measured(lines: Iterable[str]) -> Measured:
         mode=head["mode"], options=head.get("options", {}), cells=len(cfg["cells"]), capacity=cfg["capacity"],
         groups=cfg["groups_per_step"], group_size=cfg["group_size"], steps=cfg["steps"],
         staleness=cfg.get("staleness", 1), pool=cfg.get("pool", 0), durations=durations,
-        microstep_s=statistics.fmean(micro), microsteps_per_group=per_group,
+        microstep_s=statistics.median(micro), microsteps_per_group=per_group,
         to_training_s=statistics.median(switches[("rollout", "training")] or [0.0]),
         to_rollout_s=statistics.median(switches[("training", "rollout")] or [0.0]), step_ends=ends)
 

@@ -7,7 +7,9 @@ One loop runs in every cell in training: the core's own replica and each satelli
   leases; while it trains, a satellite renews them every third of the lease.
 - Granted: it fetches the micro-step from the object store, waits out the emulated device
   time (`device_time_s`, `gyre bench modes`) if any, and runs forward-backward on it
-  (`Trainer.accumulate`). The core's replica adds into the core's gradient under the core's
+  (`Trainer.accumulate`). The real forward-backward counts towards the device time: the
+  replica waits what its previous micro-step's forward-backward left of it, so a micro-step
+  lasts about max(device_time_s, its forward-backward). The core's replica adds into the core's gradient under the core's
   lock and commits the micro-step at once; a satellite keeps the ids it holds.
 - A reply under another epoch or step than the replica's accumulation voids it: the
   accumulation is dropped, and a satellite pulls that step's weights (the snapshot the reply
@@ -63,6 +65,8 @@ class Replica:
         self.transfer = transfer
         self.core = core
         self.device_time_s = device_time_s
+        self._forward_backward_s = 0.0
+        """Seconds of the last micro-step's forward-backward (what the device time waits less)."""
         self.poll_s = poll_s
         self.request_timeout_s = request_timeout_s
         self.epoch = -1
@@ -170,13 +174,17 @@ class Replica:
         return None
 
     async def _move(self, reply: schemas.ClaimReply) -> bool:
-        """Follow the ledger to (reply.epoch, reply.step): drop what was accumulated for another
-        one, and (a satellite) load that step's weights. False when the weights could not be
-        pulled (the replica then holds nothing and asks again)."""
-        if self.trainer.metrics.microsteps:
-            log.warning("replica.accumulation.void", cell=self.cell, epoch=self.epoch, step=self.step,
-                        held=self.held, now_epoch=reply.epoch, now_step=reply.step)
-        self.trainer.discard()
+        """Follow the ledger to (reply.epoch, reply.step): (a satellite) drop what was
+        accumulated for another one and load that step's weights. The core's trainer holds the
+        step's gradient itself (what the core committed, and satellites' contributions, also
+        while the core cell served rollouts), which only the core drops, as it applies a step:
+        a core replica started in the middle of a step keeps it. False when the weights could
+        not be pulled (the replica then holds nothing and asks again)."""
+        if self.core is None:
+            if self.trainer.metrics.microsteps:
+                log.warning("replica.accumulation.void", cell=self.cell, epoch=self.epoch, step=self.step,
+                            held=self.held, now_epoch=reply.epoch, now_step=reply.step)
+            self.trainer.discard()
         self.held.clear()
         self.epoch = self.step = -1
         self.withdraw_through(reply.step - 1)
@@ -222,13 +230,14 @@ class Replica:
                 if mid in self.held:
                     self.held.remove(mid)  # not listed at the next claim: the ledger grants it again
                 return
-            if self.device_time_s:
-                await asyncio.sleep(self.device_time_s)
+            if self.device_time_s > self._forward_backward_s:
+                await asyncio.sleep(self.device_time_s - self._forward_backward_s)
             if self.core is not None:
                 async with self.core.grad_lock:
                     started = time.perf_counter()
                     await asyncio.to_thread(self.trainer.accumulate, ms)
-                    self.trainer.metrics.add_time("forward_backward", time.perf_counter() - started)
+                    self._forward_backward_s = time.perf_counter() - started
+                    self.trainer.metrics.add_time("forward_backward", self._forward_backward_s)
                     await self.core.commit_local(mid)
                 self.trained += 1
                 await self.core.maybe_apply()
@@ -241,7 +250,8 @@ class Replica:
                     self.trainer.discard()
                     self.held.clear()
                     return
-                self.trainer.metrics.add_time("forward_backward", time.perf_counter() - started)
+                self._forward_backward_s = time.perf_counter() - started
+                self.trainer.metrics.add_time("forward_backward", self._forward_backward_s)
                 self.trained += 1
             log.info("replica.microstep.trained", cell=self.cell, step=reply.step, microstep=mid, tokens=ms.n_tokens)
         finally:
