@@ -6,7 +6,8 @@ Cells move between rollout and training during a step:
 - the next cell in switch order (core first, then the satellites in their fixed order)
   leaves rollout only when the water level allows it, w(t) ≤ C_R(t) − C_e, one switch at a
   time, and only when it has training to do that saves more time than a round trip of
-  switches costs;
+  switches costs (before any micro-step has been timed there is no estimate of the saving,
+  and the water level alone decides);
 - training cells return to rollout by the return rule, only while executions wait for a slot.
 
 Return rules (`return_rule`):
@@ -128,7 +129,9 @@ class ElasticPolicy(Policy):
     def to_training(self) -> list[Action]:
         """The next cell in order leaves rollout when the water level allows and the switch
         pays for itself: the claimable training, spread over one more cell, ends sooner by
-        more than a round trip of switches costs."""
+        more than a round trip of switches costs. Until a micro-step has been timed the
+        saving is unknown and the water level alone decides (a saving estimated as 0 would
+        hold every cell but the first back until the first micro-step is committed)."""
         if any(t == "training" for t in self.target.values()):
             return []  # serial: one switch to training at a time
         cell = next((c for c in self.cfg.cells if self.serving(c)), None)
@@ -139,7 +142,7 @@ class ElasticPolicy(Policy):
         if claimable <= self.idle_trainers():
             return []
         trainers = sum(1 for c in self.cfg.cells if self.trainer(c))
-        if trainers and self.return_rule == "adaptive":
+        if trainers and self.return_rule == "adaptive" and self.microstep_s:
             work = (claimable + len(self.holding)) * self.microstep_cost()
             saving = work / trainers - work / (trainers + 1)
             if saving <= self.switch_cost("rollout", "training") + self.switch_cost("training", "rollout"):
