@@ -124,6 +124,30 @@ def test_before_a_micro_step_is_timed_the_water_level_alone_decides():
     assert _second_cell_case(0.9) == [("c1", "training")]
 
 
+def _observed(cells, microstep_s):
+    """An elastic policy at the boundary of step 1 (8 micro-steps, all ready), having seen 8
+    executions of 40 s on C_e 1 (a burst: 320 cell-s), micro-steps of `microstep_s`, free
+    switches and a finish every 10 s."""
+    p = make_policy("elastic", PolicyConfig(cells=tuple(f"c{i}" for i in range(cells)), capacity=1,
+                                            groups_per_step=4, group_size=2, steps=4))
+    p.durations = [40.0] * 8
+    p.microstep_s = [microstep_s]
+    p.switch_s = {("rollout", "training"): [0.0], ("training", "rollout"): [0.0]}
+    p.recent_finishes.extend([0.0, 10.0, 20.0, 30.0])
+    p.t = 30.0
+    p.sealed[1] = p.ready[1] = 8
+    return p
+
+
+def test_an_uneven_whole_cell_split_returns_every_training_cell_at_the_boundary():
+    # ρ = 120 / 440: the best whole-cell split trains on one cell
+    assert _observed(4, 15.0).keep_at_boundary(1, trainers=2) == 1  # 3 cells roll out a burst in 107 s
+    # on 2 cells one cell would roll out for 320 s while the other trains for 120 s, 200 s
+    # more than returning both costs (2 drains of C_e / 2λ = 5 s): both return
+    assert _observed(2, 15.0).keep_at_boundary(1, trainers=2) == 0
+    assert _observed(2, 40.0).keep_at_boundary(1, trainers=2) == 1  # 320 s of training: even
+
+
 # --- admission and the staleness gate ------------------------------------------------------
 
 @pytest.mark.parametrize("mode,dispatched,waiting", [

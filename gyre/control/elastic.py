@@ -21,7 +21,12 @@ Return rules (`return_rule`):
     burst's long executions all start at once (the boundary rule); bound by throughput,
     round(K·ρ) training cells stay (ρ the training share of a step's work, as the best
     fixed split would have it; never more than have micro-steps to claim), the others
-    return;
+    return — unless that whole-cell split is uneven: it leaves a single cell (and no pool)
+    to roll out, which would take longer for a burst than the kept cells take to train a
+    step, by more than returning every cell costs (K round trips of switches and K drains,
+    one after another); the kept cells would wait for data while executions wait for the
+    one cell's slots (2 cells with ρ near ½, say). Then every training cell returns (the
+    uneven-split return);
   - between boundaries, an idle training cell returns when, staying until the open step's
     data is complete, it would idle longer than a return costs: a round trip of switches
     plus the drain that bringing it back takes (C_e slots emptied one finish at a time);
@@ -259,4 +264,26 @@ class ElasticPolicy(Policy):
         latency = longest / (self.cfg.staleness + 1) + training / (self.cfg.groups_per_step * cells)
         if latency > (rollout + training) / cells:
             return 0
-        return min(trainers, self.claimable(step), round(cells * training / (rollout + training)))
+        split = round(cells * training / (rollout + training))
+        if split == 0 or self.uneven(split, training, rollout):
+            return 0
+        return min(trainers, self.claimable(step), split)
+
+    def uneven(self, keep: int, training: float, rollout: float) -> bool:
+        """Whether a whole-cell split of `keep` training cells is uneven: it leaves one cell
+        (and no pool) to roll out, and that cell takes longer for a burst (`rollout`
+        cell-seconds) than the kept cells take for a step (`training` cell-seconds) by more
+        than returning every cell at the boundary costs. The kept cells would wait for data
+        while executions wait for the one cell's slots, and that cell never leaves rollout
+        while it holds an execution (w ≤ C_R − C_e = 0). Returning every cell costs each of
+        the K cells a round trip of switches and a drain (C_e slots emptied at the observed
+        finish rate, as in `idle_returns`), paid one after another since switches to
+        training are serial. (Only for a single rollout cell: with a wider rollout side,
+        returning every cell measured slower on most held-out random profiles it changed.)"""
+        if self.cfg.pool or len(self.cfg.cells) - keep != 1:
+            return False
+        idle = rollout - training / keep
+        rate = self.finish_rate()
+        drain = self.cfg.capacity / (2 * rate) if rate > 0 else float("inf")
+        costs = self.switch_cost("training", "rollout") + self.switch_cost("rollout", "training")
+        return idle > len(self.cfg.cells) * (costs + drain)
