@@ -148,6 +148,14 @@ def test_an_uneven_whole_cell_split_returns_every_training_cell_at_the_boundary(
     assert _observed(2, 40.0).keep_at_boundary(1, trainers=2) == 1  # 320 s of training: even
 
 
+def test_once_every_burst_is_released_every_training_cell_returns_at_the_boundary():
+    p = _observed(4, 15.0)
+    p.released = 3
+    assert p.keep_at_boundary(1, trainers=2) == 1
+    p.released = 4  # the last burst too: the end of the run
+    assert p.keep_at_boundary(1, trainers=2) == 0
+
+
 # --- admission and the staleness gate ------------------------------------------------------
 
 @pytest.mark.parametrize("mode,dispatched,waiting", [

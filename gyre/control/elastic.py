@@ -14,8 +14,11 @@ Return rules (`return_rule`):
 - `boundary`: when a step is completed, every training cell returns;
 - `idle`: a training cell with nothing to claim returns;
 - `adaptive`, the default and the one configuration for every workload:
-  - at a step boundary, the policy judges from what it has observed whether the run is
-    bound by latency or by throughput: latency when a burst's expected longest execution,
+  - at a step boundary once every burst has been released (the end of the run), every
+    training cell returns: the last bursts roll out on every cell, and the water level
+    brings the cells back to train them;
+  - at any other step boundary, the policy judges from what it has observed whether the
+    run is bound by latency or by throughput: latency when a burst's expected longest execution,
     spread over the S+1 bursts in flight, outlasts one step's work (rollout and training)
     spread over every cell. Bound by latency, every training cell returns, so the new
     burst's long executions all start at once (the boundary rule); bound by throughput,
@@ -250,11 +253,12 @@ class ElasticPolicy(Policy):
 
     def keep_at_boundary(self, step: int, trainers: int) -> int:
         """How many training cells stay when a step boundary brings executions to wait: none
-        when the run is bound by latency, round(K·ρ) when it is bound by throughput (see the
-        module docstring), from the durations and micro-steps observed so far."""
+        once every burst has been released, or when the run is bound by latency, or when the
+        throughput split is uneven; round(K·ρ) when it is bound by throughput (see the module
+        docstring), from the durations and micro-steps observed so far."""
         d = self.durations
         mu = self.microstep_cost()
-        if not d or mu <= 0:
+        if not d or mu <= 0 or self.released >= self.cfg.steps:
             return 0
         cells = len(self.cfg.cells)
         n = self.cfg.executions_per_step
