@@ -97,6 +97,65 @@ def test_switches_are_serial_and_core_first():
     assert p.switch_s[("rollout", "training")] == [2.0]
 
 
+def _second_cell_case(timed_microstep_s):
+    """2 cells of C_e 1, 2 executions: the core switches when the first finishes (w = 1 =
+    C_R − C_e), its switch measured at 1 s; then, with a micro-step of `timed_microstep_s`
+    committed (None: none yet), the second finishes and w = 0 lets c1 switch."""
+    p = make_policy("elastic", PolicyConfig(cells=("c0", "c1"), capacity=1, groups_per_step=2, group_size=1,
+                                            steps=1))
+    boot(p)
+    finish(p, 1.0, "s0-g1-e0")
+    actions = []
+    for m in range(4):
+        actions += p.on(F.MicrostepReady(t=1.0, step=0, microstep=m))
+    assert [(s.cell, s.to_role) for s in of(actions, F.Switch)] == [("c0", "training")]
+    p.on(F.CellSwitched(t=2.0, cell="c0", from_role="rollout", to_role="training", durations={"total_s": 1.0}))
+    if timed_microstep_s is not None:
+        p.on(F.MicrostepGranted(t=2.0, step=0, microstep=0, replica="c0"))
+        p.on(F.MicrostepCommitted(t=2.0 + timed_microstep_s, step=0, microstep=0, replica="c0"))
+    return [(s.cell, s.to_role) for s in of(finish(p, 3.0, "s0-g0-e0"), F.Switch)]
+
+
+def test_before_a_micro_step_is_timed_the_water_level_alone_decides():
+    assert _second_cell_case(None) == [("c1", "training")]
+    # once timed, the switch must pay: 3 micro-steps of 0.1 s over 2 cells save 0.15 s, less
+    # than the 1 s switch measured; of 1 s they save 1.5 s
+    assert _second_cell_case(0.1) == []
+    assert _second_cell_case(0.9) == [("c1", "training")]
+
+
+def _observed(cells, microstep_s):
+    """An elastic policy at the boundary of step 1 (8 micro-steps, all ready), having seen 8
+    executions of 40 s on C_e 1 (a burst: 320 cell-s), micro-steps of `microstep_s`, free
+    switches and a finish every 10 s."""
+    p = make_policy("elastic", PolicyConfig(cells=tuple(f"c{i}" for i in range(cells)), capacity=1,
+                                            groups_per_step=4, group_size=2, steps=4))
+    p.durations = [40.0] * 8
+    p.microstep_s = [microstep_s]
+    p.switch_s = {("rollout", "training"): [0.0], ("training", "rollout"): [0.0]}
+    p.recent_finishes.extend([0.0, 10.0, 20.0, 30.0])
+    p.t = 30.0
+    p.sealed[1] = p.ready[1] = 8
+    return p
+
+
+def test_an_uneven_whole_cell_split_returns_every_training_cell_at_the_boundary():
+    # ρ = 120 / 440: the best whole-cell split trains on one cell
+    assert _observed(4, 15.0).keep_at_boundary(1, trainers=2) == 1  # 3 cells roll out a burst in 107 s
+    # on 2 cells one cell would roll out for 320 s while the other trains for 120 s, 200 s
+    # more than returning both costs (2 drains of C_e / 2λ = 5 s): both return
+    assert _observed(2, 15.0).keep_at_boundary(1, trainers=2) == 0
+    assert _observed(2, 40.0).keep_at_boundary(1, trainers=2) == 1  # 320 s of training: even
+
+
+def test_once_every_burst_is_released_every_training_cell_returns_at_the_boundary():
+    p = _observed(4, 15.0)
+    p.released = 3
+    assert p.keep_at_boundary(1, trainers=2) == 1
+    p.released = 4  # the last burst too: the end of the run
+    assert p.keep_at_boundary(1, trainers=2) == 0
+
+
 # --- admission and the staleness gate ------------------------------------------------------
 
 @pytest.mark.parametrize("mode,dispatched,waiting", [

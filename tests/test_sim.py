@@ -147,7 +147,7 @@ def test_a_late_satellite_finds_nothing_left_to_claim():
     assert len(committed) == 3 * 64 and len({(x.step, x.microstep) for x in committed}) == 3 * 64
 
 
-# --- property: never below the bound; with free switches and S = 0, never behind colocate ----
+# --- property: never below the bound; with free switches, never behind colocate --------------
 
 workloads = st.builds(
     lambda cells, capacity, groups, group_size, steps, per_group, mu, staleness, seed: Workload(
@@ -160,6 +160,44 @@ workloads = st.builds(
     seed=st.integers(0, 2**32 - 1))
 
 
+def tight(seed: int, staleness: int, cells: int = 2) -> Workload:
+    """A small cluster (`cells` cells of C_e 1–2) with more executions per burst than slots
+    and training as long as a burst's rollout: the next burst's executions contend for the
+    slots the current step's training needs. Free switches."""
+    rng = np.random.default_rng([seed, staleness])
+    capacity, groups, group_size = int(rng.integers(1, 3)), int(rng.integers(3, 5)), int(rng.integers(2, 4))
+    steps = int(rng.integers(4, 7))
+    return Workload(cells=cells, capacity=capacity, groups=groups, group_size=group_size,
+                    durations=rng.integers(1, 100, size=(steps, groups * group_size)).astype(float),
+                    microsteps_per_group=2, microstep_s=float(rng.integers(10, 31)), to_training_s=0.0,
+                    to_rollout_s=0.0, staleness=staleness)
+
+
+def broad(seed: int, staleness: int) -> Workload:
+    """A workload drawn as `workloads` draws them, from a seed."""
+    rng = np.random.default_rng([seed, staleness])
+    cells, capacity, groups = int(rng.integers(1, 5)), int(rng.integers(1, 5)), int(rng.integers(1, 5))
+    group_size, steps, per_group = int(rng.integers(1, 4)), int(rng.integers(2, 7)), int(rng.integers(1, 3))
+    return Workload(cells=cells, capacity=capacity, groups=groups, group_size=group_size,
+                    durations=rng.integers(1, 100, size=(steps, groups * group_size)).astype(float),
+                    microsteps_per_group=per_group, microstep_s=float(rng.integers(1, 31)), to_training_s=0.0,
+                    to_rollout_s=0.0, staleness=staleness)
+
+
+def violations(w: Workload) -> list[str]:
+    """What the properties forbid on `w` (free switches): elastic ending a step before the
+    critical path allows, or its step time or its last step more than one micro-step behind
+    colocate's."""
+    elastic, colocate = run(w, "elastic").step_ends, run(w, "colocate").step_ends
+    found = [f"step {k} ends at {t} before its bound {b}"
+             for k, (t, b) in enumerate(zip(elastic, critical_path_ends(w))) if t < b - 1e-9]
+    if step_time(elastic) > step_time(colocate) + w.microstep_s + 1e-9:
+        found.append(f"step time {step_time(elastic)} vs colocate's {step_time(colocate)}")
+    if elastic[-1] > colocate[-1] + w.microstep_s + 1e-9:
+        found.append(f"last step ends at {elastic[-1]} vs colocate's {colocate[-1]}")
+    return found
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=workloads, to_training=st.sampled_from([0.0, 3.0]), to_rollout=st.sampled_from([0.0, 2.0]))
 def test_elastic_never_beats_the_lower_bound(w, to_training, to_rollout):
@@ -170,13 +208,25 @@ def test_elastic_never_beats_the_lower_bound(w, to_training, to_rollout):
     assert ends[-1] >= total - 1e-9
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=workloads)
-def test_with_free_switches_and_s_0_elastic_is_never_behind_colocate_by_more_than_a_micro_step(w):
-    w = dataclasses.replace(w, staleness=0)
-    elastic, colocate = run(w, "elastic").step_ends, run(w, "colocate").step_ends
-    assert step_time(elastic) <= step_time(colocate) + w.microstep_s + 1e-9
-    assert elastic[-1] <= colocate[-1] + w.microstep_s + 1e-9
+def test_with_free_switches_elastic_is_never_behind_colocate_by_more_than_a_micro_step(w):
+    assert violations(w) == []  # S is drawn from 0 and 1
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_on_2000_tight_workloads_elastic_keeps_the_properties(staleness):
+    # before the uneven-split return, 19 of these with S = 1 fell more than a micro-step
+    # behind colocate
+    assert {seed: v for seed in range(2000) if (v := violations(tight(seed, staleness)))} == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness", [0, 1])
+@pytest.mark.parametrize("draw", [tight, lambda seed, staleness: tight(seed, staleness, cells=3), broad],
+                         ids=["tight", "tight_3_cells", "broad"])
+def test_on_20000_workloads_elastic_keeps_the_properties(draw, staleness):
+    assert {seed: v for seed in range(2000, 22000) if (v := violations(draw(seed, staleness)))} == {}
 
 
 # --- the command ------------------------------------------------------------------------------

@@ -6,21 +6,30 @@ Cells move between rollout and training during a step:
 - the next cell in switch order (core first, then the satellites in their fixed order)
   leaves rollout only when the water level allows it, w(t) ≤ C_R(t) − C_e, one switch at a
   time, and only when it has training to do that saves more time than a round trip of
-  switches costs;
+  switches costs (before any micro-step has been timed there is no estimate of the saving,
+  and the water level alone decides);
 - training cells return to rollout by the return rule, only while executions wait for a slot.
 
 Return rules (`return_rule`):
 - `boundary`: when a step is completed, every training cell returns;
 - `idle`: a training cell with nothing to claim returns;
 - `adaptive`, the default and the one configuration for every workload:
-  - at a step boundary, the policy judges from what it has observed whether the run is
-    bound by latency or by throughput: latency when a burst's expected longest execution,
+  - at a step boundary once every burst has been released (the end of the run), every
+    training cell returns: the last bursts roll out on every cell, and the water level
+    brings the cells back to train them;
+  - at any other step boundary, the policy judges from what it has observed whether the
+    run is bound by latency or by throughput: latency when a burst's expected longest execution,
     spread over the S+1 bursts in flight, outlasts one step's work (rollout and training)
     spread over every cell. Bound by latency, every training cell returns, so the new
     burst's long executions all start at once (the boundary rule); bound by throughput,
     round(K·ρ) training cells stay (ρ the training share of a step's work, as the best
     fixed split would have it; never more than have micro-steps to claim), the others
-    return;
+    return — unless that whole-cell split is uneven: it leaves a single cell (and no pool)
+    to roll out, which would take longer for a burst than the kept cells take to train a
+    step, by more than returning every cell costs (K round trips of switches and K drains,
+    one after another); the kept cells would wait for data while executions wait for the
+    one cell's slots (2 cells with ρ near ½, say). Then every training cell returns (the
+    uneven-split return);
   - between boundaries, an idle training cell returns when, staying until the open step's
     data is complete, it would idle longer than a return costs: a round trip of switches
     plus the drain that bringing it back takes (C_e slots emptied one finish at a time);
@@ -128,7 +137,9 @@ class ElasticPolicy(Policy):
     def to_training(self) -> list[Action]:
         """The next cell in order leaves rollout when the water level allows and the switch
         pays for itself: the claimable training, spread over one more cell, ends sooner by
-        more than a round trip of switches costs."""
+        more than a round trip of switches costs. Until a micro-step has been timed the
+        saving is unknown and the water level alone decides (a saving estimated as 0 would
+        hold every cell but the first back until the first micro-step is committed)."""
         if any(t == "training" for t in self.target.values()):
             return []  # serial: one switch to training at a time
         cell = next((c for c in self.cfg.cells if self.serving(c)), None)
@@ -139,7 +150,7 @@ class ElasticPolicy(Policy):
         if claimable <= self.idle_trainers():
             return []
         trainers = sum(1 for c in self.cfg.cells if self.trainer(c))
-        if trainers and self.return_rule == "adaptive":
+        if trainers and self.return_rule == "adaptive" and self.microstep_s:
             work = (claimable + len(self.holding)) * self.microstep_cost()
             saving = work / trainers - work / (trainers + 1)
             if saving <= self.switch_cost("rollout", "training") + self.switch_cost("training", "rollout"):
@@ -242,11 +253,12 @@ class ElasticPolicy(Policy):
 
     def keep_at_boundary(self, step: int, trainers: int) -> int:
         """How many training cells stay when a step boundary brings executions to wait: none
-        when the run is bound by latency, round(K·ρ) when it is bound by throughput (see the
-        module docstring), from the durations and micro-steps observed so far."""
+        once every burst has been released, or when the run is bound by latency, or when the
+        throughput split is uneven; round(K·ρ) when it is bound by throughput (see the module
+        docstring), from the durations and micro-steps observed so far."""
         d = self.durations
         mu = self.microstep_cost()
-        if not d or mu <= 0:
+        if not d or mu <= 0 or self.released >= self.cfg.steps:
             return 0
         cells = len(self.cfg.cells)
         n = self.cfg.executions_per_step
@@ -256,4 +268,26 @@ class ElasticPolicy(Policy):
         latency = longest / (self.cfg.staleness + 1) + training / (self.cfg.groups_per_step * cells)
         if latency > (rollout + training) / cells:
             return 0
-        return min(trainers, self.claimable(step), round(cells * training / (rollout + training)))
+        split = round(cells * training / (rollout + training))
+        if split == 0 or self.uneven(split, training, rollout):
+            return 0
+        return min(trainers, self.claimable(step), split)
+
+    def uneven(self, keep: int, training: float, rollout: float) -> bool:
+        """Whether a whole-cell split of `keep` training cells is uneven: it leaves one cell
+        (and no pool) to roll out, and that cell takes longer for a burst (`rollout`
+        cell-seconds) than the kept cells take for a step (`training` cell-seconds) by more
+        than returning every cell at the boundary costs. The kept cells would wait for data
+        while executions wait for the one cell's slots, and that cell never leaves rollout
+        while it holds an execution (w ≤ C_R − C_e = 0). Returning every cell costs each of
+        the K cells a round trip of switches and a drain (C_e slots emptied at the observed
+        finish rate, as in `idle_returns`), paid one after another since switches to
+        training are serial. (Only for a single rollout cell: with a wider rollout side,
+        returning every cell measured slower on most held-out random profiles it changed.)"""
+        if self.cfg.pool or len(self.cfg.cells) - keep != 1:
+            return False
+        idle = rollout - training / keep
+        rate = self.finish_rate()
+        drain = self.cfg.capacity / (2 * rate) if rate > 0 else float("inf")
+        costs = self.switch_cost("training", "rollout") + self.switch_cost("rollout", "training")
+        return idle > len(self.cfg.cells) * (costs + drain)
