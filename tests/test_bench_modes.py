@@ -163,6 +163,10 @@ def test_audit_reads_what_the_run_recorded_and_names_what_it_did_not(tmp_path):
     audit, notes = A.audit(tmp_path, r, metrics + [{"t": 1.5, "kind": "cell.switched", "from_role": "rollout",
                                                    "to_role": "training", "bytes": {"freed": 4096}}])
     assert audit["proxy_retries"] == {"rerouted": 3} and audit["kv_tokens_migrated"] == 120
+    # a counter declared but never incremented counted none
+    (tmp_path / "metrics" / "proxy.prom").write_text(
+        "# HELP gyre_proxy_retries_total retries\n# TYPE gyre_proxy_retries_total counter\n")
+    assert A.audit(tmp_path, r, metrics)[0]["proxy_retries"] == {}
     assert audit["switches"]["released_bytes"] == {"rollout_to_training": {"p50": 4096, "total": 4096}}
     assert notes == []
 

@@ -153,7 +153,9 @@ def _p50(values: list[float]) -> float | None:
 
 def prom_samples(run_dir: Path, daemons: list[str] | None = None) -> dict[str, list[tuple[dict, float]]]:
     """sample name -> [(labels, value)] over the `.prom` scrapes of `daemons` (default all);
-    a label `daemon` is added."""
+    a label `daemon` is added. A counter a daemon declares without samples yet (labelled, never
+    incremented) is there with no samples: it counted none, which is not the same as a
+    build that has no such counter (absent)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, list[tuple[dict, float]]] = {}
@@ -161,6 +163,8 @@ def prom_samples(run_dir: Path, daemons: list[str] | None = None) -> dict[str, l
         if daemons is not None and path.stem not in daemons:
             continue
         for family in text_string_to_metric_families(path.read_text()):
+            if family.type == "counter":
+                out.setdefault(f"{family.name}_total", [])
             for s in family.samples:
                 out.setdefault(s.name, []).append(({**s.labels, "daemon": path.stem}, float(s.value)))
     return out
