@@ -32,10 +32,10 @@ from prometheus_client import REGISTRY
 
 import schemas
 from handlers import runner as runner_mod
+from handlers.engines.scripted import tool_call
 from handlers.proxy.daemon import Config as ProxyConfig
 from handlers.runner import Config as RunnerConfig
 from handlers.runner import Paths
-from handlers.engines.scripted import tool_call
 from schemas import ids
 from tests.replicas import Cells
 from tests.test_engine import build_tiny_model
@@ -120,6 +120,16 @@ class Run:
 
     def running_at(self, execution: str, cell: str) -> bool:
         return any(a.cell == cell for a in self.state.router.running.get(execution, ()))
+
+    async def wait_until(self, execution: str, ready, what: str) -> None:
+        """Poll `ready()` every 20 ms (up to 120 s) while the execution runs; fail with its log
+        if it finishes first or `ready` never holds."""
+        for _ in range(6000):
+            if await ready():
+                return
+            assert execution not in self.finished, self.log(execution)
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"{what}\n{self.log(execution)}")
 
     async def switch_cell1(self, execution: str) -> None:
         """The scheduler's switch of cell1: the reroute of its execution to cell0, then the switch."""
@@ -206,13 +216,7 @@ async def test_claude_code_on_scripted_cells_goes_on_through_a_switch_mid_call(
 
             async def held() -> bool:
                 return run.running_at(ex, "cell1") and (await engine_info(http, run.url["cell1"]))["in_flight"] >= 1
-            for _ in range(6000):
-                if await held():
-                    break
-                assert ex not in run.finished, run.log(ex)
-                await asyncio.sleep(0.02)
-            else:
-                raise AssertionError(f"Claude Code's call never reached cell1\n{run.log(ex)}")
+            await run.wait_until(ex, held, "Claude Code's call never reached cell1")
             await run.switch_cell1(ex)
             done = await run.wait_finished(ex, 150.0)
             calls = await run.recorded(ex)
@@ -255,13 +259,7 @@ async def test_mini_swe_agent_on_embedded_cells_goes_on_through_a_switch_mid_cal
                     return False
                 info = await engine_info(http, run.url["cell1"])
                 return info["in_flight"] == 1 and info["counters"]["prefill_tokens"] > 0
-            for _ in range(6000):
-                if await decoding():
-                    break
-                assert ex not in run.finished, run.log(ex)
-                await asyncio.sleep(0.02)
-            else:
-                raise AssertionError(f"mini-swe-agent's call never reached cell1\n{run.log(ex)}")
+            await run.wait_until(ex, decoding, "mini-swe-agent's call never reached cell1")
             await run.switch_cell1(ex)
             done = await run.wait_finished(ex, 320.0)
             calls = await run.recorded(ex)
