@@ -98,7 +98,8 @@ def written(metrics_path: Path) -> tuple[dict[bytes, int], float]:
 
 def check(run_dir: Path) -> tuple[dict, str]:
     """(the recipe's dict from config.json, the run id) of a run that may be resumed.
-    Raises ResumeError: no run directory, a run still alive, or a run that is done."""
+    Raises ResumeError: no run directory, a run still alive, a run that is done, or a run
+    whose events lived on an external NATS server that `GYRE_NATS_URL` does not name now."""
     from handlers.daemon import read_nats_info, run_owner_alive
 
     run_dir = Path(run_dir)
@@ -116,6 +117,10 @@ def check(run_dir: Path) -> tuple[dict, str]:
         summary = {}
     if summary.get("outcome") == "done":
         raise ResumeError(f"run {info['run']} is done already ({run_dir / 'summary.json'}: outcome done)")
+    if not os.environ.get("GYRE_NATS_URL") and (run_dir / "trace.jsonl").exists() \
+            and not (run_dir / "nats" / "js").is_dir():
+        raise ResumeError(f"{run_dir} holds no JetStream store (nats/js): the run used an external NATS server; "
+                          "set GYRE_NATS_URL (and GYRE_NATS_TOKEN) to it")
     return orjson.loads((run_dir / "config.json").read_bytes()), info["run"]
 
 

@@ -236,6 +236,15 @@ def _audit_once(run_dir: Path) -> dict:
     routes = {e.seq: e for e in events[schemas.RouteUpdated.NAME]}  # a republished fact keeps its seq
     dispatched = [r.execution for e in routes.values() for r in e.routes if r.reason == "dispatch"]
     assert len(dispatched) == len(set(dispatched)) == planned, "an execution was dispatched twice"
+    # the scheduler's trace (rebuilt by the resumed scheduler) dispatched each execution once,
+    # and burst k + 1 only after step k completed (colocate's admission, resumed as it was)
+    trace = [json.loads(line) for line in (run_dir / "trace.jsonl").read_text().splitlines()[1:]]
+    dispatches = [(i, x[0]) for i, obj in enumerate(trace) if obj.get("action") == "dispatch" for x in obj["executions"]]
+    assert sorted(e for _i, e in dispatches) == sorted(set(dispatched))
+    completed_at = {obj["step"]: i for i, obj in enumerate(trace) if obj.get("fact") == "step.completed"}
+    for i, execution in dispatches:
+        burst = int(execution[1:].split("-")[0])
+        assert burst == 0 or i > completed_at[burst - 1], (execution, "dispatched before its gate opened")
     started = [e.info.execution for e in events[schemas.ExecutionStarted.NAME]]
     assert len(started) == len(set(started)) == planned
     assert sorted(e.info.execution for e in events[schemas.ExecutionFinished.NAME]) == sorted(started)
@@ -245,12 +254,15 @@ def _audit_once(run_dir: Path) -> dict:
     return events
 
 
-def _launches(run_dir: Path) -> list[str]:
-    """The executions whose harness was launched, once per launch, across the run's runners."""
-    out = []
+def _launches(run_dir: Path) -> list[list[str]]:
+    """The executions whose harness each runner process launched (logs/runner.log: a runner
+    logs `runner.sandbox` as it starts, then `runner.harness.started` per launch)."""
+    out: list[list[str]] = []
     for line in (run_dir / "logs" / "runner.log").read_text().splitlines():
-        if '"runner.harness.started"' in line:
-            out.append(json.loads(line)["execution"])
+        if '"runner.sandbox"' in line:
+            out.append([])
+        elif '"runner.harness.started"' in line:
+            out[-1].append(json.loads(line)["execution"])
     return out
 
 
@@ -264,7 +276,7 @@ def test_resume_after_a_reboot_mid_step(tmp_path, uninterrupted):
         return committed and not any(isinstance(e, schemas.StepCompleted) and e.step == 1 for e in events)
 
     run_dir, _seen, out = _crash(tmp_path, "crash", [schemas.MicrostepCommitted.NAME, schemas.StepCompleted.NAME],
-                                mid_step)
+                                 mid_step)
     # The kill landed mid-step: step 1 had a committed micro-step, and its checkpoint (v2,
     # written before step.completed) does not exist; step 0's does.
     assert (run_dir / "weights" / "v1").is_dir() and not (run_dir / "weights" / "v2").exists(), out
@@ -273,7 +285,8 @@ def test_resume_after_a_reboot_mid_step(tmp_path, uninterrupted):
     completed = {e.step: e for e in events[schemas.StepCompleted.NAME]}
     assert completed[0].epoch == 0 and completed[1].epoch == 1  # step 1 trained again by the restarted core
     assert any(e.step == 1 and e.epoch == 0 for e in events[schemas.MicrostepCommitted.NAME])
-    assert sorted(_launches(run_dir)) == sorted(e.info.execution for e in events[schemas.ExecutionStarted.NAME])
+    launches = [e for runner in _launches(run_dir) for e in runner]
+    assert sorted(launches) == sorted(e.info.execution for e in events[schemas.ExecutionStarted.NAME])
     for version in range(1, STEPS + 1):
         ours, theirs = _weights(run_dir, version), _weights(uninterrupted, version)
         assert ours.keys() == theirs.keys()
@@ -287,13 +300,13 @@ def test_resume_after_a_reboot_mid_rollout(tmp_path):
     executions `timeout` on their preserved workspace, scores them (partial credit), never
     launches them again, and completes the run (> 60 s: the runner's dispatches come back
     after their ack_wait)."""
-    def mid_rollout(events) -> bool:
-        started = {e.info.execution for e in events if isinstance(e, schemas.ExecutionStarted)}
+    def mid_rollout(events) -> bool:  # a harness that made a call and has not finished
+        called = {e.execution for e in events if isinstance(e, schemas.CallCompleted)}
         finished = {e.info.execution for e in events if isinstance(e, schemas.ExecutionFinished)}
-        return len(started - finished) >= 2
+        return bool(called - finished)
 
-    run_dir, _seen, out = _crash(tmp_path, "rollout", [schemas.ExecutionStarted.NAME, schemas.ExecutionFinished.NAME],
-                                mid_rollout)
+    run_dir, _seen, out = _crash(tmp_path, "rollout", [schemas.CallCompleted.NAME, schemas.ExecutionFinished.NAME],
+                                 mid_rollout)
     records = {p.stem for p in (run_dir / "runner").glob("*.json")}
     cut = {p.name for p in (run_dir / "workspaces").iterdir()} - records
     assert cut, out  # harnesses died with the machine: workspaces without a runner record
@@ -304,8 +317,8 @@ def test_resume_after_a_reboot_mid_rollout(tmp_path):
     for execution in cut:
         assert finished[execution].status == "timeout", finished[execution]
         assert scored[execution].outcome == "reward", scored[execution]
-    launches = _launches(run_dir)
-    assert len(launches) == len(set(launches)) and not cut - set(launches)
+    before, after = _launches(run_dir)
+    assert len(before + after) == len(set(before + after)) and not cut & set(after)
 
 
 def test_resume_refuses_what_it_cannot_resume(tmp_path, uninterrupted):
