@@ -237,14 +237,17 @@ def _audit_once(run_dir: Path) -> dict:
     dispatched = [r.execution for e in routes.values() for r in e.routes if r.reason == "dispatch"]
     assert len(dispatched) == len(set(dispatched)) == planned, "an execution was dispatched twice"
     # the scheduler's trace (rebuilt by the resumed scheduler) dispatched each execution once,
-    # and burst k + 1 only after step k completed (colocate's admission, resumed as it was)
+    # and burst k only once its gate opened, resumed as it was: after step k − 1 completed in
+    # colocate, after step k − 1 − S completed otherwise (every engine then serves v_{k−S})
+    recipe = json.loads((run_dir / "config.json").read_text())
+    lag = 0 if recipe["run"]["mode"] == "colocate" else recipe["train"]["max_staleness"]
     trace = [json.loads(line) for line in (run_dir / "trace.jsonl").read_text().splitlines()[1:]]
     dispatches = [(i, x[0]) for i, obj in enumerate(trace) if obj.get("action") == "dispatch" for x in obj["executions"]]
     assert sorted(e for _i, e in dispatches) == sorted(set(dispatched))
     completed_at = {obj["step"]: i for i, obj in enumerate(trace) if obj.get("fact") == "step.completed"}
     for i, execution in dispatches:
-        burst = int(execution[1:].split("-")[0])
-        assert burst == 0 or i > completed_at[burst - 1], (execution, "dispatched before its gate opened")
+        gate = int(execution[1:].split("-")[0]) - 1 - lag
+        assert gate < 0 or i > completed_at[gate], (execution, "dispatched before its gate opened")
     started = [e.info.execution for e in events[schemas.ExecutionStarted.NAME]]
     assert len(started) == len(set(started)) == planned
     assert sorted(e.info.execution for e in events[schemas.ExecutionFinished.NAME]) == sorted(started)
@@ -319,6 +322,27 @@ def test_resume_after_a_reboot_mid_rollout(tmp_path):
         assert scored[execution].outcome == "reward", scored[execution]
     before, after = _launches(run_dir)
     assert len(before + after) == len(set(before + after)) and not cut & set(after)
+
+
+@pytest.mark.slow
+def test_resume_elastic_with_a_satellite(tmp_path, monkeypatch):
+    """Elastic on two cells (the core and a satellite), killed after a micro-step of step 0
+    was committed: the resumed run completes its three steps, each execution dispatched,
+    started and trained once, no burst before its gate."""
+    monkeypatch.setattr(sys.modules[__name__], "OVERRIDES", [*OVERRIDES, "--set", "run.mode=elastic",
+                                                            "--set", "cells.count=2", "--set", "run.steps=3"])
+    monkeypatch.setattr(sys.modules[__name__], "STEPS", 3)
+
+    def mid_step(events) -> bool:
+        committed = any(isinstance(e, schemas.MicrostepCommitted) and e.step == 0 for e in events)
+        return committed and not any(isinstance(e, schemas.StepCompleted) and e.step == 0 for e in events)
+
+    run_dir, _seen, out = _crash(tmp_path, "elastic", [schemas.MicrostepCommitted.NAME, schemas.StepCompleted.NAME],
+                                 mid_step)
+    assert not (run_dir / "weights" / "v1").exists(), out
+    _resume(run_dir)
+    events = _audit_once(run_dir)
+    assert {e.step: e.epoch for e in events[schemas.StepCompleted.NAME]} == {0: 1, 1: 1, 2: 1}
 
 
 def test_resume_refuses_what_it_cannot_resume(tmp_path, uninterrupted):
