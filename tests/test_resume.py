@@ -358,3 +358,28 @@ def test_resume_refuses_what_it_cannot_resume(tmp_path, uninterrupted):
     both = subprocess.run(_gyre("run", "toy", "--resume", str(uninterrupted)), check=False, cwd=ROOT, env=_env(runs),
                           capture_output=True, text=True, timeout=120)
     assert both.returncode == 2 and "--resume" in both.stderr
+
+
+def test_the_policy_counts_a_restarted_cores_ledger_afresh():
+    """A resumed (or restarted) core grants the interrupted step's micro-steps again under a
+    new epoch: the scheduler's view of that step starts afresh, so it does not see the step
+    as having nothing left to claim after the old epoch's grants, and a late fact of the old
+    epoch counts for nothing."""
+    from gyre.control import facts as F
+    from gyre.control.modes import make_policy
+    from gyre.control.policy import PolicyConfig
+
+    p = make_policy("elastic", PolicyConfig(cells=("c0", "c1"), capacity=2, groups_per_step=1, group_size=2, steps=2))
+    p.on(F.MicrostepReady(t=1.0, step=0, microstep=0))
+    p.on(F.MicrostepReady(t=1.0, step=0, microstep=1))
+    p.on(F.StepSealed(t=1.0, step=0, microsteps=2, executions=2))
+    p.on(F.MicrostepGranted(t=2.0, step=0, microstep=0, replica="c0"))
+    p.on(F.MicrostepCommitted(t=3.0, step=0, microstep=0, replica="c0"))
+    p.on(F.MicrostepGranted(t=3.0, step=0, microstep=1, replica="c1"))
+    assert p.nothing_left(0) and p.claimable(0) == 0 and "c1" in p.holding
+    # the core restarts (epoch 1) and grants micro-step 0 again
+    p.on(F.MicrostepGranted(t=10.0, step=0, microstep=0, replica="c0", epoch=1))
+    assert p.granted[0] == 1 and p.committed[0] == 0 and p.claimable(0) == 1 and not p.nothing_left(0)
+    assert "c1" not in p.holding  # its grant died with the old epoch
+    p.on(F.MicrostepCommitted(t=11.0, step=0, microstep=1, replica="c1", epoch=0))  # late, old epoch
+    assert p.committed[0] == 0
