@@ -23,15 +23,20 @@ part rebuilds from it when `gyre run --resume` starts them again:
   An execution whose harness died with the machine (a workspace without a runner record) is
   finished `timeout` on its preserved workspace, which the evaluator scores (partial credit);
   it is never launched again (`GYRE_RESUMED`, handlers.runner).
-- `key_secret`, `engine_token`, `config.json` (the recipe), `model/`: reused as they are.
+- `key_secret`, `engine_token`, `config.json` (the recipe): reused. `model/` (the initial
+  model, warm-started where the recipe says so) is reused once the daemons had started
+  (`model_written`); a run killed before that writes it again (seeded: the same model).
 - `metrics.jsonl`: kept; the resumed process's follower replays the whole run from the bus
   and appends only the lines the earlier process had not written (`written`, `line_key`),
   with `t` going on from the last line's.
 - `summary.json` and the report are written again at the end, over the whole run.
 
+Events a daemon had received and not acked at the kill come back once their ack wait
+(counted from their delivery) has passed: at once after a reboot longer than that, else
+within `runner-v1`'s 60 s or a cell's 120 s.
+
 Not recovered: calls in flight at the kill (their harness is gone; the execution is scored
-as timed out on its workspace), and a run whose warm start was cut short (resume re-initialises
-only a model directory without config.json).
+as timed out on its workspace).
 """
 from __future__ import annotations
 
@@ -58,6 +63,12 @@ class ResumeError(Exception):
 def resumed() -> bool:
     """Whether this daemon belongs to a resumed run (`RESUMED_ENV`)."""
     return os.environ.get(RESUMED_ENV) == "1"
+
+
+def model_written(run_dir: Path) -> bool:
+    """Whether `run_dir/model` is whole: `gyre run` starts its daemons (logs/proxy.log first)
+    only after it wrote the model and its warm start."""
+    return (Path(run_dir) / "model" / "config.json").is_file() and (Path(run_dir) / "logs" / "proxy.log").exists()
 
 
 def line_key(fields: dict) -> bytes:
@@ -126,8 +137,8 @@ def check(run_dir: Path) -> tuple[dict, str]:
 
 def main(run_dir: Path, timeout_s: float, no_evaluator: bool) -> int:
     """`gyre run --resume RUN_DIR`: check RUN_DIR (`check`), then run it again as `gyre run`
-    does, reusing what survives (module docstring). Exit status as `gyre run`'s; 2 when
-    RUN_DIR cannot be resumed."""
+    does, reusing what survives (module docstring); without a built-in evaluator when the
+    first run had none. Exit status as `gyre run`'s; 2 when RUN_DIR cannot be resumed."""
     import sys
 
     from gyre.config import RecipeError, recipe_from_dict
@@ -140,5 +151,8 @@ def main(run_dir: Path, timeout_s: float, no_evaluator: bool) -> int:
     except (ResumeError, RecipeError) as exc:
         print(f"gyre run --resume: {exc}", file=sys.stderr)
         return 2
-    (run_dir / "logs").mkdir(exist_ok=True)
+    logs = run_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    # a run started with --no-evaluator stays without one (its daemons started, none was the evaluator)
+    no_evaluator = no_evaluator or ((logs / "proxy.log").exists() and not (logs / "evaluator.log").exists())
     return start(recipe, run, run_dir, timeout_s, no_evaluator, resumed=True)

@@ -421,7 +421,9 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
               "(docs/reward-services.md)")
 
     t0 = time.monotonic()
-    if not recipe.model.dir and not (resumed and (run_dir / "model" / "config.json").is_file()):
+    from handlers.resume import model_written
+
+    if not recipe.model.dir and not (resumed and model_written(run_dir)):
         from transformers.utils import logging as hf_logging
 
         from gyre.serving.model import ModelSpec, init_model
