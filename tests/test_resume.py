@@ -383,3 +383,23 @@ def test_the_policy_counts_a_restarted_cores_ledger_afresh():
     assert "c1" not in p.holding  # its grant died with the old epoch
     p.on(F.MicrostepCommitted(t=11.0, step=0, microstep=1, replica="c1", epoch=0))  # late, old epoch
     assert p.committed[0] == 0
+
+
+def test_metrics_lines_written_before_the_kill_are_counted_and_a_torn_one_cut(tmp_path):
+    """`handlers.resume.written`: each fact's line once by its identity (a step.completed a
+    restarted core published again with other timings is the same line), `t` of the last
+    line, and a line the kill tore off is cut so the resumed process appends clean lines."""
+    from handlers.resume import line_key, written
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"t":1.5,"kind":"execution.finished","execution":"s0-g0-e0","status":"ok"}\n'
+                     b'{"t":2.5,"kind":"step.completed","step":0,"loss":0.1,"phase_s":{"checkpoint":0.2}}\n'
+                     b'{"t":3.0,"kind":"cell.switched","cell":"cell0"}\n{"t":3.5,"kind":"call.comp')
+    counts, last_t = written(path)
+    assert last_t == 3.0
+    assert path.read_bytes().endswith(b'"cell0"}\n')
+    assert counts[line_key({"kind": "step.completed", "step": 0, "loss": 0.1, "phase_s": {"checkpoint": 0.0}})] == 1
+    assert counts[line_key({"kind": "execution.finished", "execution": "s0-g0-e0", "status": "ok"})] == 1
+    assert line_key({"kind": "cell.switched", "cell": "cell0"}) in counts
+    assert line_key({"kind": "cell.switched", "cell": "cell1"}) not in counts
+    assert written(tmp_path / "absent.jsonl") == ({}, 0.0)
