@@ -2,6 +2,8 @@
 
     gyre run RECIPE [--set table.key=value ...] [--run-id ID] [--timeout S] [--no-evaluator]
                                                   start everything, show progress, exit 0
+    gyre run --resume RUN_DIR [--timeout S] [--no-evaluator]
+                                                  go on with a run whose processes all died (a reboot)
     gyre tap [PATTERN] [--run-dir DIR] [--run ID | --all-runs] [--width N]
                                                   print live events of the current run
     gyre status [--run ID | --run-dir DIR] [--once]  a live view of the current run (cells, executions, rewards)

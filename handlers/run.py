@@ -5,6 +5,8 @@ only by the owner, logs/, metrics.jsonl, summary.json), starts a private nats-se
 `GYRE_NATS_URL` names an external one), writes the model if the recipe has none,
 starts proxy, runner, evaluator, builder, cells and scheduler, follows the run's
 events to show progress, and stops everything once the last step is completed.
+`gyre run --resume RUN_DIR` starts a run again after all its processes died, reusing its
+directory (handlers.resume says what it recovers).
 Exit status: 0 done, 1 a daemon failed or the run timed out, 2 bad arguments.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ from bus import Bus, BusError, ConnectError
 from bus.server import NatsServer
 from bus.subjects import check_run
 from gyre.config import Recipe, RecipeError, load_recipe
+from handlers.run_summary import print_summary as _print_summary
 
 DAEMONS = ("proxy", "runner", "evaluator", "builder")
 
@@ -75,12 +78,19 @@ def _write_private(path: Path, data: bytes) -> None:
 class Progress:
     """Follows the run's events: prints progress lines, appends metrics, builds the summary."""
 
-    def __init__(self, recipe: Recipe, metrics_path: Path, tensorboard_dir: Path | None = None) -> None:
+    def __init__(self, recipe: Recipe, metrics_path: Path, tensorboard_dir: Path | None = None,
+                 resumed: bool = False) -> None:
+        """resumed: `metrics_path` holds the lines of the run before it was resumed; the events
+        behind them come back in the replay and are not written again (`handlers.resume.written`),
+        and `t` goes on from the last line's."""
+        from handlers.resume import written
+
         self.recipe = recipe
+        self._written, last_t = written(metrics_path) if resumed else ({}, 0.0)
         self.metrics = open(metrics_path, "ab")
         self.tensorboard_dir = tensorboard_dir
         self._writer = None  # TensorBoard's SummaryWriter, made at the first step
-        self.t0 = time.monotonic()
+        self.t0 = time.monotonic() - last_t
         self.started: set[str] = set()
         self.finished: dict[str, str] = {}
         self.rewards: dict[int, dict[str, float]] = {}
@@ -97,10 +107,19 @@ class Progress:
         self.failed: schemas.StepFailed | None = None
         self.done = asyncio.Event()
 
-    def _emit(self, kind: str, **fields) -> None:
+    def _emit(self, kind: str, **fields) -> bool:
+        """Append a metrics line; False when a resumed run's earlier process wrote it already."""
+        if self._written:
+            from handlers.resume import line_key
+
+            key = line_key({"kind": kind, **fields})
+            if self._written.get(key, 0) > 0:
+                self._written[key] -= 1
+                return False
         fields = {"t": round(time.monotonic() - self.t0, 3), "kind": kind, **fields}
         self.metrics.write(orjson.dumps(fields) + b"\n")
         self.metrics.flush()
+        return True
 
     def _scalars(self, step: int, values: dict[str, float]) -> None:
         """TensorBoard scalars of `step` (tags `train/<name>`) in `tensorboard_dir`."""
@@ -180,18 +199,19 @@ class Progress:
             reward_mean = sum(scores) / len(scores) if scores else None
             reward_std = (sum((r - reward_mean) ** 2 for r in scores) / len(scores)) ** 0.5 if scores else None
             hist = {int(k): int(v) for k, v in event.staleness_histogram.items()}
-            self._emit(schemas.StepCompleted.NAME, step=event.step, loss=event.loss, grad_norm=event.grad_norm,
+            fresh = self._emit(schemas.StepCompleted.NAME, step=event.step, loss=event.loss, grad_norm=event.grad_norm,
                        reward_mean=reward_mean, reward_std=reward_std,
                        tokens=event.tokens, policy_version=event.policy_version, duration_s=event.duration_s,
                        clip_fraction=event.clip_fraction, ratio=event.ratio, kl=event.kl,
                        microsteps=event.microsteps, microsteps_per_replica=event.microsteps_per_replica,
                        staleness_histogram=event.staleness_histogram, phase_s=event.phase_s, epoch=event.epoch)
-            self._scalars(event.step, {
-                "loss": event.loss, "grad_norm": event.grad_norm, "kl": event.kl,
-                "clip_fraction": event.clip_fraction, "reward_mean": reward_mean, "reward_std": reward_std,
-                "tokens": event.tokens, "step_s": event.duration_s,
-                "staleness_mean": sum(k * v for k, v in hist.items()) / sum(hist.values()) if hist else None,
-                "staleness_max": max(hist) if hist else None})
+            if fresh:  # a resumed run's earlier process wrote this step's scalars
+                self._scalars(event.step, {
+                    "loss": event.loss, "grad_norm": event.grad_norm, "kl": event.kl,
+                    "clip_fraction": event.clip_fraction, "reward_mean": reward_mean, "reward_std": reward_std,
+                    "tokens": event.tokens, "step_s": event.duration_s,
+                    "staleness_mean": sum(k * v for k, v in hist.items()) / sum(hist.values()) if hist else None,
+                    "staleness_max": max(hist) if hist else None})
             self._say(f"step {event.step}: completed — loss {event.loss:.3g}, grad norm {event.grad_norm:.4g}, "
                       f"{event.tokens} tokens trained, policy version {event.policy_version}")
             if len(self.completed) >= steps:
@@ -233,58 +253,6 @@ class Progress:
             "switch_s": [s.get("total_s") for s in self.switches if "total_s" in s],
             "wall_s": round(wall_s, 2),
         }
-
-
-def _print_summary(s: dict) -> None:
-    print("\n== gyre run summary ==")
-    print(f"run              {s['run']}   outcome {s['outcome']}")
-    print(f"steps            {s['steps']}   executions {s['executions']} {s['executions_by_status']}")
-    print(f"calls            {s['calls']} {s['calls_by_status']}   by policy version {s['calls_by_policy_version']}")
-    print(f"reward per step  {[None if r is None else round(r, 3) for r in s['rewards_per_step']]}")
-    print(f"tokens trained   {s['tokens_trained']}")
-    print(f"zero-var groups  {s['zero_variance_groups']}")
-    print(f"grad norm        {[round(g, 5) for g in s['grad_norm_per_step']]}")
-    _print_curve(s)
-    print(f"policy version   {s['policy_version']}")
-    print(f"wall             {s['wall_s']} s")
-    failed = {k: v for k, v in s["executions_by_status"].items() if k != "ok"}
-    refused = s["calls_by_status"].get("error", 0)
-    if refused:
-        print(f"note             {refused} model calls were refused or failed (never trained): the proxy's reasons are\n"
-              f"                 `proxy.call.failed` lines in runs/{s['run']}/logs/proxy.log (a prompt beyond\n"
-              "                 engine.max_context_tokens is answered \"prompt is too long\")")
-    if s["executions_exit_nonzero"]:
-        print(f"note             {s['executions_exit_nonzero']} of {s['executions']} harnesses exited with a non-zero code "
-              f"(scored as they\n                 left their workspace): see runs/{s['run']}/logs/executions/")
-    if s.get("executions_without_calls"):
-        print(f"note             {s['executions_without_calls']} of {s['executions']} executions made no model "
-              f"call (scored, never trained):\n                 did their harness reach the proxy? See "
-              f"runs/{s['run']}/logs/executions/")
-    if failed:
-        print(f"note             executions that did not finish ok: {failed}; their reasons are in\n"
-              f"                 runs/{s['run']}/logs/runner.log and logs/executions/")
-    elif s["steps"] and s["tokens_trained"] == 0 and s.get("evaluator") == "external":
-        print("note             every group had zero reward variance (rewards from your reward service), so\n"
-              "                 GSPO had nothing to push.")
-    elif s["steps"] and s["tokens_trained"] == 0 and s.get("group_size") == 1:
-        print("note             every group holds one execution (tasks.group_size = 1): its advantage is 0, so\n"
-              "                 GSPO had nothing to push; set tasks.group_size to 2 or more.")
-    elif s["steps"] and s["tokens_trained"] == 0:
-        print("note             every group had zero reward variance, so GSPO had nothing to push: a random\n"
-              "                 policy scores alike on every execution of a task. `gyre run toy` grades\n"
-              "                 properties of a single answer, so rewards differ and a step has a gradient.")
-
-
-def _print_curve(s: dict) -> None:
-    """The reward curve, one line per step with its gradient norm (a bar of 40 = reward 1)."""
-    grads = s["grad_norm_per_step"]
-    if len(s["rewards_per_step"]) < 2:
-        return
-    print("reward curve     step  reward  grad norm")
-    for k, r in enumerate(s["rewards_per_step"]):
-        g = f"{grads[k]:9.4f}" if k < len(grads) else "        -"
-        bar = "" if r is None else "#" * round(40 * max(0.0, min(1.0, r)))
-        print(f"                 {k:4d}  {'   -  ' if r is None else f'{r:6.3f}'}  {g}  {bar}")
 
 
 class Supervisor:
@@ -386,10 +354,14 @@ async def _follow(bus: Bus, progress: Progress, sup: Supervisor, timeout_s: floa
     return outcome
 
 
-async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float, daemons: tuple[str, ...] = DAEMONS) -> int:
+async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float, daemons: tuple[str, ...] = DAEMONS,
+               resumed: bool = False) -> int:
+    """resumed: `run_dir` holds a run whose processes all died (handlers.resume): its recipe,
+    secrets, model and JetStream store are reused, not made anew."""
     interrupted, signals = asyncio.Event(), []
     _install_interrupt(interrupted, signals)  # before anything that must be stopped exists
-    (run_dir / "config.json").write_bytes(orjson.dumps(recipe.to_dict(), option=orjson.OPT_INDENT_2))
+    if not resumed:
+        (run_dir / "config.json").write_bytes(orjson.dumps(recipe.to_dict(), option=orjson.OPT_INDENT_2))
     # `runs/latest` names this run from its start: what waits for `runs/latest/nats.json`
     # (a reward service, `gyre tap`) must not find the previous run's.
     latest = run_dir.parent / "latest"
@@ -399,10 +371,7 @@ async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float, daemon
         latest.symlink_to(run_dir.name)
     except OSError:
         pass
-    key_secret = secrets.token_hex(32)
-    _write_private(run_dir / "key_secret", key_secret.encode())
-    engine_token = secrets.token_hex(32)  # the run's engines demand it; harnesses never see it
-    _write_private(run_dir / "engine_token", engine_token.encode())
+    key_secret, engine_token = _secret(run_dir / "key_secret", resumed), _secret(run_dir / "engine_token", resumed)
     external = os.environ.get("GYRE_NATS_URL")
     server = None
     if external:
@@ -412,7 +381,7 @@ async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float, daemon
         url, token = server.url, server.token
     try:
         outcome = await _run_with_server(recipe, run, run_dir, timeout_s, url, token, key_secret, interrupted,
-                                         daemons, engine_token)
+                                         daemons, engine_token, resumed)
     finally:
         if server is not None:
             server.stop()
@@ -421,9 +390,20 @@ async def _run(recipe: Recipe, run: str, run_dir: Path, timeout_s: float, daemon
     return 0 if outcome == "done" else 1
 
 
+def _secret(path: Path, reuse: bool) -> str:
+    """A fresh hex secret written to `path` (0600), or with `reuse` the one there already.
+    key_secret: execution keys are HMACs of it; engine_token: the run's engines demand it,
+    harnesses never see it."""
+    if reuse and path.is_file():
+        return path.read_text().strip()
+    value = secrets.token_hex(32)
+    _write_private(path, value.encode())
+    return value
+
+
 async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: float, url: str,
                            token: str | None, key_secret: str, interrupted: asyncio.Event,
-                           daemons: tuple[str, ...] = DAEMONS, engine_token: str = "") -> str:
+                           daemons: tuple[str, ...] = DAEMONS, engine_token: str = "", resumed: bool = False) -> str:
     """Start the daemons, follow the run, stop them, write and print the summary; returns
     the outcome (`done`, `interrupted`, `timeout`, `daemon_failed`, `step_failed`). engine_token:
     the bearer token the cells' engines demand and the proxy sends (GYRE_ENGINE_TOKEN)."""
@@ -433,7 +413,7 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
     if token:
         info["token"] = token
     _write_private(run_dir / "nats.json", orjson.dumps(info))
-    print(f"gyre: run {run} — directory {run_dir}")
+    print(f"gyre: run {run} — directory {run_dir}" + (" (resumed)" if resumed else ""))
     tap = "gyre tap" if run_dir == (Path("runs") / run).resolve() else f"gyre tap --run-dir {run_dir}"
     print(f"gyre: follow its events from another terminal with `{tap}`")
     if "evaluator" not in daemons:
@@ -441,7 +421,9 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
               "(docs/reward-services.md)")
 
     t0 = time.monotonic()
-    if not recipe.model.dir:
+    from handlers.resume import model_written
+
+    if not recipe.model.dir and not (resumed and model_written(run_dir)):
         from transformers.utils import logging as hf_logging
 
         from gyre.serving.model import ModelSpec, init_model
@@ -462,8 +444,11 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
                PYTHONUNBUFFERED="1")
     if token:
         env["GYRE_NATS_TOKEN"] = token
+    if resumed:
+        from handlers.resume import RESUMED_ENV
+        env[RESUMED_ENV] = "1"
     sup = Supervisor(run_dir, env)
-    progress = Progress(recipe, run_dir / "metrics.jsonl", run_dir / "tensorboard")
+    progress = Progress(recipe, run_dir / "metrics.jsonl", run_dir / "tensorboard", resumed=resumed)
     bus: Bus | None = None
     outcome = "interrupted"
     try:
@@ -524,7 +509,12 @@ def _positive_seconds(text: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gyre run", description="Run a recipe: rollouts, trajectories, GSPO steps.")
-    p.add_argument("recipe", help="bundled recipe name (quickstart, toy) or a TOML path")
+    p.add_argument("recipe", nargs="?", help="bundled recipe name (quickstart, toy) or a TOML path")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="go on with the run in RUN_DIR after all its processes died (a reboot, kill -9): from its "
+                        "last completed step, with weights, optimizer, learning-rate schedule and RNG state "
+                        "restored; executions scored are not run again, those cut short are scored as timed out on "
+                        "their workspace (docs/operations.md, 'Resuming a run'). Takes no recipe, --set or --run-id")
     p.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE", help="override a recipe value")
     p.add_argument("--run-id", help="run id (default: <recipe name>-<UTC time>-<random>)")
     p.add_argument("--timeout", type=_positive_seconds, default=3600.0,
@@ -533,6 +523,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="start no built-in evaluator: an external reward service scores the executions "
                         "(docs/reward-services.md)")
     a = p.parse_args(argv)
+    if a.resume or not a.recipe:
+        if not a.resume or a.recipe or a.set or a.run_id:
+            p.error("give a RECIPE, or --resume RUN_DIR without a recipe, --set or --run-id")
+        from handlers.resume import main as resume_main
+        return resume_main(Path(a.resume), a.timeout, a.no_evaluator)
     try:
         recipe = load_recipe(a.recipe, _parse_overrides(a.set))
     except RecipeError as exc:
@@ -558,6 +553,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gyre run: {run_dir} exists already", file=sys.stderr)
         return 2
     (run_dir / "logs").mkdir(parents=True)
+    return start(recipe, run, run_dir, a.timeout, a.no_evaluator)
+
+
+def start(recipe: Recipe, run: str, run_dir: Path, timeout_s: float, no_evaluator: bool, resumed: bool = False) -> int:
+    """Run `run` in `run_dir` (its logs/ made) to its end; the exit status (module docstring)."""
     from handlers.daemon import configure_logging, release_stdlib_logging
 
     # The console is for progress and the summary; this process's own log lines go beside
@@ -565,8 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(run_dir / "logs" / "run.log", "a", buffering=1) as log_file:
         configure_logging("run", file=log_file)
         try:
-            daemons = tuple(d for d in DAEMONS if not (a.no_evaluator and d == "evaluator"))
-            return asyncio.run(_run(recipe, run, run_dir, a.timeout, daemons))
+            daemons = tuple(d for d in DAEMONS if not (no_evaluator and d == "evaluator"))
+            return asyncio.run(_run(recipe, run, run_dir, timeout_s, daemons, resumed))
         except BusError as exc:  # GYRE_NATS_URL unreachable or without JetStream: one line
             print(f"gyre run: {exc}", file=sys.stderr)
             return 1

@@ -28,7 +28,8 @@ the fix (`gyre.env.sandbox.resolve_mode`).
 Idempotent under redelivery: a recorded execution re-publishes its recorded
 `execution.finished` (same event id, deduplicated); an execution whose workspace exists
 without a record was cut short by a runner restart (its harness died with the runner):
-it is reported `harness_error`, never relaunched, so the proxy never sees two harnesses
+it is reported `harness_error` (`timeout` in a resumed run, so the evaluator scores its
+preserved workspace: handlers.resume), never relaunched, so the proxy never sees two harnesses
 behind one execution id. On shutdown the running harnesses are killed and their messages
 given back (they come back as `harness_error` through the same path).
 """
@@ -59,6 +60,7 @@ from gyre.env.tasks import Task, load_tasks, seed_workspace, task_index, write_f
 from handlers import sandbox_relay
 from handlers.daemon import FatalError, RunContext, connected, daemon_main
 from handlers.proxy.http import serving_proxy, url_in
+from handlers.resume import resumed
 from schemas import ids
 
 log = structlog.get_logger()
@@ -93,6 +95,10 @@ class Config(RunnerSettings):
     context_tokens: int = 0
     """The policy's context window in tokens, passed to harnesses that take one
     (`LaunchRequest.context_tokens`): the recipe's `engine.max_context_tokens`; 0 = not known."""
+    cut_short: str = "harness_error"
+    """The status of an execution whose harness died with a previous runner (a workspace and
+    no record): `harness_error` (excluded), or `timeout` in a resumed run (handlers.resume:
+    scored on its preserved workspace, partial credit)."""
 
     def __post_init__(self) -> None:
         RunnerSettings.__post_init__(self)
@@ -104,6 +110,8 @@ class Config(RunnerSettings):
             raise ValueError("runner key_secret must be hex") from None
         if not secret:
             raise ValueError("runner key_secret must be non-empty (execution keys are HMACs of it)")
+        if self.cut_short not in ("harness_error", "timeout"):
+            raise ValueError(f"runner cut_short must be harness_error or timeout, got {self.cut_short!r}")
         if self.proxy_url and not self.proxy_url.startswith(("http://127.0.0.1", "http://localhost", "http://[::1]")):
             raise ValueError(f"runner proxy_url must be a loopback http URL, got {self.proxy_url!r}")
 
@@ -112,7 +120,8 @@ def config_from_context(ctx: RunContext, _args=None) -> Config:
     r = ctx.recipe
     return Config(**fields_of(r.harness, RunnerSettings), run=ctx.run, nats_url=ctx.nats_url,
                   nats_token=ctx.nats_token, run_dir=ctx.run_dir, tasks=r.tasks.set, key_secret=ctx.key_secret.hex(),
-                  proxy_url=os.environ.get("GYRE_PROXY_URL", ""), context_tokens=r.engine.max_context_tokens)
+                  proxy_url=os.environ.get("GYRE_PROXY_URL", ""), context_tokens=r.engine.max_context_tokens,
+                  cut_short="timeout" if resumed() else "harness_error")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -234,8 +243,10 @@ class Runner:
             # A previous runner process died mid-execution; its harness died with it.
             await self.bus.publish(schemas.ExecutionStarted(event_id=ids.started(self.cfg.run, info.execution),
                                                             info=info, workspace=str(paths.workspace)))
-            await self._finish(finished_event(self.cfg.run, info, "harness_error", str(paths.workspace)), paths, elog,
-                               reason="runner restarted during the execution")
+            status = self.cfg.cut_short
+            await self._finish(finished_event(self.cfg.run, info, status, str(paths.workspace)), paths, elog,
+                               reason="runner restarted during the execution" if status == "harness_error" else
+                               "the run was resumed after its harness died with the machine: scored as timed out")
             return
         self.running.add(info.execution)
         try:

@@ -109,9 +109,11 @@ def facts_of(event, t: float) -> list[F.Fact]:
     if isinstance(event, schemas.StepSealed):
         return [F.StepSealed(t=t, step=event.step, microsteps=event.microsteps, executions=event.executions)]
     if isinstance(event, schemas.MicrostepGranted):
-        return [F.MicrostepGranted(t=t, step=event.step, microstep=event.microstep, replica=event.replica)]
+        return [F.MicrostepGranted(t=t, step=event.step, microstep=event.microstep, replica=event.replica,
+                                   epoch=event.epoch)]
     if isinstance(event, schemas.MicrostepCommitted):
-        return [F.MicrostepCommitted(t=t, step=event.step, microstep=event.microstep, replica=event.replica)]
+        return [F.MicrostepCommitted(t=t, step=event.step, microstep=event.microstep, replica=event.replica,
+                                     epoch=event.epoch)]
     if isinstance(event, schemas.StepCompleted):
         return [F.StepCompleted(t=t, step=event.step)]
     if isinstance(event, schemas.WeightsLoaded):  # an engine that follows weights.published while serving

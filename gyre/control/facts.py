@@ -102,6 +102,8 @@ class MicrostepGranted(Fact):
     step: int
     microstep: int
     replica: str
+    epoch: int = 0
+    """The core's epoch (raised at each core start): facts of an older epoch count for nothing."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,6 +114,8 @@ class MicrostepCommitted(Fact):
     step: int
     microstep: int
     replica: str
+    epoch: int = 0
+    """The core's epoch (raised at each core start): facts of an older epoch count for nothing."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

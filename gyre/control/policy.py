@@ -12,8 +12,9 @@ keeps (DESIGN.md "Elastic scheduling", "Staleness"):
 - C_R(t): the capacity of the engines serving now (C_e per rollout cell, plus the pool);
 - the bursts released by the staleness gate (burst k needs every serving engine at
   v_{k−S} or newer) and the executions released but not yet admitted (the backlog, FIFO);
-- the core's ledger as the scheduler sees it: micro-steps ready, granted, committed, which
-  steps are sealed and completed, which step is open for claims;
+- the core's ledger as the scheduler sees it: micro-steps ready, granted, committed (under
+  the core's newest epoch: a restarted core's grants start the steps not completed afresh),
+  which steps are sealed and completed, which step is open for claims;
 - what it observed: execution durations, switch durations by direction, micro-step durations.
 
 Modes (`gyre.control.modes`, `gyre.control.elastic`) decide, from that view, what to
@@ -115,6 +116,7 @@ class Policy:
         self.ready: collections.Counter[int] = collections.Counter()
         self.granted: collections.Counter[int] = collections.Counter()
         self.committed: collections.Counter[int] = collections.Counter()
+        self.core_epoch = 0  # the newest epoch of the core's ledger facts
         self.sealed: dict[int, int] = {}  # step -> its micro-steps
         self.holding: dict[str, tuple[int, int, float]] = {}  # replica -> (step, micro-step, granted at)
         self.told_nothing: dict[str, int] = {}  # replica -> step it was told has nothing left
@@ -220,11 +222,29 @@ class Policy:
     def _on_sealed(self, fact: StepSealed) -> None:
         self.sealed[fact.step] = fact.microsteps
 
+    def _counts(self, fact: MicrostepGranted | MicrostepCommitted) -> bool:
+        """Whether a ledger fact counts: one of an older core epoch does not; the first of a
+        newer one (a restarted core trains every step not completed again, from scratch)
+        clears the grants, commits and holdings of the steps not completed."""
+        if fact.epoch < self.core_epoch:
+            return False
+        if fact.epoch > self.core_epoch:
+            self.core_epoch = fact.epoch
+            for counter in (self.granted, self.committed):
+                for step in [k for k in counter if k >= self.completed]:
+                    del counter[step]
+            self.holding = {r: h for r, h in self.holding.items() if h[0] < self.completed}
+        return True
+
     def _on_granted(self, fact: MicrostepGranted) -> None:
+        if not self._counts(fact):
+            return
         self.granted[fact.step] += 1
         self.holding[fact.replica] = (fact.step, fact.microstep, fact.t)
 
     def _on_committed(self, fact: MicrostepCommitted) -> None:
+        if not self._counts(fact):
+            return
         self.committed[fact.step] += 1
         held = self.holding.get(fact.replica)
         if held is not None and held[:2] == (fact.step, fact.microstep):
