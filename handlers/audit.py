@@ -8,10 +8,11 @@ once the run is over (or at any moment: it counts what is there) and returns `Au
   harness's own lines in `logs/executions/<execution>.log`; `calls_recorded`: distinct
   `call.completed` call ids stored; `calls_lost`: per execution, answered minus recorded
   (never below 0), summed.
-- `samples_duplicated`: a `microstep.ready` id stored more than once, an execution packed
+- `samples_duplicated`: a micro-step (step, index) announced more than once (`microstep.ready`
+  stored twice, whatever its id), an execution packed
   into micro-steps of two steps, and a trajectory (execution, leaf call) packed twice into
   the micro-steps of one step (read from the object store where the payload is still there).
-- `microsteps_double_counted`: a `microstep.committed` id stored more than once, and per
+- `microsteps_double_counted`: a micro-step (epoch, step, index) committed more than once, and per
   completed step the micro-steps its `step.completed` says it trained beyond what its
   `step.sealed` announced; a step whose `step.completed` events disagree (it was applied
   twice with different results) counts all its micro-steps.
@@ -99,7 +100,7 @@ async def audit(bus: Bus, run_dir: Path, answered: dict[str, int] | None = None)
 
     # samples
     ready = by_kind[schemas.MicrostepReady]
-    ids = collections.Counter(e.event_id for e in ready)
+    ids = collections.Counter(f"{e.step}:{e.microstep}" for e in ready)
     dup_ids = {i: n - 1 for i, n in ids.items() if n > 1}
     steps_of: dict[str, set[int]] = collections.defaultdict(set)
     latest: dict[tuple[int, int], schemas.MicrostepReady] = {}
@@ -124,7 +125,7 @@ async def audit(bus: Bus, run_dir: Path, answered: dict[str, int] | None = None)
     samples_duplicated = sum(dup_ids.values()) + len(two_steps) + sum(twice.values())
 
     # micro-steps
-    committed = collections.Counter(e.event_id for e in by_kind[schemas.MicrostepCommitted])
+    committed = collections.Counter(f"{e.epoch}:{e.step}:{e.microstep}" for e in by_kind[schemas.MicrostepCommitted])
     dup_commits = {i: n - 1 for i, n in committed.items() if n > 1}
     sealed = {e.step: e for e in by_kind[schemas.StepSealed]}
     completed: dict[int, list[schemas.StepCompleted]] = collections.defaultdict(list)

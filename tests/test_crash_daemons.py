@@ -28,6 +28,7 @@ import schemas
 from bus import Bus
 from gyre.config import load_recipe
 from handlers.audit import audit
+from handlers.bench.chaos import current_process
 from tests.crash import Daemons, make_run_dir, until
 
 STEPS = 3
@@ -136,7 +137,7 @@ async def test_every_daemon_killed_mid_work_restarts_and_the_run_completes_witho
 
     def running() -> list[str]:
         """Executions whose harness runs and has had an answer (mid-conversation)."""
-        started = _log_executions(daemons.log("runner"), "runner.harness.started")
+        started = _log_executions(current_process(daemons.log("runner")), "runner.harness.started")
         return sorted(e for e in started if not (run_dir / "runner" / f"{e}.json").exists()
                       and "toy_harness: call 0:" in _text(run_dir / "logs" / "executions" / f"{e}.log"))
 

@@ -139,6 +139,20 @@ class Supervisor:
                 p.wait()
 
 
+def current_process(log: str) -> str:
+    """The part of a daemon's log its current process wrote (after its last start line): the
+    harnesses an earlier runner launched died with it."""
+    start = log.rfind('"event":"daemon.metrics"')
+    return log[log.rfind("\n", 0, start) + 1:] if start >= 0 else log
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed meanwhile (graded)
+        return 0.0
+
+
 def _lines(text: str, event: str) -> list[dict]:
     out = []
     for line in text.splitlines():
@@ -201,7 +215,7 @@ class Observer:
     def running(self, answered: bool = False) -> list[str]:
         """Executions whose harness runs (no runner record); `answered`: and has had a call answered."""
         out = []
-        for x in _lines(self.sup.log("runner"), "runner.harness.started"):
+        for x in _lines(current_process(self.sup.log("runner")), "runner.harness.started"):
             e = x.get("execution", "")
             if not e or (self.run_dir / "runner" / f"{e}.json").exists():
                 continue
@@ -215,10 +229,13 @@ class Observer:
         return sorted(set(out))
 
     def grading(self) -> list[str]:
+        """Executions the current evaluator process grades: a graded copy it made, no result."""
         root = self.run_dir / "eval"
-        if not root.is_dir():
+        starts = _lines(current_process(self.sup.log("evaluator")), "daemon.metrics")
+        if not root.is_dir() or not starts:
             return []
-        return sorted(p.name for p in root.iterdir() if any(p.glob("a*"))
+        since = dt.datetime.fromisoformat(starts[0]["timestamp"]).timestamp()
+        return sorted(p.name for p in root.iterdir() if any(_mtime(a) >= since for a in p.glob("a*"))
                       and not (self.run_dir / "evaluator" / f"{p.name}.json").exists())
 
     def held_grants(self, replica: str | None = None) -> list[tuple[int, int]]:
