@@ -3,10 +3,10 @@ nothing counted twice? (BENCHMARKS.md)
 
 A seeded elastic toy run (`--steps`, default 6, on two cells; every daemon a process, as
 `gyre run` starts them, on a private nats-server). A chaos driver (seeded `random.Random`)
-waits a random 1–`--gap` seconds, picks a target at random among proxy, scheduler, builder,
-runner, evaluator, a cell in rollout and a cell in training (a cell target only when a cell
-holds that role), notes whether it holds unfinished work (`Observer.holding`), and SIGKILLs
-it; `--kills` times (default 20). Once, between two kills, the nats-server is stopped and
+waits a random 1–`--gap` seconds, then draws a target at random among proxy, scheduler,
+builder, runner, evaluator, a cell in rollout and a cell in training (a cell target only when
+a cell holds that role) — among those whose daemon holds unfinished work at that moment
+(`Observer.holding`) when any does — and SIGKILLs it; `--kills` times (default 20). Once, between two kills, the nats-server is stopped and
 started again on its port and store. A supervisor restarts every daemon that exited (killed
 or crashed) after 1 s. When every step is completed (or `--timeout`), the daemons stop and
 `handlers.audit.audit` reads the bus and the run directory (calls counted on the client side:
@@ -266,6 +266,18 @@ class Observer:
         return cell, self.held_grants(None if cell == "cell0" else cell) or None
 
 
+async def pick(obs: Observer, bus: Bus, rng: random.Random, sup: Supervisor) -> tuple[str, str, object]:
+    """(target, daemon, work) of the next kill: a target drawn at random among those whose
+    daemon holds unfinished work now, else among all whose daemon is up ('' when none is)."""
+    found = []
+    for target in TARGETS:
+        daemon, work = await obs.holding(target, bus, rng)
+        if daemon and daemon not in sup.exited and sup.procs[daemon].poll() is None:
+            found.append((target, daemon, work))
+    busy = [f for f in found if f[2] is not None]
+    return rng.choice(busy or found) if found else ("", "", None)
+
+
 def recovery(sup: Supervisor, kills: list[dict]) -> dict:
     """Per daemon, seconds from each kill to the restarted daemon's first handled message."""
     per: dict[str, list[float]] = {}
@@ -280,7 +292,7 @@ def recovery(sup: Supervisor, kills: list[dict]) -> dict:
     return {n: {"p50": round(statistics.median(v), 2), "max": max(v), "n": len(v)} for n, v in per.items()}
 
 
-async def measure(*, steps: int = 6, kills: int = 20, seed: int = 0, gap_s: float = 8.0, timeout_s: float = 3600.0,
+async def measure(*, steps: int = 6, kills: int = 20, seed: int = 0, gap_s: float = 20.0, timeout_s: float = 3600.0,
                   workdir: Path | None = None, quiet: bool = True) -> dict:
     from handlers.audit import audit
 
@@ -311,9 +323,8 @@ async def measure(*, steps: int = 6, kills: int = 20, seed: int = 0, gap_s: floa
             sup.tend()
             now = time.monotonic()
             if len(made) < kills and now >= next_kill:
-                target = rng.choice(TARGETS)
-                daemon, work = await obs.holding(target, bus, rng)
-                if daemon and daemon not in sup.exited:
+                target, daemon, work = await pick(obs, bus, rng, sup)
+                if daemon:
                     sup.kill9(daemon)
                     made.append({"target": target, "daemon": daemon, "mid_work": work is not None,
                                  "work": work, "t": round(now - t0, 2), "wall": time.time(),
@@ -355,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=6, help="steps of the run (default 6)")
     p.add_argument("--kills", type=int, default=20, help="kill -9 this many times (default 20)")
     p.add_argument("--seed", type=int, default=0, help="the run's and the chaos driver's seed (default 0)")
-    p.add_argument("--gap", type=float, default=8.0, help="most seconds between two kills (default 8)")
+    p.add_argument("--gap", type=float, default=20.0, help="most seconds between two kills (default 20)")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds (default 3600)")
     p.add_argument("--workdir", help="where the run goes (default $GYRE_RUNS_DIR or runs/)")
     p.add_argument("--verbose", action="store_true", help="print each kill")
