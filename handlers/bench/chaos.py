@@ -3,10 +3,11 @@ nothing counted twice? (BENCHMARKS.md)
 
 A seeded elastic toy run (`--steps`, default 6, on two cells; every daemon a process, as
 `gyre run` starts them, on a private nats-server). A chaos driver (seeded `random.Random`)
-waits a random 1–`--gap` seconds, then draws a target at random among proxy, scheduler,
-builder, runner, evaluator, a cell in rollout and a cell in training (a cell target only when
-a cell holds that role) — among those whose daemon holds unfinished work at that moment
-(`Observer.holding`) when any does — and SIGKILLs it; `--kills` times (default 20). Once, between two kills, the nats-server is stopped and
+waits a random 1–`--gap` seconds, draws a target uniformly among proxy, scheduler, builder,
+runner, evaluator, a cell in rollout and a cell in training, and SIGKILLs its daemon at the
+first moment, within `--gap` seconds more, that the daemon holds unfinished work
+(`Observer.holding`), else when that time is up (a cell target with no cell in that role
+then is drawn again); `--kills` times (default 20). Once, between two kills, the nats-server is stopped and
 started again on its port and store. A supervisor restarts every daemon that exited (killed
 or crashed) after 1 s. When every step is completed (or `--timeout`), the daemons stop and
 `handlers.audit.audit` reads the bus and the run directory (calls counted on the client side:
@@ -253,7 +254,10 @@ class Observer:
             return target, self.grading() or None
         if target == "builder":
             open_steps = self.call_steps - self.sealed
-            caught_up = await bus.consumer_backlog("builder-calls-v1") == 0
+            try:
+                caught_up = await bus.consumer_backlog("builder-calls-v1") == 0
+            except Exception:  # noqa: BLE001 - the bus is reconnecting (its server restarted): not known now
+                caught_up = False
             return target, sorted(open_steps) if open_steps and caught_up else None
         role = "rollout" if target == "cell-in-rollout" else "training"
         cells = [c for c in CELLS if self.roles.get(c) == role]
@@ -264,18 +268,6 @@ class Observer:
             flight = self.in_flight()
             return cell, [e for e in self.running() if flight.get(e) == cell] or None
         return cell, self.held_grants(None if cell == "cell0" else cell) or None
-
-
-async def pick(obs: Observer, bus: Bus, rng: random.Random, sup: Supervisor) -> tuple[str, str, object]:
-    """(target, daemon, work) of the next kill: a target drawn at random among those whose
-    daemon holds unfinished work now, else among all whose daemon is up ('' when none is)."""
-    found = []
-    for target in TARGETS:
-        daemon, work = await obs.holding(target, bus, rng)
-        if daemon and daemon not in sup.exited and sup.procs[daemon].poll() is None:
-            found.append((target, daemon, work))
-    busy = [f for f in found if f[2] is not None]
-    return rng.choice(busy or found) if found else ("", "", None)
 
 
 def recovery(sup: Supervisor, kills: list[dict]) -> dict:
@@ -318,13 +310,18 @@ async def measure(*, steps: int = 6, kills: int = 20, seed: int = 0, gap_s: floa
     restart_at = rng.randint(kills // 4, 3 * kills // 4)
     nats_restarts = 0
     next_kill = t0 + 15.0 + rng.uniform(1.0, gap_s)  # the daemons' start (imports, model) first
+    target: str | None = None  # drawn, waiting for its daemon to hold work (at most gap_s)
+    give_up = 0.0
     try:
         while len(obs.completed) < steps and time.monotonic() - t0 < timeout_s:
             sup.tend()
             now = time.monotonic()
             if len(made) < kills and now >= next_kill:
-                target, daemon, work = await pick(obs, bus, rng, sup)
-                if daemon:
+                if target is None:
+                    target, give_up = rng.choice(TARGETS), now + gap_s
+                daemon, work = await obs.holding(target, bus, rng)
+                up = bool(daemon) and daemon not in sup.exited and sup.procs[daemon].poll() is None
+                if up and (work is not None or now >= give_up):
                     sup.kill9(daemon)
                     made.append({"target": target, "daemon": daemon, "mid_work": work is not None,
                                  "work": work, "t": round(now - t0, 2), "wall": time.time(),
@@ -338,8 +335,10 @@ async def measure(*, steps: int = 6, kills: int = 20, seed: int = 0, gap_s: floa
                         nats_restarts += 1
                         if not quiet:
                             print(f"chaos: t={time.monotonic() - t0:6.1f}s nats-server restarted", flush=True)
-                next_kill = now + rng.uniform(1.0, gap_s)
-            await asyncio.sleep(0.1)
+                    target, next_kill = None, now + rng.uniform(1.0, gap_s)
+                elif now >= give_up:  # no process fits the target now (no cell in that role): draw again
+                    target = None
+            await asyncio.sleep(0.25)
         wall = time.monotonic() - t0
         await asyncio.sleep(2.0)
         result = await audit(bus, run_dir)
