@@ -284,7 +284,7 @@ def recovery(sup: Supervisor, kills: list[dict]) -> dict:
     return {n: {"p50": round(statistics.median(v), 2), "max": max(v), "n": len(v)} for n, v in per.items()}
 
 
-async def measure(*, steps: int = 6, kills: int = 20, seed: int = 0, gap_s: float = 20.0, timeout_s: float = 3600.0,
+async def measure(*, steps: int = 6, kills: int = 20, seed: int = 0, gap_s: float = 8.0, timeout_s: float = 3600.0,
                   workdir: Path | None = None, quiet: bool = True) -> dict:
     from handlers.audit import audit
 
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=6, help="steps of the run (default 6)")
     p.add_argument("--kills", type=int, default=20, help="kill -9 this many times (default 20)")
     p.add_argument("--seed", type=int, default=0, help="the run's and the chaos driver's seed (default 0)")
-    p.add_argument("--gap", type=float, default=20.0, help="most seconds between two kills (default 20)")
+    p.add_argument("--gap", type=float, default=8.0, help="most seconds between two kills, and most seconds a drawn target is waited for to hold work (default 8)")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds (default 3600)")
     p.add_argument("--workdir", help="where the run goes (default $GYRE_RUNS_DIR or runs/)")
     p.add_argument("--verbose", action="store_true", help="print each kill")
