@@ -28,11 +28,10 @@ import schemas
 from bus import Bus
 from gyre.config import load_recipe
 from handlers.audit import audit
-from handlers.bench.chaos import current_process
+from handlers.bench.chaos import MODULES, current_process
 from tests.crash import Daemons, make_run_dir, until
 
 STEPS = 3
-CELLS = ("cell0", "cell1")
 
 
 def _trace(run_dir: Path) -> list[dict]:
@@ -92,11 +91,8 @@ async def test_every_daemon_killed_mid_work_restarts_and_the_run_completes_witho
     bus = await Bus.connect(nats_server.url, token=nats_server.token, run=run_id, name="test")
     await bus.ensure_streams()
     daemons = Daemons(run_dir)
-    starts = {"proxy": ("handlers.proxy",), "runner": ("handlers.runner",), "evaluator": ("handlers.evaluator",),
-              "builder": ("handlers.builder",), "scheduler": ("handlers.scheduler",),
-              **{c: ("handlers.cell", "--cell", c) for c in CELLS}}
-    for name, (module, *extra) in starts.items():
-        daemons.start(name, module, *extra)
+    for name in MODULES:  # proxy, runner, evaluator, builder, cell0, cell1, scheduler, as `gyre run` orders them
+        daemons.start(name)
 
     facts: dict[str, list] = collections.defaultdict(list)
     stopped = asyncio.Event()
@@ -126,8 +122,7 @@ async def test_every_daemon_killed_mid_work_restarts_and_the_run_completes_witho
                     assert daemons.kill9(target) == -9
                     kills[name] = {"daemon": target, "holding": work, "at_step": len(completed())}
                     await asyncio.sleep(1.0)
-                    module, *extra = starts[target]
-                    daemons.start(target, module, *extra)
+                    daemons.start(target)
                     kills[name]["restart_s"] = round(time.monotonic() - t0, 2)
                     return
             await asyncio.sleep(0.05)

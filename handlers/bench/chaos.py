@@ -100,12 +100,13 @@ class Supervisor:
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
         self.restarts.setdefault(name, []).append(time.time())
 
-    def kill9(self, name: str) -> None:
-        """SIGKILL the daemon's process (not its children: a crash leaves them to their fate)."""
+    def kill9(self, name: str) -> int:
+        """SIGKILL the daemon's process (not its children: a crash leaves them to their fate);
+        returns its exit status."""
         proc = self.procs[name]
         self.killed.add(name)
         proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
+        return proc.wait(30)
 
     def tend(self) -> None:
         now = time.monotonic()
