@@ -40,8 +40,9 @@ measured durations and bytes.
 Restart (kill -9) of a cell process recovers:
 - its role: the newest `cell.switch` addressed to it (`_last_asked`): training → it goes back
   to training at once (a replica claiming again), else rollout; announced as `cell.switched`
-  idle → role under a fresh id (`ids.announce`). A switch it was doing is redelivered
-  (its durable acks only once the switch is done) and done whole.
+  idle → role under a fresh id (`ids.announce`). A switch it was doing is thus done again,
+  whole, at start; its `cell.switch` (acked only once a switch is done) comes back after
+  the durable's ack_wait and then changes nothing.
 - its engine's weights: the initial model or the core's newest checkpoint (the core), then
   the newest `weights.published` (replayed) pulled and verified as usual.
 - the core's ledger and weights (handlers.training.core): the epoch is raised, the trainer
