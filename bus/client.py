@@ -539,6 +539,11 @@ class Bus:
         """`bus.history.replay` on this bus: every stored event of `names`, then live ones."""
         await history.replay(self, names, handler, stop=stop, caught_up=caught_up, batch=batch, poll_s=poll_s)
 
+    async def stored_events(self, names: Iterable[str],
+                            keep: Callable[[schemas.Event], bool] = lambda _e: True) -> list[schemas.Event]:
+        """`bus.history.stored_events` on this bus: the events of `names` stored now."""
+        return await history.stored_events(self, names, keep)
+
     async def stored_ids(self, name: str, *, stop: asyncio.Event | None = None,
                          batch: int = 1024) -> dict[str, dict[str, str]] | None:
         """`bus.history.stored_ids` on this bus: ids and headers of the stored events of `name`."""

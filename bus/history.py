@@ -4,6 +4,8 @@ Contract (each is also a `Bus` method that delegates here: `bus.replay(...)`, ..
 - `replay(bus, names, handler)` delivers every stored event of `names` from the start, then
   live ones, in stream order (ordered per stream; ephemeral consumers, nothing acked); a
   handler error or an undecodable event is logged and skipped. `close()` waits for it.
+- `stored_events(bus, names)` returns the events of `names` stored when called (a replay that
+  stops once caught up).
 - `stored_ids(bus, name)` lists the ids and headers of the events of `name` stored when
   called, reading headers only.
 - `tap(bus, pattern, callback)` is a core-NATS subscription (nothing stored, nothing acked).
@@ -129,6 +131,30 @@ async def _replay_one(msg: Any, handler: Callable, rlog: Any) -> None:
         await handler(event)
     except Exception:  # noqa: BLE001 - replay has no redelivery; keep going
         rlog.exception("bus.replay.handler_failed", subject=msg.subject, event_id=event.event_id)
+
+
+async def stored_events(bus: Bus, names: Iterable[str],
+                        keep: Callable[[schemas.Event], bool] = lambda _e: True) -> list[schemas.Event]:
+    """The events of `names` stored now that `keep` accepts, in stream order per stream
+    (`replay` until caught up: what arrives meanwhile may be included)."""
+    out: list[schemas.Event] = []
+    stop, caught = asyncio.Event(), asyncio.Event()
+
+    async def on(event: schemas.Event) -> None:
+        if not caught.is_set() and keep(event):
+            out.append(event)
+
+    task = asyncio.create_task(replay(bus, names, on, stop=stop, caught_up=caught))
+    waiter = asyncio.create_task(caught.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()  # what the replay raised
+    finally:
+        waiter.cancel()
+        stop.set()
+        await task
+    return out
 
 
 async def stored_ids(bus: Bus, name: str, *, stop: asyncio.Event | None = None,

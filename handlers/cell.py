@@ -36,6 +36,25 @@ cell takes the blocks offered to it (handlers.transfer.kv_move.KvMoves; `kv.offe
 Consumes `cell.switch` (its own durable `<cell>-v1`, `bus.subjects.cell_consumer`) and
 replays `weights.published`, `kv.offered` and `kv.pulled`; publishes `cell.switched` with
 measured durations and bytes.
+
+Restart (kill -9) of a cell process recovers:
+- its role: the newest `cell.switch` addressed to it (`_last_asked`): training → it goes back
+  to training at once (a replica claiming again), else rollout; announced as `cell.switched`
+  idle → role under a fresh id (`ids.announce`). A switch it was doing is thus done again,
+  whole, at start; its `cell.switch` (acked only once a switch is done) comes back after
+  the durable's ack_wait and then changes nothing.
+- its engine's weights: the initial model or the core's newest checkpoint (the core), then
+  the newest `weights.published` (replayed) pulled and verified as usual.
+- the core's ledger and weights (handlers.training.core): the epoch is raised, the trainer
+  restored from the newest checkpoint, the step in flight trained again from its retained
+  micro-steps under the new epoch; grants, commits and contributions of the old epoch count
+  for nothing, so no micro-step counts twice.
+It loses, by design: the engine's KV caches (a moved or sticky execution's next call
+prefills again) and the calls it was serving (the proxy retries them on another rollout
+cell or on the restarted one: `handlers.proxy.routing.Dispatcher`); a satellite's gradient
+of uncommitted micro-steps (their leases lapse after `train.lease_s`, 30 s, and the ledger
+grants them again). tests/test_crash_daemons.py kills a cell in rollout and the core in
+training mid-step.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@
     gyre report [RUN_DIR]                         write RUN_DIR/report.html with the run's pictures
     gyre init-model DIR [--layers N ...] [--warm-start majority]
                                                   write the embedded default model (optionally warm-started)
-    gyre bench NAME [--json PATH]                 a benchmark of docs/BENCHMARKS.md (proxy, trajectories, hostile, transfer, learning, modes)
+    gyre bench NAME [--json PATH]                 a benchmark of docs/BENCHMARKS.md (proxy, trajectories, hostile, transfer, learning, modes, chaos)
     gyre sim [--profile NAME|all] [--random N --seed S] [--trace PATH] [--json PATH]
                                                   the scheduling modes on simulated clusters
     gyre proxy|cell|scheduler|builder|runner|evaluator --run-dir DIR   one daemon
@@ -71,6 +71,7 @@ BENCHMARKS = {
     "transfer": "handlers.bench.transfer",
     "learning": "handlers.bench.learning",
     "modes": "handlers.bench.modes",
+    "chaos": "handlers.bench.chaos",
 }
 """`gyre bench NAME` → the module whose `main(argv) -> int` runs it (BENCHMARKS.md)."""
 

@@ -18,6 +18,14 @@ Consumes `execution.finished` (durable `evaluator-v1`) and publishes `execution.
 Idempotent: the published result is recorded in `<run_dir>/evaluator/<execution>.json`
 (with the failed-attempt count kept in `.attempts`); a redelivered event re-publishes the
 recorded result under its original id.
+
+Restart (kill -9): nothing in memory is needed. The `execution.finished` events it was
+grading (unacked) come back after `evaluator-v1`'s ack_wait (120 s): one whose result was
+recorded (killed between the record and its ack) is republished under the same id; any
+other is graded again from a fresh copy of the preserved workspace (the cut-short copy
+`eval/<execution>/a<attempt>/` is removed first), as the same attempt: an evaluator crash
+never costs the execution an attempt nor gives it a reward of 0. Cost: those executions'
+scores come up to the ack_wait late (tests/test_crash_daemons.py).
 """
 from __future__ import annotations
 

@@ -25,6 +25,15 @@ A host where harnesses cannot be confined at all (no working bubblewrap, and as 
 network namespace: a container without CAP_SYS_ADMIN) stops the runner at start, naming
 the fix (`gyre.env.sandbox.resolve_mode`).
 
+Restart (kill -9): the runner keeps nothing in memory that a successor needs: its state is
+the work queue and `<run_dir>` (workspaces/, runner/ records). Its harnesses die with it
+(bwrap's `--die-with-parent`; in the `setuid` and `none` modes they may outlive it). Every
+`execution.dispatched` it had not acked comes back after `runner-v1`'s ack_wait (60 s) and
+takes the path below: finished and recorded → its record republished; cut short → reported
+as below, never relaunched; not yet started → launched. Dispatches it never received are
+launched as usual. Cost: executions cut short are not trained, and a restart delays their
+`execution.finished` by up to the ack_wait (tests/test_crash_daemons.py).
+
 Idempotent under redelivery: a recorded execution re-publishes its recorded
 `execution.finished` (same event id, deduplicated); an execution whose workspace exists
 without a record was cut short by a runner restart (its harness died with the runner):

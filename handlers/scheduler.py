@@ -19,8 +19,10 @@ module only translates:
 Every fact consumed and action taken is appended to `trace.jsonl` in the run directory
 (docs/traces.md), flushed to disk before the actions are published and the event acked.
 
-Restart-safe: a restarted scheduler rebuilds its policy by feeding the trace's facts to a
-fresh one (the same actions come back: the policy is deterministic), republishes the last
+Restart-safe (kill -9 included: tests/test_scheduler_restart.py, tests/test_crash_daemons.py;
+its own state is the trace, flushed before it acts): a restarted scheduler rebuilds its
+policy by feeding the trace's facts to a fresh one (the same actions come back: the policy
+is deterministic), republishes the last
 fact's actions (ids are deterministic, so JetStream drops what was published already),
 and skips events whose id the trace holds (a fact line carries the `id` of the event it
 came from), so a redelivered event is consumed once.

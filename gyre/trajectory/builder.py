@@ -8,6 +8,10 @@ Pure state machine fed by the builder daemon (handlers/builder.py):
   (gyre.trajectory.microstep). When the step's last group is finalised the step is sealed.
 Both are idempotent: a redelivered fact changes nothing. A call arriving after its
 group was finalised is counted in `late_calls` (it can no longer be trained).
+Micro-step indices: a group's micro-steps are numbered contiguously from the step's next
+free index, unless `reserve(step, group, first)` placed the group earlier (a restarted
+builder re-finalising a group whose micro-steps its predecessor already published: the
+same content gets the same ids); fresh ranges start at or after `floor(step, index)`.
 |E| (DESIGN.md "Learning") = trained executions of the step: scored, not excluded,
 not a placeholder, with at least one trainable token.
 """
@@ -45,6 +49,7 @@ class Sealed:
 class _Step:
     groups_done: set[str] = dataclasses.field(default_factory=set)
     microsteps: int = 0
+    next_index: int = 0
     executions: int = 0
     zero_variance: int = 0
     excluded: int = 0
@@ -67,6 +72,29 @@ class BuilderPolicy:
     steps: dict[int, _Step] = dataclasses.field(default_factory=dict)
     late_calls: int = 0
     execution_group: dict[str, str] = dataclasses.field(default_factory=dict)
+    reserved: dict[str, int] = dataclasses.field(default_factory=dict)  # group → first micro-step index
+
+    def reserve(self, step: int, group: str, first: int) -> None:
+        """Number `group`'s micro-steps from `first` when it is finalised (a predecessor
+        published them there)."""
+        self.reserved[group] = min(first, self.reserved.get(group, first))
+        self.floor(step, first)  # the daemon floors every published index; this one at least
+
+    def floor(self, step: int, index: int) -> None:
+        """Fresh micro-step ranges of `step` start after `index` (published already)."""
+        st = self.steps.setdefault(step, _Step())
+        st.next_index = max(st.next_index, index + 1)
+
+    def mark_sealed(self, step: int, groups: dict[str, list[str]]) -> None:
+        """`step` was sealed by a predecessor: its groups (group → executions) are final,
+        a call of theirs arriving now is late, a score changes nothing."""
+        st = self.steps.setdefault(step, _Step())
+        st.sealed = True
+        for group, executions in groups.items():
+            self.finalised.add(group)
+            st.groups_done.add(group)
+            for e in executions:
+                self.execution_group[e] = group
 
     def add_call(self, call: CallCompleted) -> bool:
         """File a call (tokens inline). Returns False when it came too late or was known."""
@@ -139,8 +167,10 @@ class BuilderPolicy:
             samples.append(sample)
         # Executions with A_e = 0 count in |E| but add nothing to the gradient: not packed.
         trained = [s for s in samples if s.advantage != 0.0]
-        microsteps = pack(trained, self.token_budget, step=step, first_index=st.microsteps)
+        first = self.reserved.pop(group, st.next_index)
+        microsteps = pack(trained, self.token_budget, step=step, first_index=first)
         st.microsteps += len(microsteps)
+        st.next_index = max(st.next_index, first + len(microsteps))
         for execution in scored:
             self.trees.pop(execution, None)
         log.info("builder.group.finalised", group=group, step=step, executions=len(scored),

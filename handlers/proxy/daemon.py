@@ -18,6 +18,11 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
 - Restarts: one proxy per run; a starting proxy publishes its predecessor's spilled calls,
   continues the run's seqs, and serves once its replay of the run's events has caught up
   (`handlers.proxy.restart`).
+  After a kill -9 it recovers the same (nothing else lives only in its memory but the call
+  stores: each execution's next call is a new root) — except a call answered in the
+  moment between its answer and its `call.completed` reaching the bus's socket, whose
+  record is lost (the spill file is written only when a publish fails or at a stop);
+  `gyre bench chaos` kills it among the other daemons.
 - Stop: within `Config.shutdown_grace_s` the listener closes, calls in flight finish or
   are cancelled (recorded `aborted`), and publishes are acknowledged or spilled.
 
