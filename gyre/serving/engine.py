@@ -20,6 +20,13 @@ Contract (DESIGN.md "Cells and engines"):
   bounded by executions and tokens); the next call with the same execution prefills
   only the ids after the longest common prefix. A weight update or `flush_cache()`
   drops every cached prefix, since it was computed with other weights.
+- A prompt is prefilled in chunks of at most `prefill_chunk_tokens` from its first
+  uncached id, and its last id always runs alone, in a forward of one id as a decode step
+  is. A forward's float32 result for an id depends on how many ids share the forward, so
+  the last id's logits (the first token's) and its KV would otherwise differ in the last
+  bits between a call prefilled here and the same call retried where its execution's KV
+  moved (every prompt id but the last cached); run alone, they are the same bits, and so
+  is what the call samples, whichever cell serves it.
 - `drain()` aborts the requests in flight and waits for them to end (their prefix KV kept,
   so a cell leaving rollout can hand it over); `release()` drains, then frees the live
   weights and every prefix KV cache (a cell leaving rollout, DESIGN.md "Cells and
@@ -482,8 +489,9 @@ class Engine:
         with torch.inference_mode():
             while len(out) < budget:
                 # long prompts go in chunks, each its own turn of the step lock, so other
-                # calls keep decoding and attention masks stay (chunk, T)-sized
-                chunk = pending[: self.cfg.prefill_chunk_tokens]
+                # calls keep decoding and attention masks stay (chunk, T)-sized; the prompt's
+                # last id always runs alone, as a decode step does (module docstring)
+                chunk = pending[: min(self.cfg.prefill_chunk_tokens, max(1, len(pending) - 1))]
                 with self._step:
                     if queue_s is None:
                         queue_s = time.monotonic() - t0
