@@ -167,7 +167,7 @@ class Progress:
             self._say(f"step {event.step}: sealed — {event.microsteps} micro-steps, {event.executions} executions, "
                       f"reward mean {event.reward_mean:.3f}, zero-variance groups {event.zero_variance_groups}")
         elif isinstance(event, schemas.CellSwitched):
-            self.switches.append({"cell": event.cell, "from": event.from_role, "to": event.to_role,
+            self.switches.append({"cell": event.cell, "from": event.from_role, "to": event.to_role, "step": len(self.completed),
                                   "t": round(time.monotonic() - self.t0, 3), **event.durations})
             # `bytes` (what the switch freed and pulled) where the cell measures it
             self._emit(schemas.CellSwitched.NAME, cell=event.cell, from_role=event.from_role, to_role=event.to_role,

@@ -2,8 +2,9 @@
 
 - `switches(progress_switches)`: the role changes between rollout and training that the
   cells reported on `cell.switched` (the start's announcements, from `idle`, left out), each
-  with the cell, the direction, the run time it ended at and its measured durations
-  (`total_s`, `release_s`, `load_s`), in the order they were reported.
+  with the cell, the direction, the run time it ended at (`t`), the step under way then
+  (`step`: the steps completed so far) and its measured durations (`total_s`, `release_s`,
+  `load_s`), in the order they were reported.
 - `picture(run_dir)`: the run's cells over time, a Gantt of their roles above the water
   level w(t) and the switch rule's threshold C_R(t) − C_e, drawn by gyre.plots from the
   scheduler's `trace.jsonl` replayed through a fresh policy of its mode (the picture
@@ -24,7 +25,7 @@ def switches(reported: list[dict]) -> list[dict]:
     for s in reported:
         if {s.get("from"), s.get("to")} != {"rollout", "training"}:
             continue
-        out.append({"cell": s["cell"], "from": s["from"], "to": s["to"], "t": s.get("t"),
+        out.append({"cell": s["cell"], "from": s["from"], "to": s["to"], "t": s.get("t"), "step": s.get("step"),
                     **{k: round(float(s[k]), 3) for k in ("total_s", "release_s", "load_s") if k in s}})
     return out
 
@@ -54,11 +55,13 @@ def print_cells(s: dict) -> None:
     done = s.get("switches") or []
     if done:
         total = sum(x.get("total_s", 0.0) for x in done)
-        print(f"switches         {len(done)}, {total:.1f} s in all (cell.switched: release + load + resume)")
+        print(f"switches         {len(done)}, {total:.1f} s in all (each: release, load, resume; by step under way;"
+              " summary.json has each one's phases)")
+        steps: dict = {}
         for x in done:
-            at = f"at {x['t']:7.1f}s" if x.get("t") is not None else ""
-            print(f"                 {at}  {x['cell']:>6} {x['from']:>8} → {x['to']:<8} {x.get('total_s', 0.0):6.2f} s"
-                  f"  (release {x.get('release_s', 0.0):.2f} s, load {x.get('load_s', 0.0):.2f} s)")
+            steps.setdefault(x.get("step"), []).append(f"{x['cell']} → {x['to']} {x.get('total_s', 0.0):.2f} s")
+        for step, items in steps.items():
+            print(f"                 step {'?' if step is None else step:>2}  " + ", ".join(items))
     elif s.get("cells", 1) > 1:
         print("switches         none between rollout and training")
     if s.get("cells_picture"):

@@ -52,8 +52,9 @@ def test_a_short_demo_run_prints_its_switches_and_the_path_of_its_picture(tmp_pa
     out = proc.stdout
     total = sum(s["total_s"] for s in switches)
     assert f"switches         {len(switches)}, {total:.1f} s in all" in out
-    printed = re.findall(r"^ +at +[\d.]+s +(cell\d) +(\w+) → (\w+) +([\d.]+) s", out, re.MULTILINE)
-    assert printed == [(s["cell"], s["from"], s["to"], f"{s['total_s']:.2f}") for s in switches]
+    printed = re.findall(r"(cell\d) → (\w+) ([\d.]+) s", out.split("switches         ")[1].split("cells picture")[0])
+    assert printed == [(s["cell"], s["to"], f"{s['total_s']:.2f}") for s in switches]
+    assert all(s["step"] == 0 for s in switches)  # one step: every switch while step 0 was under way
     # the picture: the Gantt of the cells above the water level, drawn from trace.jsonl
     picture = run_dir / "cells.png"
     assert summary["cells_picture"] == str(picture)
