@@ -22,7 +22,7 @@ Contract (DESIGN.md "Cells and engines"):
   drops every cached prefix, since it was computed with other weights.
 - A prompt is prefilled in chunks of at most `prefill_chunk_tokens` from its first
   uncached id, and its last id always runs alone, in a forward of one id as a decode step
-  is. A forward's float32 result for an id depends on how many ids share the forward, so
+  is (in the same turn of the step lock as the rest of its chunk). A forward's float32 result for an id depends on how many ids share the forward, so
   the last id's logits (the first token's) and its KV would otherwise differ in the last
   bits between a call prefilled here and the same call retried where its execution's KV
   moved (every prompt id but the last cached); run alone, they are the same bits, and so
@@ -489,9 +489,8 @@ class Engine:
         with torch.inference_mode():
             while len(out) < budget:
                 # long prompts go in chunks, each its own turn of the step lock, so other
-                # calls keep decoding and attention masks stay (chunk, T)-sized; the prompt's
-                # last id always runs alone, as a decode step does (module docstring)
-                chunk = pending[: min(self.cfg.prefill_chunk_tokens, max(1, len(pending) - 1))]
+                # calls keep decoding and attention masks stay (chunk, T)-sized
+                chunk = pending[: self.cfg.prefill_chunk_tokens]
                 with self._step:
                     if queue_s is None:
                         queue_s = time.monotonic() - t0
@@ -504,7 +503,11 @@ class Engine:
                         mixed = True
                     if cache is None:
                         cache = DynamicCache(config=self.model.config)
-                    logits = self._forward(chunk, cache)
+                    if 1 < len(chunk) == len(pending):  # the prompt's last id runs alone (module docstring)
+                        self._forward(chunk[:-1], cache)
+                        logits = self._forward(chunk[-1:], cache)
+                    else:
+                        logits = self._forward(chunk, cache)
                     version = self._version
                     if len(fed) < len(req.input_ids):
                         self.prefilled_tokens += len(chunk)
