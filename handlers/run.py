@@ -30,6 +30,7 @@ from bus import Bus, BusError, ConnectError
 from bus.server import NatsServer
 from bus.subjects import check_run
 from gyre.config import Recipe, RecipeError, load_recipe
+from handlers.run_cells import switches
 from handlers.run_summary import print_summary as _print_summary
 
 DAEMONS = ("proxy", "runner", "evaluator", "builder")
@@ -185,7 +186,8 @@ class Progress:
             self._say(f"step {event.step}: sealed — {event.microsteps} micro-steps, {event.executions} executions, "
                       f"reward mean {event.reward_mean:.3f}, zero-variance groups {event.zero_variance_groups}")
         elif isinstance(event, schemas.CellSwitched):
-            self.switches.append({"cell": event.cell, "to": event.to_role, **event.durations})
+            self.switches.append({"cell": event.cell, "from": event.from_role, "to": event.to_role, "step": len(self.completed),
+                                  "t": round(time.monotonic() - self.t0, 3), **event.durations})
             # `bytes` (what the switch freed and pulled) where the cell measures it
             self._emit(schemas.CellSwitched.NAME, cell=event.cell, from_role=event.from_role, to_role=event.to_role,
                        durations=event.durations, **({"bytes": event.bytes} if getattr(event, "bytes", None) else {}))
@@ -251,6 +253,7 @@ class Progress:
             "rewards_per_step": rewards_per_step,
             "policy_version": max((self.completed[k].policy_version for k in steps), default=0),
             "switch_s": [s.get("total_s") for s in self.switches if "total_s" in s],
+            "mode": self.recipe.run.mode, "cells": self.recipe.cells.count, "switches": switches(self.switches),
             "wall_s": round(wall_s, 2),
         }
 
@@ -481,11 +484,15 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
     summary = progress.summary(run, time.monotonic() - t0)
     summary["outcome"] = outcome
     summary["evaluator"] = "built-in" if "evaluator" in daemons else "external"
+    try:  # the cells over time, from the scheduler's trace.jsonl (handlers.run_cells)
+        from handlers.run_cells import picture
+        cells_png = picture(run_dir)
+    except Exception as exc:  # noqa: BLE001 - the run is over either way; say why there is no picture
+        print(f"gyre: no picture of the cells: {exc!r}", file=sys.stderr)
+        cells_png = None
+    summary["cells_picture"] = str(cells_png) if cells_png else None
     (run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     _print_summary(summary)
-    print(f"gyre: summary written to {run_dir / 'summary.json'}")
-    print(f"gyre: the run's outputs are in {run_dir}: summary.json, metrics.jsonl (every execution and step), "
-          "weights/v<k>/ (the policy after each step), logs/")
     try:
         from handlers.report import write_report
         report = write_report(run_dir)
@@ -493,6 +500,9 @@ async def _run_with_server(recipe: Recipe, run: str, run_dir: Path, timeout_s: f
         print(f"gyre: no report: {exc!r}", file=sys.stderr)
     else:
         print(f"gyre: report written to {report}")
+    print(f"gyre: the run's outputs are in {run_dir}: summary.json, metrics.jsonl (every execution and step), "
+          f"trace.jsonl (the scheduler's facts and actions){', cells.png' if cells_png else ''}, report.html, "
+          "weights/v<k>/ (the policy after each step), logs/")
     return outcome
 
 

@@ -2,6 +2,8 @@
 the figures suggest (refused calls, harnesses that failed, steps with nothing to train)."""
 from __future__ import annotations
 
+from handlers.run_cells import print_cells
+
 
 def print_summary(s: dict) -> None:
     """Print `gyre run`'s summary (summary.json's dict, with `outcome`) and what it suggests."""
@@ -14,7 +16,8 @@ def print_summary(s: dict) -> None:
     print(f"zero-var groups  {s['zero_variance_groups']}")
     print(f"grad norm        {[round(g, 5) for g in s['grad_norm_per_step']]}")
     print_curve(s)
-    print(f"policy version   {s['policy_version']}")
+    print(f"policy version   {s['policy_version']}   mode {s.get('mode')} on {s.get('cells')} cell(s)")
+    print_cells(s)
     print(f"wall             {s['wall_s']} s")
     failed = {k: v for k, v in s["executions_by_status"].items() if k != "ok"}
     refused = s["calls_by_status"].get("error", 0)

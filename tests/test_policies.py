@@ -189,6 +189,31 @@ def test_a_burst_waits_until_every_serving_engine_has_loaded_v_k_minus_s():
     assert burst2.execution == "s2-g0-e0"
 
 
+def test_a_cell_back_from_training_on_an_older_version_gets_no_execution_of_a_newer_burst():
+    """S = 0: burst 1 is released once the serving c1 loaded v1; c0 comes back from training
+    restored to v0 (the newest it had heard of) and is given nothing of burst 1 until it
+    loads v1, so every call of burst 1 is sampled by v1 whichever cell serves it."""
+    p = make_policy("elastic", PolicyConfig(cells=("c0", "c1"), capacity=1, groups_per_step=1, group_size=2,
+                                            steps=2, staleness=0))
+    assert sorted((x.execution, x.engine) for x in placed(boot(p))) == [("s0-g0-e0", "c0"), ("s0-g0-e1", "c1")]
+    finish(p, 1.0, "s0-g0-e0")
+    finish(p, 2.0, "s0-g0-e1")
+    (leave,) = of(p.on(F.MicrostepReady(t=3.0, step=0, microstep=0)), F.Switch)
+    assert (leave.cell, leave.to_role) == ("c0", "training")
+    p.on(F.CellSwitched(t=4.0, cell="c0", from_role="rollout", to_role="training"))
+    p.on(F.StepSealed(t=4.0, step=0, microsteps=1, executions=2))
+    p.on(F.MicrostepGranted(t=4.0, step=0, microstep=0, replica="c0"))
+    p.on(F.MicrostepCommitted(t=5.0, step=0, microstep=0, replica="c0"))
+    assert placed(p.on(F.StepCompleted(t=6.0, step=0))) == []  # c1 serves v0: the gate is shut
+    actions = p.on(F.VersionLoaded(t=7.0, engine="c1", version=1))
+    assert [(x.execution, x.engine) for x in placed(actions)] == [("s1-g0-e0", "c1")]
+    assert [(s.cell, s.to_role) for s in of(actions, F.Switch)] == [("c0", "rollout")]  # s1-g0-e1 waits
+    p.on(F.VersionLoaded(t=8.0, engine="c0", version=0))  # restored to the version it knew
+    assert placed(p.on(F.CellSwitched(t=8.0, cell="c0", from_role="training", to_role="rollout"))) == []
+    assert [(x.execution, x.engine) for x in placed(p.on(F.VersionLoaded(t=9.0, engine="c0", version=1)))] == [
+        ("s1-g0-e1", "c0")]
+
+
 def test_with_s_0_the_next_burst_waits_for_the_previous_step():
     p = make_policy("async", PolicyConfig(cells=("c0", "c1"), capacity=4, groups_per_step=1, group_size=2,
                                           steps=2, staleness=0), rollout_cells=1)

@@ -7,8 +7,12 @@
   long calls, a switch moves the executions the leaving cell serves;
 - async: the training cells leave rollout once, at the start, and nothing switches after;
   nothing is dispatched to a training cell (nonstreaming: a step is opened once sealed);
-- colocate (and overlapped): every switch moves every cell, and executions are dispatched
-  only while every cell is in rollout.
+- colocate (and overlapped): every switch moves every cell, the cells not between roles
+  always hold the same role, and executions are dispatched only while every cell is in
+  rollout.
+
+Every mode's trace replays: a fresh policy of its mode fed the trace's facts takes exactly
+the trace's actions.
 
 Elastic and async run by default (about a minute each on 2 cores); the other three, and the
 elastic run whose switch moves executions, are slow.
@@ -59,6 +63,9 @@ def gyre_run(tmp_path: Path, server, mode: str, steps: int = 2, groups: int = 2,
     assert sorted(x[0] for x in placed) == sorted(f"s{k}-g{g}-e{i}" for k in range(steps) for g in range(groups)
                                                   for i in (0, 1))
     assert actions(lines, "done") == [{"t": actions(lines, "done")[0]["t"], "action": "done", "steps": steps}]
+    # a fresh policy of the mode fed the trace's facts takes exactly the trace's actions
+    with open(run_dir / "trace.jsonl") as f:
+        assert trace.replay(f) == []
     return run_dir, lines
 
 
@@ -134,10 +141,8 @@ def test_elastic_moves_the_executions_of_a_cell_that_leaves_rollout(tmp_path, na
 def check_elastic(nats_server, run_dir: Path, lines: list[dict], c_e: int = C_E) -> list[schemas.RouteUpdated]:
     """The elastic run's checks (module docstring); returns the `route.updated` events that
     moved executions off a switching cell."""
-    # A fresh policy fed the trace's facts takes exactly the trace's actions ...
-    with open(run_dir / "trace.jsonl") as f:
-        assert trace.replay(f) == []
-    # ... and the trace's actions are exactly what the daemon published, in order.
+    # The trace replays to its own actions (gyre_run), and they are exactly what the daemon
+    # published, in order.
     switches, routes = asyncio.run(published(nats_server, run_dir.name))
     traced_switches = actions(lines, "switch")
     assert [(e.cell, e.from_role, e.to_role, e.reason, e.step) for e in switches] == [
@@ -229,11 +234,17 @@ def test_async_nonstreaming_keeps_its_split_and_opens_a_step_once_sealed(tmp_pat
 def test_colocate_keeps_every_cell_in_one_role(tmp_path, nats_server, mode):
     _, lines = gyre_run(tmp_path, nats_server, mode)
     role = {c: "idle" for c in CELLS}
+    switching: set[str] = set()
     directions = []
     for fact, taken in blocks(lines):
         if fact["fact"] == "cell.switched":
             role[fact["cell"]] = fact["to_role"]
+            switching.discard(fact["cell"])
+        # all cells in one role at a time: the cells not between roles hold the same one
+        settled = {role[c] for c in CELLS if c not in switching and role[c] != "idle"}
+        assert len(settled) <= 1, (fact, role, switching)
         switches = [a for a in taken if a["action"] == "switch"]
+        switching |= {a["cell"] for a in switches}
         if switches:  # every switch moves every cell, the same way
             assert sorted(a["cell"] for a in switches) == list(CELLS)
             assert len({a["to_role"] for a in switches}) == 1

@@ -159,8 +159,16 @@ class Policy:
 
     def gate_open(self, burst: int) -> bool:
         """The staleness gate: every serving engine has loaded v_{burst−S} or newer."""
-        need = burst - self.cfg.staleness
-        return all(self.loaded.get(e, -1) >= need for e in self.engines if self.serving(e))
+        return all(self.fresh(e, burst) for e in self.engines if self.serving(e))
+
+    def fresh(self, engine: str, burst: int) -> bool:
+        """`engine` has loaded v_{burst−S} or newer: it may serve executions of `burst`. The
+        gate is checked at release over the engines serving then; an engine that starts
+        serving later (a cell back from training, restored to the newest version it had heard
+        of, which may be older than the newest published) must pass it too before it is
+        given an execution of the burst, else which version samples a call would depend on
+        which cell served it and when it came back."""
+        return self.loaded.get(engine, -1) >= burst - self.cfg.staleness
 
     # --- facts ----------------------------------------------------------------------------
 
@@ -299,7 +307,8 @@ class Policy:
 
     def admit(self, limit: int | None = None) -> list[Action]:
         """Paused executions first, then the backlog in order, into free slots of placeable
-        serving engines (in placement order); at most `limit` executions newly dispatched."""
+        serving engines (in placement order) that have loaded a version the execution's burst
+        may use (`fresh`); at most `limit` executions newly dispatched."""
         actions: list[Action] = []
         if not self.paused and not self.backlog:
             return actions
@@ -311,13 +320,13 @@ class Policy:
                 continue
             free = self.free_slots(engine)
             held = self.held[engine]
-            while free > 0 and self.paused:
+            while free > 0 and self.paused and self.fresh(engine, self.step_of[self.paused[0]]):
                 x = self.paused.popleft()
                 self.where[x] = engine
                 held.add(x)
                 routes.append(Route(execution=x, engine=engine))
                 free -= 1
-            while free > 0 and budget > 0:
+            while free > 0 and budget > 0 and self.fresh(engine, self.backlog[0][0]):
                 k, g, i = self.backlog.popleft()
                 x = execution_id(k, g, i)
                 self.where[x] = engine
@@ -341,7 +350,8 @@ class Policy:
     def switch(self, cells: str | list[str], to_role: Role, reason: str) -> list[Action]:
         """Start the switch of one cell, or of several at once, to `to_role`. Executions on a
         cell leaving rollout go to the serving engines that stay in rollout longest, and are
-        paused where none has room (only colocate_overlapped lets that happen)."""
+        paused where none has room (only colocate_overlapped lets that happen) or none has
+        loaded a version their burst may use (`fresh`)."""
         cells = [cells] if isinstance(cells, str) else list(cells)
         from_roles = {c: self.target.get(c, self.role[c]) for c in cells}  # a switch in flight counts as done
         moving: list[str] = []
@@ -356,7 +366,7 @@ class Policy:
             moving.reverse()
             for engine in self.engines:
                 free = self.free_slots(engine)
-                while free > 0 and moving:
+                while free > 0 and moving and self.fresh(engine, self.step_of[moving[-1]]):
                     x = moving.pop()
                     self.where[x] = engine
                     self.held[engine].add(x)

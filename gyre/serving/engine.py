@@ -20,6 +20,13 @@ Contract (DESIGN.md "Cells and engines"):
   bounded by executions and tokens); the next call with the same execution prefills
   only the ids after the longest common prefix. A weight update or `flush_cache()`
   drops every cached prefix, since it was computed with other weights.
+- A prompt is prefilled in chunks of at most `prefill_chunk_tokens` from its first
+  uncached id, and its last id always runs alone, in a forward of one id as a decode step
+  is (in the same turn of the step lock as the rest of its chunk). A forward's float32 result for an id depends on how many ids share the forward, so
+  the last id's logits (the first token's) and its KV would otherwise differ in the last
+  bits between a call prefilled here and the same call retried where its execution's KV
+  moved (every prompt id but the last cached); run alone, they are the same bits, and so
+  is what the call samples, whichever cell serves it.
 - `drain()` aborts the requests in flight and waits for them to end (their prefix KV kept,
   so a cell leaving rollout can hand it over); `release()` drains, then frees the live
   weights and every prefix KV cache (a cell leaving rollout, DESIGN.md "Cells and
@@ -496,7 +503,11 @@ class Engine:
                         mixed = True
                     if cache is None:
                         cache = DynamicCache(config=self.model.config)
-                    logits = self._forward(chunk, cache)
+                    if 1 < len(chunk) == len(pending):  # the prompt's last id runs alone (module docstring)
+                        self._forward(chunk[:-1], cache)
+                        logits = self._forward(chunk[-1:], cache)
+                    else:
+                        logits = self._forward(chunk, cache)
                     version = self._version
                     if len(fed) < len(req.input_ids):
                         self.prefilled_tokens += len(chunk)

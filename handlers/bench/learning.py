@@ -36,6 +36,8 @@ import orjson
 RECIPE = "learning"
 TASK = "majority"
 MODE = "colocate"
+PINNED = (f"run.mode={MODE}", "cells.count=1", "train.max_staleness=1")
+"""BENCHMARKS.md's setting, whatever the recipe schedules (`make demo` runs it elastic on two cells)."""
 
 
 def curve_figures(rewards: list[float | None], window: int = 5) -> dict:
@@ -70,7 +72,8 @@ def run_once(model_dir: Path, runs_dir: Path, run_id: str, *, steps: int, seed: 
     """One `gyre run learning` in its own process on `model_dir`; returns its summary plus
     `wall_s` measured around the process. Raises RuntimeError when the run fails."""
     argv = [sys.executable, "-m", "handlers.cli", "run", RECIPE, "--run-id", run_id, "--timeout", str(timeout_s),
-            "--set", f"run.steps={steps}", "--set", f"run.seed={seed}", "--set", f"model.dir=\"{model_dir}\""]
+            "--set", f"run.steps={steps}", "--set", f"run.seed={seed}", "--set", f"model.dir=\"{model_dir}\"",
+            *(x for item in PINNED for x in ("--set", item))]
     if lr is not None:
         argv += ["--set", f"train.lr={lr!r}"]
     for item in extra:

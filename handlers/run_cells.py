@@ -1,0 +1,68 @@
+"""The cells of a finished `gyre run`, for its summary: the switches and the picture.
+
+- `switches(progress_switches)`: the role changes between rollout and training that the
+  cells reported on `cell.switched` (the start's announcements, from `idle`, left out), each
+  with the cell, the direction, the run time it ended at (`t`), the step under way then
+  (`step`: the steps completed so far) and its measured durations (`total_s`, `release_s`,
+  `load_s`), in the order they were reported.
+- `picture(run_dir)`: the run's cells over time, a Gantt of their roles above the water
+  level w(t) and the switch rule's threshold C_R(t) − C_e, drawn by gyre.plots from the
+  scheduler's `trace.jsonl` replayed through a fresh policy of its mode (the picture
+  `gyre sim` and `gyre bench modes` draw, handlers.bench.modes_audit), written to
+  `<run_dir>/cells.png`. None when the run left no trace or no fact in it.
+- `print_cells(summary)`: the summary's lines for both.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+PICTURE = "cells.png"
+
+
+def switches(reported: list[dict]) -> list[dict]:
+    """The switches between rollout and training among `reported` (Progress.switches)."""
+    out = []
+    for s in reported:
+        if {s.get("from"), s.get("to")} != {"rollout", "training"}:
+            continue
+        out.append({"cell": s["cell"], "from": s["from"], "to": s["to"], "t": s.get("t"), "step": s.get("step"),
+                    **{k: round(float(s[k]), 3) for k in ("total_s", "release_s", "load_s") if k in s}})
+    return out
+
+
+def picture(run_dir: Path) -> Path | None:
+    """Draw `<run_dir>/cells.png` from `<run_dir>/trace.jsonl` (module docstring); its path,
+    or None when there is nothing to draw."""
+    from handlers.bench import modes_audit
+
+    path = Path(run_dir) / "trace.jsonl"
+    if not path.exists():
+        return None
+    lines = path.read_text().splitlines()
+    if len(lines) < 2:
+        return None
+    r = modes_audit.replay(lines)
+    if not r.t:
+        return None
+    mode = r.head.get("mode", "?")
+    title = (f"{Path(run_dir).name}: {mode} on {len(r.cells)} cell{'s' if len(r.cells) != 1 else ''}, "
+             f"C_e {r.capacity} (run time from the first dispatch)")
+    return modes_audit.picture(Path(run_dir) / PICTURE, r, title)
+
+
+def print_cells(s: dict) -> None:
+    """The summary's switch lines and the picture's path (from `s["switches"]`, `s["cells_picture"]`)."""
+    done = s.get("switches") or []
+    if done:
+        total = sum(x.get("total_s", 0.0) for x in done)
+        print(f"switches         {len(done)}, {total:.1f} s in all (each: release, load, resume; by step under way;"
+              " summary.json has each one's phases)")
+        steps: dict = {}
+        for x in done:
+            steps.setdefault(x.get("step"), []).append(f"{x['cell']} → {x['to']} {x.get('total_s', 0.0):.2f} s")
+        for step, items in steps.items():
+            print(f"                 step {'?' if step is None else step:>2}  " + ", ".join(items))
+    elif s.get("cells", 1) > 1:
+        print("switches         none between rollout and training")
+    if s.get("cells_picture"):
+        print(f"cells picture    {s['cells_picture']} (roles over time above the water level)")
