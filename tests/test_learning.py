@@ -10,8 +10,9 @@ The CI variant is the bench's first `STEPS` steps: the same recipe, seed, model 
 groups a step (`handlers.bench.learning.GROUPS_PER_STEP`), so its curves are a prefix of
 `gyre bench learning`'s. Window 4 of 8 steps: the control's two 4-step means are each 256
 binary rewards, so at p ≈ 0.15 their difference has a standard deviation of ~0.03 against
-the 0.05 bound; the learning run's windows lie 4 steps apart. Both tests are `slow` (see
-docs/results.md "gyre bench learning" for their time on the project's machine)."""
+the 0.05 bound; the learning run's windows lie 4 steps apart. Both tests are `slow`: the
+first took 13 min on the project's shared 2-core machine at load 8–13 (docs/results.md
+"gyre bench learning"), over the 5 minutes the default run allows it."""
 from __future__ import annotations
 
 import pytest
