@@ -338,3 +338,30 @@ def test_cuda_shared_prefix_matches_cpu(model_dir):
     assert s_gpu["loss_sum"] == pytest.approx(s_cpu["loss_sum"], abs=1e-4) and s_gpu["shared_positions"] > 0
     for p, q in zip(gpu.model.parameters(), cpu.model.parameters()):
         torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-4, rtol=1e-3)
+
+
+def test_lone_trajectories_batched_give_the_same_loss_and_gradients(model_dir, monkeypatch):
+    """Short trajectories that share no prefix run right-padded in one batch (one forward,
+    one head call, one backward): the same log-probs, stats and gradients as one by one."""
+    import gyre.learning.trainer as trainer_mod
+
+    a = Sample("A", 1.0, (traj("A", 12, [4, 5, 6, 9], 1), traj("A", 9, [3, 4, 8], 2, temperature=0.7)))
+    b = Sample("B", -0.5, (traj("B", 10, [2, 3, 4, 5, 6], 3, temperature=1.3), traj("B", 30, [29], 4)))
+    (ms,) = pack([a, b], 10_000)
+    calls = []
+    real = trainer_mod.head_logprobs
+    monkeypatch.setattr(trainer_mod, "head_logprobs", lambda *args, **kw: calls.append(1) or real(*args, **kw))
+
+    def trainer(lone):
+        return Trainer(model_dir, TrainerConfig(behaviour_logprobs="recompute", shared_prefix_min_tokens=0,
+                                                lone_batch_positions=lone))
+
+    batched, alone = trainer(2048), trainer(0)
+    s1, s0 = _assert_same_step(batched, alone, ms)
+    # cut lengths 9, 8, 6, 29; loss positions 4 + 3 + 5 + 1
+    assert s1["positions"] == s0["positions"] == 52 and s1["tokens"] == s0["tokens"] == 13
+    for lone, heads in ((2048, 1), (40, 2), (0, 4)):  # 40: [9, 8, 6] padded to 27 ≤ 40; 29 > 40 / 2 alone
+        t = trainer(lone)
+        calls.clear()
+        t.accumulate(ms)
+        assert len(calls) == heads, lone

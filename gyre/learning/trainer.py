@@ -16,8 +16,10 @@ Contract:
   counting on from the prefix length. A prefix position that carries loss for several
   trajectories still gets one head row per trajectory (each trajectory's K_τ is its own),
   so the loss is unchanged; the gradient of a trie group is the sum of its trajectories'
-  gradients, taken in one backward pass. A trajectory sharing nothing long enough runs on
-  its own from position 0 and is backwarded at once. A trie group holds its
+  gradients, taken in one backward pass. Trajectories sharing nothing long enough run from
+  position 0, the short ones right-padded into batches (`lone_batch_positions`: one
+  forward, one head call and one backward per batch, so one dense (V, H) gradient rather
+  than one per trajectory), a long one on its own. A trie group or batch holds its
   whole autograd graph until its backward: at most the group's distinct positions, which
   the micro-step's token budget bounds. Attention of a branch over its cached prefix is
   computed without a (q, kv) mask: on CPU as two flash-attention blocks (prefix: full,
@@ -62,8 +64,8 @@ from gyre.learning.prefix import (  # noqa: F401 - PrefixNode, prefix_forest, _C
     PrefixNode, _CachedPrefixAttention, branch_cache, enable_prefix_attention, prefix_forest,
 )
 from gyre.learning.settings import TrainerSettings
-from gyre.trajectory.microstep import SHARED_PREFIX_MIN_TOKENS, MicrostepData
 from gyre.serving.model import weights_readable_as_config
+from gyre.trajectory.microstep import SHARED_PREFIX_MIN_TOKENS, MicrostepData
 
 log = structlog.get_logger()
 
@@ -85,6 +87,12 @@ class TrainerConfig(TrainerSettings):
     shared_prefix_min_tokens: int = SHARED_PREFIX_MIN_TOKENS
     """A token prefix common to several trajectories of a micro-step is run once when it is at
     least this long, in tokens; 0 = never (every trajectory on its own)."""
+    lone_batch_positions: int = 2048
+    """Lone trajectories (no prefix shared with another) cut at no more than half this many
+    positions run together, right-padded, in batches of at most this many padded positions:
+    one forward and one dense head and embedding gradient per batch rather than per
+    trajectory (on a 151,936-token vocabulary that gradient is most of a short trajectory's
+    cost); 0 = each on its own."""
     device: str = "cpu"
     """torch device string."""
     replica: str = "trainer"
@@ -231,6 +239,61 @@ class Trainer:
             return [self._trajectory_logprobs(ids[a:b], pos, temps_all[a:b][pos])]
         return self._tree_logprobs(root, ids, temps_all, trajs)
 
+    def _lone_batches(self, trajs, groups: list[PrefixNode]) -> list[PrefixNode]:
+        """The micro-step's trie groups with its short lone trajectories (no shared prefix, cut
+        at ≤ `lone_batch_positions` / 2 positions) gathered into batch groups: a `PrefixNode`
+        without children whose `rows` are several trajectories, its `end` the longest cut, at
+        most `lone_batch_positions` padded positions each. Others stay as they are, in order."""
+        budget = self.cfg.lone_batch_positions
+        out: list[PrefixNode] = []
+        batch: list[int] = []
+        width = 0
+
+        def flush() -> None:
+            if batch:
+                out.append(PrefixNode(0, width, list(batch)))
+                batch.clear()
+
+        for root in groups:
+            cut = int(trajs[root.rows[0]][3][-1])
+            if root.children or budget <= 0 or 2 * cut > budget:
+                out.append(root)
+                continue
+            if batch and (len(batch) + 1) * max(width, cut) > budget:
+                flush()
+                width = 0
+            batch.append(root.rows[0])
+            width = max(width, cut)
+        flush()
+        return out
+
+    def _batch_logprobs(self, ids: torch.Tensor, temps_all: torch.Tensor, trajs, root: PrefixNode) -> list[torch.Tensor]:
+        """(K_r,) log-probs of each lone trajectory of a batch group (`_lone_batches`), in
+        `root.rows` order: one decoder forward over the right-padded cut sequences (causal
+        attention, so a real position never sees the padding) and one head call for all
+        their loss positions, so the backward forms one dense embedding and head gradient
+        for the batch instead of one per trajectory."""
+        if len(root.rows) == 1:
+            return self._group_logprobs(ids, temps_all, trajs, root)
+        members = [trajs[r] for r in root.rows]
+        width = max(int(pos[-1]) for _, _, _, pos in members)
+        inputs = torch.zeros((len(members), width), dtype=torch.long, device=self.device)
+        rows, cols, targets, temps, counts = [], [], [], [], []
+        for j, (_, a, _, pos_np) in enumerate(members):
+            cut = int(pos_np[-1])
+            inputs[j, :cut] = ids[a:a + cut]
+            pos = torch.as_tensor(pos_np, device=self.device)
+            rows.append(torch.full_like(pos, j))
+            cols.append(pos - 1)
+            targets.append(ids.index_select(0, a + pos))
+            temps.append(temps_all.index_select(0, a + pos))
+            counts.append(int(pos.shape[0]))
+        positions = torch.arange(width, device=self.device).expand(len(members), width)
+        hidden = self._decoder(input_ids=inputs, position_ids=positions, use_cache=False).last_hidden_state  # (B, W, H)
+        h = hidden[torch.cat(rows), torch.cat(cols)]  # (K, H)
+        lp = head_logprobs(self._head, h, torch.cat(targets), torch.cat(temps), self.cfg.head_chunk_tokens)
+        return list(lp.split(counts))
+
     @torch.no_grad()
     def logprobs(self, ms: MicrostepData) -> np.ndarray:
         """(T,) float32 log-probs of the current weights at `ms`'s loss positions, 0 elsewhere."""
@@ -238,9 +301,9 @@ class Trainer:
         ids = torch.as_tensor(ms.input_ids, dtype=torch.long, device=self.device)
         temps_all = torch.as_tensor(ms.temperatures, dtype=torch.float32, device=self.device)
         trajs, groups = self._groups(ms)
-        for root in groups:
+        for root in self._lone_batches(trajs, groups):
             members = [trajs[r] for r in root.rows]
-            for (_, a, _, pos), lp in zip(members, self._group_logprobs(ids, temps_all, trajs, root)):
+            for (_, a, _, pos), lp in zip(members, self._batch_logprobs(ids, temps_all, trajs, root)):
                 out[a + pos] = lp.float().cpu().numpy()
         return out
 
@@ -263,13 +326,13 @@ class Trainer:
         ratios: list[float] = []
         rmin, rmax = math.inf, -math.inf
         trajs, groups = self._groups(ms)
-        for root in groups:
+        for root in self._lone_batches(trajs, groups):
             members = [trajs[r] for r in root.rows]
             cut = sum(int(pos[-1]) for _, _, _, pos in members)
-            run = root.positions()
+            run = root.positions() if root.children or len(root.rows) == 1 else cut
             positions, shared = positions + run, shared + cut - run
             total = None
-            for (i, a, b, pos_np), logp in zip(members, self._group_logprobs(ids, temps_all, trajs, root)):
+            for (i, a, b, pos_np), logp in zip(members, self._batch_logprobs(ids, temps_all, trajs, root)):
                 pos = torch.as_tensor(pos_np, device=self.device)
                 behaviour = logp.detach() if self.cfg.behaviour_logprobs == "recompute" else behaviour_all[a:b][pos]
                 k = logp.shape[0]
