@@ -104,8 +104,6 @@ class Outgoing(NamedTuple):
 
     event: CallCompleted
     tokens_json: bytes | None = None
-    data: bytes | None = None
-    """The event's encoding, once `Outbox.journaled` wrote it (also: it is in the journal)."""
 
 
 class Outbox:
@@ -132,6 +130,8 @@ class Outbox:
         """Set by an acknowledged publish while `spilled`: time to send the spilled calls."""
         self.journal = journal.Journal(cfg.journal) if cfg.journal and bus is not None else None
         """Where each call goes before its answer (`journaled`); None without a bus or `Config.journal`."""
+        self._journaled: dict[str, tuple[CallCompleted, bytes]] = {}
+        """event id → the event journaled and its encoding (kept for its publish), until published or spilled."""
 
     def spawn(self, coro: Awaitable[Any]) -> None:
         """Run `coro` in the background (a publish, an upstream abort); `drain` waits for it."""
@@ -148,7 +148,7 @@ class Outbox:
         milliseconds). Calls answered in one loop step still go out in one nats-py flush.
         Journaled first (`journaled`) when it is not yet."""
         if self.bus is not None:
-            if out.data is None:
+            if (cached := self._journaled.get(out.event.event_id)) is None or cached[0] is not out.event:
                 out = self.journaled(out)
             self._unsent[out.event.event_id] = out
         self.spawn(self.publish(out))
@@ -165,7 +165,8 @@ class Outbox:
         self.journal.write(event.event_id, orjson.dumps(
             {"event": orjson.Fragment(data),
              "tokens": orjson.Fragment(out.tokens_json) if out.tokens_json else None}))
-        return Outgoing(event, out.tokens_json, data)
+        self._journaled[event.event_id] = (event, data)
+        return Outgoing(event, out.tokens_json)
 
     def close_journal(self) -> None:
         """After `drain`: the journal's segments with nothing pending are removed."""
@@ -190,6 +191,7 @@ class Outbox:
             if self.journal is not None:
                 for event_id in self._unsent:
                     self.journal.done(event_id)
+                    self._journaled.pop(event_id, None)
             self._unsent.clear()  # spilled once: a publish cancelled below leaves it unsent
         if self._background:
             _, pending = await asyncio.wait(set(self._background), timeout=max(deadline - time.monotonic(), 0.01))
@@ -257,6 +259,7 @@ class Outbox:
             self.spill([out], "no PubAck within retry_timeout_s" if stored is False else "too large for the bus")
         if self.journal is not None:  # acknowledged, or spilled (fsynced)
             self.journal.done(event_id)
+            self._journaled.pop(event_id, None)
 
     def spill(self, outs: list[Outgoing], why: str) -> None:
         """Append calls that could not be published to `Config.spill_file` (one JSON line
@@ -406,7 +409,9 @@ class Outbox:
         stored already, so a duplicate is no other proxy's doing."""
         deadline = time.monotonic() + min(self.cfg.retry_timeout_s, PUBLISH_RETRY_MAX_S)
         delay = self.cfg.retry_backoff_s
-        event, tokens_json, encoded = out
+        event, tokens_json = out
+        cached = self._journaled.get(event.event_id)
+        encoded = cached[1] if cached is not None and cached[0] is event else None
         attempted = may_have_landed  # a publish attempt that failed may have landed
         ack_wait_s, one_publish_s = self.bus.config.timeout_s, self.bus.config.publish_bound_s()
         while True:
