@@ -52,9 +52,11 @@ Restart (kill -9) of a cell process recovers:
 It loses, by design: the engine's KV caches (a moved or sticky execution's next call
 prefills again) and the calls it was serving (the proxy retries them on another rollout
 cell or on the restarted one: `handlers.proxy.routing.Dispatcher`); a satellite's gradient
-of uncommitted micro-steps (their leases lapse after `train.lease_s`, 30 s, and the ledger
-grants them again). tests/test_crash_daemons.py kills a cell in rollout and the core in
-training mid-step.
+of uncommitted micro-steps: the ledger grants them again, to the restarted satellite's
+replica (its first claim lists none of them, which releases them) or, once their lease
+lapses (`train.lease_s`, 30 s), to any replica that claims. tests/test_crash_daemons.py
+kills a cell in rollout and the core in training mid-step; tests/test_crash_satellite.py a
+satellite holding a grant (lease 4 s there: the core took it over after it lapsed).
 """
 from __future__ import annotations
 

@@ -8,10 +8,15 @@ kill lands, and recorded), then restarts it after 1 s as a supervisor would:
 - evaluator: it is grading a workspace (its graded copy exists, no result recorded);
 - builder: it took every stored call of a step that is not sealed (acked: in its memory only);
 - a cell in rollout: executions routed to it are running, mid-conversation;
-- the core cell: the ledger granted a micro-step of a step that is not completed.
+- the core cell: the ledger granted a micro-step of a step that is not completed;
+- proxy: a harness it answered is mid-conversation (its next call fails on the dropped
+  connection: the toy harness does not retry); the calls it answered whose records the bus
+  had not acknowledged are in its journal, published by its successor.
 The run must then complete every step, and the audit (handlers.audit) must find no call lost,
 no sample or micro-step counted twice and no execution dispatched twice.
-The builder's own test (tests/test_crash_builder.py) checks its micro-steps' content too.
+The builder's own test (tests/test_crash_builder.py) checks its micro-steps' content too;
+tests/test_crash_proxy.py and tests/test_crash_satellite.py kill a proxy holding an
+unacknowledged answered call and a satellite holding a grant.
 """
 from __future__ import annotations
 
@@ -165,7 +170,7 @@ async def test_every_daemon_killed_mid_work_restarts_and_the_run_completes_witho
     watchers = [asyncio.create_task(kill_when(*w)) for w in (
         ("scheduler", scheduler_holds), ("runner", runner_holds), ("evaluator", evaluator_holds),
         ("builder", builder_holds), ("cell-in-rollout", lambda: rollout_cell_holds("cell1"), "cell1"),
-        ("core-in-training", core_holds, "cell0"))]
+        ("core-in-training", core_holds, "cell0"), ("proxy", runner_holds))]
     try:
         await until(lambda: len(completed()) == STEPS, f"{STEPS} steps completed", 900, every_s=0.5,
                     check=lambda: lock.locked() or daemons.alive())
@@ -176,7 +181,7 @@ async def test_every_daemon_killed_mid_work_restarts_and_the_run_completes_witho
         print("kills:", json.dumps(kills, default=str))
         print("audit:", json.dumps(result.to_dict(), default=str))
         assert set(kills) == {"scheduler", "runner", "evaluator", "builder", "cell-in-rollout",
-                              "core-in-training"}, (kills, daemons.logs())
+                              "core-in-training", "proxy"}, (kills, daemons.logs())
         assert result.steps_completed == STEPS and result.steps_sealed == STEPS, result
         assert result.calls_answered > 0 and result.clean(), result
     finally:

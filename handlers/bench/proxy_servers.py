@@ -92,14 +92,17 @@ def serve_passthrough(url_file: str, engine_url: str) -> None:
 
 def serve_proxy(url_file: str, engine_url: str, nats_url: str, nats_token: str | None, run: str,
                 check_drift: bool = True) -> None:
-    """`handlers.proxy.daemon.run` with production defaults (but `check_drift`), JSON logs on stderr."""
+    """`handlers.proxy.daemon.run` with production defaults (but `check_drift`), JSON logs on
+    stderr; as a run's proxy, its spill file and call journal beside `url_file`."""
     from handlers.bench.proxy_load import SECRET
     from handlers.daemon import configure_logging
     from handlers.proxy.daemon import Config, run as proxy_run
 
     configure_logging("proxy", json_lines=True)
     cfg = Config(run=run, key_secret=SECRET, nats_url=nats_url, nats_token=nats_token, engine_url=engine_url,
-                 url_file=url_file, shutdown_grace_s=30.0, check_drift=check_drift)
+                 url_file=url_file, shutdown_grace_s=30.0, check_drift=check_drift,
+                 spill_file=str(Path(url_file).with_name("proxy-unpublished.jsonl")),
+                 journal=str(Path(url_file).with_name("proxy-journal")))
 
     async def main() -> None:
         stop = asyncio.Event()

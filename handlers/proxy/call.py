@@ -294,9 +294,10 @@ async def _serve_admitted(request: web.Request, state: ProxyState, api: Api, req
                         if parsed.reasoning else 0,
                         token_logprobs=tuple(zip(state.token_bytes(result.output_ids), result.logprobs))
                         if req.options.get("logprobs") else None)
-        # Built before the answer goes out: an answer that cannot be recorded is never sent.
-        event = state.call_event(**common, result=result, status="ok", total_s=time.monotonic() - t0,
-                                 cell=result.cell)
+        # Built before the answer goes out: an answer that cannot be recorded is never sent;
+        # journaled before it: a proxy killed once the harness has it leaves the record behind.
+        event = state.journaled(state.call_event(**common, result=result, status="ok",
+                                                 total_s=time.monotonic() - t0, cell=result.cell))
         resp = await reply.send(api.render(answer, req))
         delivered = True
         state.publish_later(event)

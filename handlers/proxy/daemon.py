@@ -19,10 +19,14 @@ Contract (DESIGN.md "Processes", "Token-in, token-out"):
   continues the run's seqs, and serves once its replay of the run's events has caught up
   (`handlers.proxy.restart`).
   After a kill -9 it recovers the same (nothing else lives only in its memory but the call
-  stores: each execution's next call is a new root) — except a call answered in the
-  moment between its answer and its `call.completed` reaching the bus's socket, whose
-  record is lost (the spill file is written only when a publish fails or at a stop);
-  `gyre bench chaos` kills it among the other daemons.
+  stores: each execution's next call is a new root), and the calls it had answered whose
+  `call.completed` JetStream had not acknowledged: each is written to the journal
+  (`Config.journal`, `handlers.proxy.journal`) before its answer goes out, and the next
+  proxy publishes the journal's unstored calls before it serves. Calls in flight at the
+  kill are lost to their harness (its connection drops; the toy harness then fails, an
+  SDK retries) and never recorded, but for one killed while its answer was going out,
+  which is recorded `ok`. `tests/test_crash_proxy.py` kills it so; `gyre bench chaos`
+  kills it among the other daemons.
 - Stop: within `Config.shutdown_grace_s` the listener closes, calls in flight finish or
   are cancelled (recorded `aborted`), and publishes are acknowledged or spilled.
 
@@ -149,6 +153,13 @@ class Config(ProxySection):
     same file publishes what it holds before it serves, then removes it (`handlers.proxy.outbox.Outbox.republish`).
     '' = such a call is lost (logged as an error). A run's proxy uses
     `<run_dir>/proxy-unpublished.jsonl`."""
+    journal: str = ""
+    """Prefix of the call journal's segment files (`handlers.proxy.journal`): each call's
+    `call.completed` is written there before its answer goes out and leaves once
+    JetStream acknowledged it (or it was spilled); the next proxy started with the same
+    prefix publishes what is left before it serves (a proxy killed with unacknowledged
+    calls). '' = no journal: a kill loses the calls not yet acknowledged. A run's proxy
+    uses `<run_dir>/proxy-journal`."""
     shutdown_grace_s: float = 20.0
     """The whole stop, in seconds: calls in flight get until `stop_reserve_s()` before its
     end, then are cancelled (each published as `aborted`, its engine request aborted);
@@ -327,6 +338,7 @@ def config_from_context(ctx: Any, args: Any) -> Config:
                   seed=r.run.seed, max_completion_tokens=r.sampling.max_tokens, max_calls=r.harness.max_calls,
                   context_tokens=0 if args.engine_url else r.engine.max_context_tokens,
                   url_file=str(ctx.run_dir / "proxy.json"), spill_file=str(ctx.run_dir / "proxy-unpublished.jsonl"),
+                  journal=str(ctx.run_dir / "proxy-journal"),
                   **dataclasses.asdict(r.proxy))
 
 

@@ -18,6 +18,11 @@ Contract:
   again, `handlers.proxy.restart.resend_spilled`; by the run's next proxy before it
   serves, `handlers.proxy.restart.resume`). Without a spill file a call that cannot be
   published is logged as lost.
+- `journaled(out)` writes a call to the journal (`Config.journal`,
+  `handlers.proxy.journal`) before its answer goes out; `publish_later` journals what is
+  not yet, and a call leaves the journal once acknowledged or spilled.
+  `republish_journal(stop, known)` publishes what an earlier proxy's journal holds (a
+  proxy killed before its calls were acknowledged), before serving.
 - `drain(timeout_s)` waits for the unacknowledged publishes within a bound, spills the
   rest, and cancels the other background work (`spawn`: upstream aborts).
 Errors: `republish` raises RuntimeError when a spilled call is still not acknowledged
@@ -45,6 +50,7 @@ import schemas
 from schemas import encode, ids
 from schemas.call import CallCompleted, CallTokens, SamplingParams
 
+from handlers.proxy import journal
 from handlers.proxy.routing import EngineResult
 
 if TYPE_CHECKING:
@@ -122,6 +128,10 @@ class Outbox:
         """Calls were spilled and not yet sent again (`handlers.proxy.restart.resend_spilled`)."""
         self.bus_back = asyncio.Event()
         """Set by an acknowledged publish while `spilled`: time to send the spilled calls."""
+        self.journal = journal.Journal(cfg.journal) if cfg.journal and bus is not None else None
+        """Where each call goes before its answer (`journaled`); None without a bus or `Config.journal`."""
+        self._journaled: dict[str, tuple[CallCompleted, bytes]] = {}
+        """event id → the event journaled and its encoding (kept for its publish), until published or spilled."""
 
     def spawn(self, coro: Awaitable[Any]) -> None:
         """Run `coro` in the background (a publish, an upstream abort); `drain` waits for it."""
@@ -135,10 +145,33 @@ class Outbox:
         held back to batch with other calls: a call still in memory is lost in a crash, and
         one reaching the bus after its execution's score is never trained (the builder
         finalises a group once every execution is scored, and a scorer may answer within
-        milliseconds). Calls answered in one loop step still go out in one nats-py flush."""
+        milliseconds). Calls answered in one loop step still go out in one nats-py flush.
+        Journaled first (`journaled`) when it is not yet."""
         if self.bus is not None:
+            if (cached := self._journaled.get(out.event.event_id)) is None or cached[0] is not out.event:
+                out = self.journaled(out)
             self._unsent[out.event.event_id] = out
         self.spawn(self.publish(out))
+
+    def journaled(self, out: Outgoing) -> Outgoing:
+        """`out` written to the journal (one `write(2)`, not fsynced: a kill does not undo
+        it), its encoding kept for the publish. Called before the answer's bytes go out, so
+        that a proxy killed after the harness has its answer and before JetStream has its
+        record leaves the record to its successor (`republish_journal`). Without a journal
+        (no bus, no `Config.journal`), `out` unchanged."""
+        if self.journal is None:
+            return out
+        event, data = _encoded(out.event)
+        self.journal.write(event.event_id, orjson.dumps(
+            {"event": orjson.Fragment(data),
+             "tokens": orjson.Fragment(out.tokens_json) if out.tokens_json else None}))
+        self._journaled[event.event_id] = (event, data)
+        return Outgoing(event, out.tokens_json)
+
+    def close_journal(self) -> None:
+        """After `drain`: the journal's segments with nothing pending are removed."""
+        if self.journal is not None:
+            self.journal.close()
 
     async def drain(self, timeout_s: float) -> None:
         """Within timeout_s: wait until every `call.completed` handed to `publish` is
@@ -155,6 +188,10 @@ class Outbox:
         if self._unsent:
             log.warning("proxy.drain.unfinished", unpublished=len(self._unsent))
             self.spill(list(self._unsent.values()), "shutdown")
+            if self.journal is not None:
+                for event_id in self._unsent:
+                    self.journal.done(event_id)
+                    self._journaled.pop(event_id, None)
             self._unsent.clear()  # spilled once: a publish cancelled below leaves it unsent
         if self._background:
             _, pending = await asyncio.wait(set(self._background), timeout=max(deadline - time.monotonic(), 0.01))
@@ -220,6 +257,9 @@ class Outbox:
             self.bus_back.set()
         if not stored:  # (too large for the bus: the resend keeps it aside, `_republish_one`)
             self.spill([out], "no PubAck within retry_timeout_s" if stored is False else "too large for the bus")
+        if self.journal is not None:  # acknowledged, or spilled (fsynced)
+            self.journal.done(event_id)
+            self._journaled.pop(event_id, None)
 
     def spill(self, outs: list[Outgoing], why: str) -> None:
         """Append calls that could not be published to `Config.spill_file` (one JSON line
@@ -317,6 +357,46 @@ class Outbox:
         log.warning("proxy.spill.republished", calls=len(good), unreadable=len(bad), spill_file=str(path))
         return True
 
+    async def republish_journal(self, stop: asyncio.Event | None = None,
+                                known: Set[str] = frozenset()) -> dict[str, dict[str, str]]:
+        """Before serving: publish the calls an earlier proxy journaled and JetStream does not
+        hold (`known`: stored event ids; it was killed before their PubAck), then remove
+        their segments. A call journaled `ok` whose answer the kill cut short is published
+        `ok` (the harness may retry it: one more sample). Returns each published event id
+        with its headers; early, the segments kept, once `stop` is set. Raises RuntimeError
+        when one is still not acknowledged after `retry_timeout_s` (the segments are kept)."""
+        published: dict[str, dict[str, str]] = {}
+        if not self.cfg.journal or self.bus is None:
+            return published
+        items, paths = journal.read(self.cfg.journal)
+        for item in items:
+            try:
+                event = schemas.decode(CallCompleted.NAME, item["event"])
+            except Exception as exc:  # noqa: BLE001 - named in the log; the others still go
+                log.error("proxy.journal.unreadable", error=repr(exc), event=str(item["event"])[:200])
+                continue
+            if event.event_id in known or event.event_id in self._republished:
+                continue
+            tokens = item.get("tokens")
+            out = Outgoing(event, orjson.dumps(tokens) if tokens is not None else None)
+            stored = await self._publish(out, may_have_landed=True, stop=stop)
+            if stored is None:  # can never be published: kept aside with the spilled calls
+                self.spill([out], "too large for the bus")
+                continue
+            if not stored:
+                if stop is not None and stop.is_set():
+                    return published
+                raise RuntimeError(f"could not publish the calls journaled in {paths} (call {event.call}); "
+                                   "is the bus up? the journal is kept and tried again")
+            self._republished.add(event.event_id)
+            published[event.event_id] = call_headers(event)
+        for path in paths:
+            path.unlink(missing_ok=True)
+        if paths:
+            log.warning("proxy.journal.republished", calls=len(published), journaled=len(items),
+                        segments=len(paths))
+        return published
+
     def sending_path(self) -> Path:
         """Where `republish` moves the spill file while it publishes its calls."""
         return Path(f"{self.cfg.spill_file}.sending")
@@ -330,17 +410,20 @@ class Outbox:
         deadline = time.monotonic() + min(self.cfg.retry_timeout_s, PUBLISH_RETRY_MAX_S)
         delay = self.cfg.retry_backoff_s
         event, tokens_json = out
+        cached = self._journaled.get(event.event_id)
+        encoded = cached[1] if cached is not None and cached[0] is event else None
         attempted = may_have_landed  # a publish attempt that failed may have landed
         ack_wait_s, one_publish_s = self.bus.config.timeout_s, self.bus.config.publish_bound_s()
         while True:
             try:
-                event, data = _encoded(event)
+                event, data = (event, encoded) if encoded is not None else _encoded(event)
                 if tokens_json is None and len(data) > self.cfg.object_threshold_bytes:
                     t = event.tokens  # inline arrays whose event is still too large with the rest
                     tokens_json = _tokens_json(t.prompt_ids, t.completion_ids, t.logprobs)
                     event = dataclasses.replace(event, tokens=CallTokens(),
                                                 tokens_ref=tokens_key(event.execution, event.seq))
                     data = encode(event)
+                encoded = data  # (a retry sends the same bytes)
                 if tokens_json is not None:
                     await self.bus.put_object(event.tokens_ref, tokens_json)
                     log.debug("proxy.call.tokens_stored", event_id=event.event_id, tokens_ref=event.tokens_ref)

@@ -6,8 +6,9 @@ Contract (one proxy serves a run):
   its whole life, its drain and spill included; a second proxy of the run does not start
   while it is held (FatalError naming the holder's pid). Nor while the proxy named in the
   url file answers `/health` for the same run (`handlers.proxy.daemon.run`).
-- `resume(state, bus, stop)`: before serving, publishes what an earlier proxy spilled and
-  is not stored already, then reads the ids of the run's stored `call.completed` events
+- `resume(state, bus, stop)`: before serving, publishes what an earlier proxy spilled or
+  journaled (it was killed before JetStream acknowledged those calls) and is not stored
+  already, then reads the ids of the run's stored `call.completed` events
   (headers only) and continues each execution's seq after its highest, so event ids never
   repeat. A restarted proxy's call stores are empty, so each execution's next call is a
   new root (its full prompt in the event). `max_calls` counts each execution's stored
@@ -145,8 +146,8 @@ async def resend_spilled(state: Outbox, stop: asyncio.Event) -> None:
 
 
 async def resume(state: ProxyState, bus: Any, stop: asyncio.Event) -> bool:
-    """Before serving: publish what an earlier proxy spilled and is not stored already
-    (`Outbox.republish`: a spilled call whose PubAck alone was lost is not stored a
+    """Before serving: publish what an earlier proxy spilled or journaled and is not stored
+    already (`Outbox.republish`, `Outbox.republish_journal`: a spilled call whose PubAck alone was lost is not stored a
     second time, also after JetStream's duplicate window), then resume the executions'
     seqs from the run's stored `call.completed` ids, those included
     (`ProxyState.resume_seqs`). False when `stop` is set meanwhile (the proxy then never
@@ -159,6 +160,10 @@ async def resume(state: ProxyState, bus: Any, stop: asyncio.Event) -> bool:
     published = await _unless_stopped(state.republish(stop, known=set(stored)), stop)
     if published is None or stop.is_set():
         return False
+    journaled = await _unless_stopped(state.republish_journal(stop, known=set(stored) | set(published)), stop)
+    if journaled is None or stop.is_set():
+        return False
+    published.update(journaled)
     log.info("proxy.seqs.resumed", executions=state.resume_seqs({**stored, **published}),
              calls=len(stored) + len(published), seconds=round(time.monotonic() - t0, 3))
     return True

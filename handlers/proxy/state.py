@@ -181,6 +181,7 @@ class ProxyState(Outbox):
         """Stop the branch thread (work it has not started is dropped) and drop the engines'
         idle connections; after `drain`."""
         self.engines.close()
+        self.close_journal()
         if self._branch_thread is not None:
             self._branch_thread.shutdown(wait=False, cancel_futures=True)
 
