@@ -34,6 +34,7 @@ from handlers.run_cells import switches
 from handlers.run_summary import print_summary as _print_summary
 
 DAEMONS = ("proxy", "runner", "evaluator", "builder")
+RETURN_WAIT_S = 30.0  # a done run's wait for its training cells' return to rollout before it stops them
 
 
 def runs_root() -> Path:
@@ -225,6 +226,10 @@ class Progress:
             self._say(f"step {event.step}: FAILED — {event.reason}")
             self.done.set()
 
+    def training(self) -> set[str]:
+        """The cells whose last reported switch was to training."""
+        return {c for c, role in {s["cell"]: s["to"] for s in self.switches}.items() if role == "training"}
+
     def summary(self, run: str, wall_s: float) -> dict:
         steps = sorted(self.completed)
         # the steps that ran, scored or completed (a run stopped early lists no steps it never reached)
@@ -348,6 +353,10 @@ async def _follow(bus: Bus, progress: Progress, sup: Supervisor, timeout_s: floa
         if progress.failed is not None:
             print(f"\ngyre: step {progress.failed.step} failed: {progress.failed.reason}", file=sys.stderr)
             outcome = "step_failed"
+        elif outcome == "done":  # the scheduler returns every training cell to rollout ("run done")
+            settle = time.monotonic() + RETURN_WAIT_S
+            while progress.training() and time.monotonic() < settle and not interrupted.is_set() and not sup.dead():
+                await asyncio.sleep(0.2)
     finally:
         stop.set()
         try:
