@@ -240,7 +240,7 @@ class Progress:
         ]
         return {
             "run": run,
-            "steps": len(steps),
+            "steps": len(steps), "steps_planned": self.recipe.run.steps,
             "executions": len(self.finished),
             "group_size": self.recipe.tasks.group_size,
             "executions_by_status": {s: list(self.finished.values()).count(s) for s in set(self.finished.values())},

@@ -60,8 +60,10 @@ def print_cells(s: dict) -> None:
         steps: dict = {}
         for x in done:
             steps.setdefault(x.get("step"), []).append(f"{x['cell']} → {x['to']} {x.get('total_s', 0.0):.2f} s")
-        for step, items in steps.items():
-            print(f"                 step {'?' if step is None else step:>2}  " + ", ".join(items))
+        for step, items in steps.items():  # switches once every step completed: the return to rollout
+            ended = step is not None and step >= s.get("steps_planned", step + 1)
+            label = "after" if ended else f"step {'?' if step is None else step:>2}"
+            print(f"                 {label:<7}  " + ", ".join(items))
     elif s.get("cells", 1) > 1:
         print("switches         none between rollout and training")
     if s.get("cells_picture"):

@@ -54,7 +54,11 @@ def test_a_short_demo_run_prints_its_switches_and_the_path_of_its_picture(tmp_pa
     assert f"switches         {len(switches)}, {total:.1f} s in all" in out
     printed = re.findall(r"(cell\d) → (\w+) ([\d.]+) s", out.split("switches         ")[1].split("cells picture")[0])
     assert printed == [(s["cell"], s["to"], f"{s['total_s']:.2f}") for s in switches]
-    assert all(s["step"] == 0 for s in switches)  # one step: every switch while step 0 was under way
+    # one step: every switch to training while step 0 was under way; after it, the returns to rollout
+    assert all(s["step"] == 0 for s in switches if s["to"] == "training")
+    assert all(s["step"] in (0, 1) for s in switches if s["to"] == "rollout")
+    if any(s["step"] == 1 for s in switches):  # printed as the run's end, not as a step 1
+        assert re.search(r"^ +after +cell\d → rollout", out, re.M), out
     # the picture: the Gantt of the cells above the water level, drawn from trace.jsonl
     picture = run_dir / "cells.png"
     assert summary["cells_picture"] == str(picture)
