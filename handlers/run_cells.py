@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gyre.control.timeline import Replayed, replay
+
 PICTURE = "cells.png"
 
 
@@ -33,21 +35,19 @@ def switches(reported: list[dict]) -> list[dict]:
 def picture(run_dir: Path) -> Path | None:
     """Draw `<run_dir>/cells.png` from `<run_dir>/trace.jsonl` (module docstring); its path,
     or None when there is nothing to draw."""
-    from handlers.bench import modes_audit
-
     path = Path(run_dir) / "trace.jsonl"
     if not path.exists():
         return None
     lines = path.read_text().splitlines()
     if len(lines) < 2:
         return None
-    r = modes_audit.replay(lines)
+    r = replay(lines)
     if not r.t:
         return None
     mode = r.head.get("mode", "?")
     title = (f"{Path(run_dir).name}: {mode} on {len(r.cells)} cell{'s' if len(r.cells) != 1 else ''}, "
              f"C_e {r.capacity} (run time from the first dispatch)")
-    return modes_audit.picture(Path(run_dir) / PICTURE, r, title)
+    return draw(Path(run_dir) / PICTURE, r, title)
 
 
 def print_cells(s: dict) -> None:
@@ -68,3 +68,17 @@ def print_cells(s: dict) -> None:
         print("switches         none between rollout and training")
     if s.get("cells_picture"):
         print(f"cells picture    {s['cells_picture']} (roles over time above the water level)")
+
+
+def draw(path: Path, r: Replayed, title: str, ends: list[float] | None = None) -> Path:
+    """The run's Gantt above its water level (gyre.plots, as `gyre sim` draws one), seconds
+    on the trace's clock from the first dispatch."""
+    from gyre.plots import timeline_png
+
+    t0 = r.window[0]
+    segs = {c: [(max(a, t0) - t0, b - t0, s) for a, b, s in r.segments[c] if b > t0] for c in r.cells}
+    busy = {c: [(max(a, t0) - t0, b - t0) for a, b in r.busy[c] if b > t0] for c in r.cells}
+    kept = [i for i, x in enumerate(r.t) if x >= t0]
+    return timeline_png(path, title=title, segments=segs, busy=busy, t=[r.t[i] - t0 for i in kept],
+                        water_level=[r.water_level[i] for i in kept], spare=[r.spare[i] for i in kept],
+                        step_ends=[x - t0 for x in (r.step_ends if ends is None else ends)], unit_s=1.0, unit="s")
