@@ -28,7 +28,9 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
+import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -426,3 +428,19 @@ def daemon_main(name: str, description: str,
         metrics.forget(ctx.run_dir, getattr(args, "cell", None) or name, os.getpid())
     log.info("daemon.stopped")
     return 0
+
+
+def stop_processes(procs, timeout_s: float = 30.0) -> None:
+    """SIGTERM every process of `procs` (subprocess.Popen, each its own session) still running;
+    SIGKILL the process group of any still alive `timeout_s` after."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()

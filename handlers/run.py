@@ -30,6 +30,7 @@ from bus import Bus, BusError, ConnectError
 from bus.server import NatsServer
 from bus.subjects import check_run
 from gyre.config import Recipe, RecipeError, load_recipe
+from handlers.daemon import stop_processes
 from handlers.run_cells import switches
 from handlers.run_summary import print_summary as _print_summary
 
@@ -283,16 +284,7 @@ class Supervisor:
         return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_processes(self.procs.values(), timeout_s)
 
     def tail(self, name: str, n: int = 3000) -> str:
         try:

@@ -43,6 +43,7 @@ import orjson
 import schemas
 from bus import Bus
 from bus.server import NatsServer
+from handlers.daemon import stop_processes
 
 CELLS = ("cell0", "cell1")
 TARGETS = ("proxy", "scheduler", "builder", "runner", "evaluator", "cell-in-rollout", "cell-in-training")
@@ -129,16 +130,7 @@ class Supervisor:
             return ""
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_processes(self.procs.values(), timeout_s)
 
 
 def current_process(log: str) -> str:
